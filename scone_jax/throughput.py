@@ -1,0 +1,67 @@
+"""Tokens/s, ETA and MFU for progress lines; the FLOP formula is in model/accounting.py."""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets.
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
+}
+
+
+def measured_cpu_flops(size: int = 512, repeats: int = 8) -> float:
+    """FLOP/s of this host's CPU on an fp32 matmul; CPUs have no spec-sheet peak to quote."""
+    a = np.ones((size, size), np.float32)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ a
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def peak_flops_per_device(configured: float = 0.0) -> float:
+    if configured > 0:
+        return configured
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return measured_cpu_flops() / jax.local_device_count()  # virtual devices share the cores
+    for prefix, flops in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if device.device_kind.startswith(prefix):
+            return flops
+    return 0.0  # unknown chip: MFU is reported as 0
+
+
+class Throughput:
+    """Rates over the interval since the previous `update` call."""
+
+    def __init__(self, total_steps: int, start_step: int, flops_per_token: float, peak_flops_total: float):
+        self.total_steps = total_steps
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops_total
+        self._last_time = time.perf_counter()
+        self._last_step = start_step
+
+    def update(self, step: int, tokens: float) -> dict:
+        now = time.perf_counter()
+        elapsed = max(now - self._last_time, 1e-9)
+        steps = max(step - self._last_step, 1)
+        self._last_time, self._last_step = now, step
+        tokens_per_s = tokens / elapsed
+        return {
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": elapsed / steps,
+            "eta_s": (self.total_steps - step) * elapsed / steps,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak if self.peak else 0.0,
+        }

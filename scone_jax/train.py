@@ -1,0 +1,160 @@
+"""The training loop: steps, metrics, periodic evaluation, checkpoints and exact resume.
+
+Resume is automatic: if <workdir>/checkpoints holds a checkpoint, the state and the data
+iterator position are restored and training continues from that step.
+"""
+from __future__ import annotations
+
+import math
+import os
+import zlib
+
+import jax
+import numpy as np
+from absl import logging
+
+from scone_jax import checkpoint, config as config_lib, sharding, state as state_lib, steps
+from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+from scone_jax.metrics_writer import MetricsWriter, format_line
+from scone_jax.model import accounting
+from scone_jax.throughput import Throughput, peak_flops_per_device
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss; the last good checkpoint is kept as the latest."""
+
+
+def resolve_vocab_size(config, tokenizer) -> None:
+    """model.vocab_size 0 -> the tokenizer's size rounded up to 128 (TPU-friendly)."""
+    have = config.model.vocab_size
+    if have == 0:
+        with config.unlocked():
+            config.model.vocab_size = int(math.ceil(tokenizer.vocab_size / 128) * 128)
+    elif have < tokenizer.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={have} is smaller than the tokenizer's {tokenizer.vocab_size} pieces; "
+            "set model.vocab_size=0 to size it from the tokenizer."
+        )
+
+
+def batch_fingerprint(batch: dict) -> int:
+    """CRC32 of a host batch's inputs: cheap, and enough to check that resume replays data."""
+    return zlib.crc32(np.ascontiguousarray(batch["inputs"]).tobytes())
+
+
+def evaluate(eval_step, state, config, tokenizer, mesh) -> dict:
+    """Held-out loss and perplexity over data.eval (train.eval_batches caps the batch count)."""
+    loss_sum, count = 0.0, 0.0
+    batches = pipeline.make_eval_batches(
+        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
+    )
+    for i, batch in enumerate(batches):
+        if config.train.eval_batches and i >= config.train.eval_batches:
+            break
+        l, n = eval_step(state, sharding.global_batch(batch, mesh))
+        loss_sum, count = loss_sum + float(l), count + float(n)
+    loss = loss_sum / max(count, 1.0)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+class _PendingMetrics:
+    """Device metrics of recent steps, fetched together so the host never waits per step."""
+
+    def __init__(self):
+        self.items = []
+
+    def add(self, step, metrics, fingerprint):
+        self.items.append((step, metrics, fingerprint))
+
+    def flush(self) -> list[dict]:
+        fetched = jax.device_get([m for _, m, _ in self.items])
+        records = [
+            {"step": s, "batch_crc": fp, **{k: float(v) for k, v in m.items()}}
+            for (s, _, fp), m in zip(self.items, fetched)
+        ]
+        self.items = []
+        for r in records:
+            if not math.isfinite(r["loss"]):
+                raise NonFiniteLossError(
+                    f"Loss became {r['loss']} at step {r['step']}; training stopped and the bad state "
+                    "was not saved. Lower train.learning_rate, enable train.grad_clip_norm, or check "
+                    "the data; the next run resumes from the last good checkpoint."
+                )
+        return records
+
+
+def run(config, workdir: str) -> dict:
+    """Train per `config` in `workdir`, resuming if a checkpoint exists. Returns final metrics."""
+    config_lib.validate(config)
+    mesh = sharding.make_mesh(config.mesh)
+    is_chief = jax.process_index() == 0
+    tokenizer = tokenizer_lib.ensure_tokenizer(config.data, workdir)
+    resolve_vocab_size(config, tokenizer)
+    if is_chief:
+        config_lib.write_config(config, workdir)
+    logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(), jax.process_count())
+
+    spec = state_lib.state_spec(config, mesh)
+    counts = accounting.param_counts(spec.abstract[0])
+    logging.info("Parameters: %s", {k: f"{v:,}" for k, v in counts.items()})
+    data_iter = iter(pipeline.make_train_dataset(
+        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
+    ))
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
+    meta = {"tokenizer_fingerprint": tokenizer.fingerprint, "config": config.to_dict()}
+    expect = {"tokenizer_fingerprint": tokenizer.fingerprint}
+
+    step = ckpt.latest_step() or 0
+    if step:
+        state, _ = ckpt.restore(step, state_lib.abstract_with_shardings(spec), data_iter, expect)
+        logging.info("Resumed from step %d", step)
+    else:
+        state = state_lib.init_state(config, spec)
+
+    train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    eval_step = steps.make_eval_step(spec.graphdef, spec.shardings, mesh)
+    writer = MetricsWriter(workdir, enabled=is_chief)
+    t = config.train
+    flops_per_token = accounting.decoder_flops_per_token(config.model, config.data.seq_len, counts["non_embedding"])
+    meter = Throughput(t.num_steps, step, flops_per_token, peak_flops_per_device(t.peak_flops_per_device) * jax.device_count())
+    pending, window, summary = _PendingMetrics(), [], {}
+    try:
+        while step < t.num_steps:
+            host_batch = next(data_iter)
+            fingerprint = batch_fingerprint(host_batch)
+            state, metrics = train_step(state, sharding.global_batch(host_batch, mesh))
+            step += 1
+            pending.add(step, metrics, fingerprint)
+            last = step == t.num_steps
+            if step % t.log_every == 0 or step % t.checkpoint_every == 0 or last:
+                records = pending.flush()
+                writer.write_steps(records)
+                window += records
+            if window and (step % t.log_every == 0 or last):
+                summary = _summarize(window, meter.update(step, sum(r["tokens"] for r in window)))
+                window = []
+                writer.write(step, summary)
+                logging.info(format_line(step, t.num_steps, summary))
+            if t.eval_every and (step % t.eval_every == 0 or last):
+                ev = evaluate(eval_step, state, config, tokenizer, mesh)
+                writer.write(step, ev, prefix="eval")
+                logging.info("eval step %d: loss %.4f ppl %.2f over %d tokens", step, ev["loss"], ev["perplexity"], ev["tokens"])
+                summary.update({f"eval_{k}": v for k, v in ev.items()})
+            if step % t.checkpoint_every == 0 or last:
+                ckpt.save(step, state, data_iter, {**meta, "step": step})
+    finally:
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
+    return {"step": step, **summary}
+
+
+def _summarize(records: list[dict], rates: dict) -> dict:
+    loss = float(np.mean([r["loss"] for r in records]))
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "grad_norm": records[-1]["grad_norm"],
+        "learning_rate": records[-1]["learning_rate"],
+        **rates,
+    }

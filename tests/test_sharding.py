@@ -1,0 +1,65 @@
+"""Sharding: the same losses and parameters on every mesh shape; clear errors for bad meshes."""
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from scone_jax import sharding, state as state_lib, steps
+from tests.common import random_batch, small_config
+
+
+def train_three_steps(mesh_shape, grad_accum_steps=1):
+    config = small_config()
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
+    config.train.grad_accum_steps = grad_accum_steps
+    mesh = sharding.make_mesh(config.mesh)
+    spec = state_lib.state_spec(config, mesh)
+    state = state_lib.init_state(config, spec)
+    step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    losses = []
+    for i in range(3):
+        state, metrics = step(state, sharding.global_batch(random_batch(seed=i), mesh))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(jax.tree.leaves(state[0]))  # model parameters
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_three_steps((8, 1, 1))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4, 1), (2, 2, 2)])
+def test_same_loss_on_every_mesh(reference, mesh_shape):
+    ref_losses, ref_leaves = reference
+    losses, leaves = train_three_steps(mesh_shape)
+    assert ref_losses[2] < ref_losses[0]  # it trains
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(leaves, ref_leaves):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_accumulation_matches_one_big_batch(reference):
+    losses, leaves = train_three_steps((8, 1, 1), grad_accum_steps=2)
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    for a, b in zip(leaves, reference[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_parameters_are_created_sharded():
+    config = small_config()
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = (2, 2, 2)
+    mesh = sharding.make_mesh(config.mesh)
+    spec = state_lib.state_spec(config, mesh)
+    state = state_lib.init_state(config, spec)
+    model_state = state[0]
+    kernel = model_state["stack"]["blocks"][0]["mlp"]["up"]["kernel"]
+    assert kernel.get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert kernel.get_value().addressable_shards[0].data.shape == (32, 64)
+
+
+@pytest.mark.parametrize("shape,match", [((3, 1, 1), "does not divide"), ((-1, -1, 1), "At most one"),
+                                         ((2, 2, 1), "uses 4 devices")])
+def test_bad_mesh_is_a_clear_error(shape, match):
+    cfg = ml_collections.ConfigDict(dict(zip(("data", "fsdp", "tensor"), shape)))
+    with pytest.raises(ValueError, match=match):
+        sharding.make_mesh(cfg)

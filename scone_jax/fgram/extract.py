@@ -1,0 +1,199 @@
+"""One-machine f-gram extraction, exactly as SCONE.md rule 1 says, on all cores.
+
+The corpus is read once and spooled to a scratch file (int32, each document
+followed by -1), so the K-1 scans re-read it from disk, never from RAM, and a
+one-shot iterator works. Scan n counts the n-grams whose (n-1)-prefix and
+(n-1)-suffix survived the previous scans: the survivors form a trie in one hash
+table (trie.py), and walking it over a chunk yields exactly those n-grams.
+
+Memory stays bounded: the corpus lives on disk; worker processes count chunks of
+`chunk_tokens` and spill sorted runs once they hold `spill_limit` distinct
+n-grams (counting.py); the reduce step merges one hash partition at a time. What
+grows with the corpus is only the set of n-grams that reach the count threshold,
+which every exact method must hold. The threshold is min_count, raised to the
+count of the S-th best f-gram found so far once there are S of them: an n-gram
+below it can't make the top S, nor can its extensions (their counts are lower).
+Counts are exact, so the result does not depend on the number of workers.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from scone_jax.fgram import counting, trie
+from scone_jax.fgram.vocab import FgramVocab, build_vocab
+
+SEPARATOR = -1
+Progress = Callable[[str, int, "int | None"], None]  # (phase, done tokens, total tokens or None)
+
+
+def check_extract_args(max_len: int, num_fgrams: int, min_count: int, vocab_size: int) -> None:
+    if max_len < 2:
+        raise ValueError(f"max_len (K) = {max_len}: f-grams have 2..K tokens, so K must be >= 2 (the paper uses 5).")
+    if num_fgrams <= 0:
+        raise ValueError(f"num_fgrams (S) = {num_fgrams} must be > 0: it is how many f-grams to keep.")
+    if min_count < 1:
+        raise ValueError(f"min_count = {min_count} must be >= 1 (the paper uses 5).")
+    if not 0 < vocab_size < 2**31:
+        raise ValueError(f"vocab_size = {vocab_size} must be the tokenizer's vocabulary size, in [1, 2^31).")
+
+
+def check_document(index: int, doc, vocab_size: int) -> np.ndarray:
+    """`doc` as int32 ids, or a clear error naming the document and the bad value."""
+    doc = np.asarray(doc)
+    if doc.ndim != 1 or not (np.issubdtype(doc.dtype, np.integer) or doc.size == 0):
+        raise ValueError(f"Document {index} is {doc.dtype} {doc.shape}; expected a 1-D array of integer token ids.")
+    if doc.size and (doc.min() < 0 or doc.max() >= vocab_size):
+        bad = doc.min() if doc.min() < 0 else doc.max()
+        raise ValueError(
+            f"Document {index} holds token id {bad}, outside [0, vocab_size={vocab_size}). Fix: pass the "
+            "vocab_size of the tokenizer that produced these ids (or re-tokenize with it)."
+        )
+    return doc.astype(np.int32)
+
+
+def _spool(documents: Iterable, vocab_size: int, path: str, progress: Progress | None) -> tuple[int, int]:
+    """Writes the documents to `path` as int32 with -1 after each; returns (tokens, documents)."""
+    tokens = docs = 0
+    pending, held = [], 0
+    with open(path, "wb") as out:
+        for docs, doc in enumerate(documents, start=1):
+            doc = check_document(docs - 1, doc, vocab_size)
+            pending += [doc, np.array([SEPARATOR], np.int32)]
+            held += len(doc)
+            if held >= 1 << 20:
+                out.write(np.concatenate(pending).tobytes())
+                tokens, pending, held = tokens + held, [], 0
+                if progress:
+                    progress("read corpus", tokens, None)
+        out.write(np.concatenate(pending).tobytes() if pending else b"")
+    tokens += held
+    if tokens == 0:
+        raise ValueError(f"The corpus is empty: {docs} document(s) with 0 tokens in all. Fix: point at real data.")
+    return tokens, docs
+
+
+def _count_task(task: dict) -> list[str]:
+    """Counts the candidate n-grams ending in [start, stop) of the spooled corpus; returns spilled runs."""
+    n, vocab_size = task["n"], task["vocab_size"]
+    corpus = np.memmap(task["corpus"], dtype=np.int32, mode="r")
+    table = None
+    if n > 2:
+        table = trie.KeyTable.from_buckets(np.load(task["table"], mmap_mode="r"), task["num_buckets"])
+    writer = counting.RunWriter(task["run_prefix"], task["spill_limit"])
+    for start in range(task["start"], task["stop"], task["chunk_tokens"]):
+        lo, stop = max(0, start - (n - 1)), min(task["stop"], start + task["chunk_tokens"])
+        tokens = np.asarray(corpus[lo:stop])
+        pair_ok = np.r_[False, (tokens[1:] >= 0) & (tokens[:-1] >= 0)]
+        levels = trie.walk(table, tokens, pair_ok, vocab_size, n)
+        level, ends, keys = next(levels)
+        while level < n:
+            level, ends, keys = levels.send(table.lookup(keys))
+        writer.add(keys[ends >= start - lo])  # earlier ends belong to the previous chunk
+    return writer.flush()
+
+
+def _reduce_task(task: tuple[list[str], int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    return counting.reduce_partitions(*task)
+
+
+@contextlib.contextmanager
+def _mapper(num_workers: int):
+    """imap_unordered over a spawn pool (safe next to JAX threads), or inline for one worker."""
+    if num_workers == 1:
+        yield map
+        return
+    with multiprocessing.get_context("spawn").Pool(num_workers) as pool:
+        yield pool.imap_unordered
+
+
+def _cutoff(levels: list[dict], num_fgrams: int, min_count: int) -> int:
+    """max(min_count, count of the S-th best n-gram so far): nothing below it can enter the top S."""
+    counts = np.concatenate([level["counts"] for level in levels]) if levels else np.zeros(0, np.int64)
+    if len(counts) < num_fgrams:
+        return min_count
+    return max(min_count, int(np.partition(counts, len(counts) - num_fgrams)[len(counts) - num_fgrams]))
+
+
+def _decode(keys: np.ndarray, counts: np.ndarray, levels: list[dict], slots: list[np.ndarray], vocab_size: int):
+    """A level of n-grams from their trie keys: prefix rows in the previous level, last tokens, token rows."""
+    prefix = (keys // np.uint64(vocab_size)).astype(np.int64)
+    last = (keys % np.uint64(vocab_size)).astype(np.int32)
+    if not levels:
+        tokens = np.stack([prefix.astype(np.int32), last], axis=1)
+    else:
+        row_of_slot = np.full(int(slots[-1].max()) + 1, -1, np.int64)
+        row_of_slot[slots[-1]] = np.arange(len(slots[-1]))
+        prefix = row_of_slot[prefix - vocab_size]
+        tokens = np.concatenate([levels[-1]["tokens"][prefix], last[:, None]], axis=1)
+    return {"prefix": prefix, "last": last, "tokens": tokens, "counts": counts}
+
+
+def extract_fgrams(
+    documents: Iterable[np.ndarray],
+    *,
+    max_len: int = 5,
+    num_fgrams: int,
+    min_count: int = 5,
+    vocab_size: int,
+    tokenizer_fingerprint: str = "",
+    num_workers: int | None = None,
+    progress: Progress | None = None,
+    work_dir: str | None = None,
+    chunk_tokens: int = 1 << 20,
+    spill_limit: int = 1 << 23,
+) -> FgramVocab:
+    """The top `num_fgrams` n-grams (2 <= n <= max_len) of `documents`, ranked as SCONE.md rule 1 says.
+
+    `documents` yields one int32 token array per document (n-grams never cross
+    documents); it is read once. Scratch files go to `work_dir` (default: the
+    system temp dir) and need ~4 bytes per token plus the spilled runs.
+    """
+    check_extract_args(max_len, num_fgrams, min_count, vocab_size)
+    num_workers = num_workers or len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix="fgrams-") as tmp, _mapper(num_workers) as mapper:
+        corpus = os.path.join(tmp, "corpus.i32")
+        tokens_counted, _ = _spool(documents, vocab_size, corpus, progress)
+        length = os.path.getsize(corpus) // 4
+        per_task = max(chunk_tokens, min(16 * chunk_tokens, -(-length // (2 * num_workers))))
+        levels: list[dict] = []
+        for n in range(2, max_len + 1):
+            table, slots = trie.build_trie([(level["prefix"], level["last"]) for level in levels], vocab_size)
+            np.save(os.path.join(tmp, "table.npy"), table.keys)
+            tasks = [
+                {"n": n, "vocab_size": vocab_size, "corpus": corpus, "table": os.path.join(tmp, "table.npy"),
+                 "num_buckets": table.num_buckets, "start": start, "stop": min(length, start + per_task),
+                 "chunk_tokens": chunk_tokens, "spill_limit": spill_limit,
+                 "run_prefix": os.path.join(tmp, f"run-{n}-{start}")}
+                for start in range(0, length, per_task)
+            ]
+            runs, done = [], 0
+            for task_runs in mapper(_count_task, tasks):
+                runs += task_runs
+                done += per_task
+                if progress:
+                    progress(f"count {n}-grams", min(done, length), length)
+            runs.sort()  # the reduce sums counts, so run order can't matter; sorting keeps it reproducible anyway
+            threshold = _cutoff(levels, num_fgrams, min_count)
+            groups = counting.group_partitions(runs, spill_limit)
+            parts = list(mapper(_reduce_task, [(runs, lo, hi, threshold) for lo, hi in groups]))
+            counting.remove_runs(runs)
+            keys, counts = counting.merge_counts([k for k, _ in parts], [c for _, c in parts])
+            if not len(keys):
+                break
+            levels.append(_decode(keys, counts, levels, slots, vocab_size))
+    if not levels:
+        raise ValueError(
+            f"No 2-gram occurs min_count={min_count} times in the {tokens_counted} tokens counted. "
+            "Fix: lower min_count or give more text."
+        )
+    return build_vocab(
+        [(level["tokens"], level["counts"]) for level in levels],
+        num_fgrams=num_fgrams, max_len=max_len, min_count=min_count, tokens_counted=tokens_counted,
+        vocab_size=vocab_size, tokenizer_fingerprint=tokenizer_fingerprint,
+    )

@@ -1,0 +1,153 @@
+"""A suffix-closed n-gram set stored as a trie in one open-addressing hash table.
+
+An n-gram (n >= 2) is the key `(code(prefix) * V + last_token)`, where V is the
+tokenizer's vocabulary size and code(prefix) is the prefix's first token for a
+2-gram, else V + the prefix's slot in the table. Because the f-gram set is closed
+under prefixes (SCONE.md), every f-gram's prefix has a slot, and the slot doubles
+as the n-gram's compact id: walking n = 2, 3, ... over a token stream needs one
+hash probe per length and no per-gram value lookups. Keys are uint64 and fit
+while (V + slots) * V < 2^64, i.e. for any realistic V and S.
+
+Lookups are vectorized over all queries: each round gathers one bucket row per
+pending query, so a lookup costs one random memory access in the common case,
+hit or miss.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+EMPTY = np.uint64(np.iinfo(np.uint64).max)
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio) for multiplicative hashing
+WIDTH = 4  # slots per bucket (a row of 4 bools is read as one uint32 below): one 32-byte row, gathered with a single np.take
+LOAD = 0.6  # keys per slot; lower costs memory, higher sends more lookups to a second bucket
+
+
+class KeyTable:
+    """uint64 keys in buckets of WIDTH slots; a key's slot (bucket * WIDTH + column) is its stable id.
+
+    Buckets fill left to right and keys are never removed, so a bucket with an
+    empty last column ends every probe sequence that reaches it. A full bucket
+    overflows into the next one; the table keeps empty buckets at its end so
+    probing never runs off it.
+    """
+
+    def __init__(self, expected: int, load: float = LOAD):
+        self.num_buckets = max(1, int(np.ceil(expected / (load * WIDTH))))
+        if self.num_buckets * WIDTH >= 2**32:
+            raise ValueError(f"{expected} keys need {self.num_buckets * WIDTH} slots; the limit is 2^32.")
+        self.keys = np.full((self.num_buckets + 2, WIDTH), EMPTY, dtype=np.uint64)
+
+    @classmethod
+    def from_buckets(cls, keys: np.ndarray, num_buckets: int) -> KeyTable:
+        """A table around existing bucket rows (e.g. a memory-mapped copy in a worker process)."""
+        table = cls.__new__(cls)
+        table.keys, table.num_buckets = keys, num_buckets
+        return table
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        mixed = (keys * _MIX) >> np.uint64(32)
+        return ((mixed * np.uint64(self.num_buckets)) >> np.uint64(32)).astype(np.int64)
+
+    def insert(self, keys: np.ndarray) -> np.ndarray:
+        """Inserts distinct keys not yet present; returns their slots (int64)."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        slots = np.empty(len(keys), dtype=np.int64)
+        bucket = self._home(keys)
+        pending = np.arange(len(keys))
+        while len(pending):
+            order = np.argsort(bucket[pending], kind="stable")
+            pending = pending[order]
+            target = bucket[pending]
+            starts = np.flatnonzero(np.r_[True, target[1:] != target[:-1]])
+            rank = np.arange(len(target)) - np.repeat(starts, np.diff(np.r_[starts, len(target)]))
+            used = WIDTH - (self.keys[target] == EMPTY).sum(axis=1)
+            fits = used + rank < WIDTH
+            rows, cols = target[fits], (used + rank)[fits]
+            self.keys[rows, cols] = keys[pending[fits]]
+            slots[pending[fits]] = rows * WIDTH + cols
+            pending = pending[~fits]
+            bucket[pending] += 1
+            self._keep_empty_tail()
+        return slots
+
+    def _keep_empty_tail(self) -> None:
+        if self.keys[-2, 0] != EMPTY:
+            self.keys = np.concatenate([self.keys, np.full((2, WIDTH), EMPTY, np.uint64)])
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Slots of `keys` (int64), -1 where absent."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        out = np.full(len(keys), -1, dtype=np.int64)
+        bucket = self._home(keys)
+        pending = None  # None: all queries, in order (saves index arrays in the common first round)
+        query = keys
+        while len(query):
+            rows = np.take(self.keys, bucket, axis=0)
+            # One bool per column, read as one little-endian uint32 per row: byte c set <=> column c holds the key.
+            hit = (rows == query[:, None]).view(np.uint32).ravel()
+            found = hit != 0
+            hit = hit[found]
+            column = (hit > 0xFF).astype(np.int64) + (hit > 0xFFFF) + (hit > 0xFFFFFF)
+            where = found if pending is None else pending[found]
+            out[where] = bucket[found] * WIDTH + column
+            go_on = ~found & (rows[:, -1] != EMPTY)
+            pending = np.flatnonzero(go_on) if pending is None else pending[go_on]
+            bucket, query = bucket[go_on] + 1, query[go_on]
+        return out
+
+
+def pair_keys(first: np.ndarray, last: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Keys of 2-grams (first, last)."""
+    return first.astype(np.uint64) * np.uint64(vocab_size) + last.astype(np.uint64)
+
+
+def extend_keys(parent_slot: np.ndarray, last: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Keys of (n+1)-grams: the n-gram in `parent_slot` followed by `last`."""
+    v = np.uint64(vocab_size)
+    return (parent_slot.astype(np.uint64) + v) * v + last.astype(np.uint64)
+
+
+def walk(table: KeyTable, tokens: np.ndarray, pair_ok: np.ndarray, vocab_size: int, max_len: int):
+    """Yields (n, ends, keys) for n = 2..max_len: candidate n-grams ending at `ends` with their keys.
+
+    The caller sends back the slots of those keys (from `table.lookup`, or -1s
+    for the level it only counts). Candidates at level n+1 are the ends where the
+    n-gram ending there and the n-gram ending one before are both present: by
+    closure, no other position can hold an (n+1)-gram of the set. `pair_ok[e]`
+    says tokens e-1 and e belong to the same document (False at e = 0).
+    """
+    ends = np.flatnonzero(pair_ok)
+    keys = pair_keys(tokens[ends - 1], tokens[ends], vocab_size)
+    current = np.full(len(tokens), -1, dtype=np.int64)  # slot of the n-gram ending at each position
+    written = ends[:0]
+    for n in range(2, max_len + 1):
+        slots = yield n, ends, keys
+        if n == max_len:
+            return
+        present = slots >= 0
+        hits = ends[present]
+        current[written] = -1
+        current[hits] = slots[present]
+        written = hits
+        before = current[hits - 1]  # ends are >= 1: pair_ok[0] is False
+        keep = before >= 0
+        ends = hits[keep]
+        keys = extend_keys(before[keep], tokens[ends], vocab_size)
+
+
+def build_trie(levels: list[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> tuple[KeyTable, list[np.ndarray]]:
+    """A table holding n-grams given level by level; returns it and each level's slots.
+
+    levels[0] lists the 2-grams as (first tokens, last tokens); levels[i] for
+    i >= 1 lists (i+2)-grams as (row of their prefix in levels[i-1], last tokens).
+    """
+    table = KeyTable(sum(len(last) for _, last in levels))
+    slots = []
+    for i, (prefix, last) in enumerate(levels):
+        keys = pair_keys(prefix, last, vocab_size) if i == 0 else extend_keys(slots[-1][prefix], last, vocab_size)
+        slots.append(table.insert(keys))
+    return table, slots

@@ -1,0 +1,191 @@
+"""The f-gram vocabulary: its arrays, its fingerprint, and its on-disk format.
+
+On disk a vocabulary is a directory (local path or any tensorstore kvstore URL,
+e.g. `gs://bucket/run/fgrams`) holding three zarr3 arrays and one JSON file:
+
+    tokens/     int32 [S, K]  row r = token ids of f-gram r, right-padded with PAD (0)
+    lengths/    int32 [S]     number of real tokens in row r (2..K)
+    counts/     int64 [S]     occurrences of f-gram r in the counted corpus
+    vocab.json  {"format", "version", "max_len", "num_fgrams", "min_count",
+                 "tokens_counted", "vocab_size", "tokenizer_fingerprint", "fingerprint"}
+
+Rows are sorted by rank: count descending, then shorter first, then token ids
+ascending, so row r is f-gram id r. The pad value 0 is a valid token id on
+purpose: padded rows can be embedded without out-of-range gathers, and `lengths`
+(not the pad value) says where an f-gram ends. vocab.json is written last and read
+first, so a directory without it is an unfinished write; the fingerprint in it is
+recomputed on load, so truncated or altered arrays are an error, not garbage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import numpy as np
+import tensorstore as ts
+
+PAD = 0
+FORMAT = "scone_fgram_vocab"
+VERSION = 1
+_META = "vocab.json"
+_ROWS_PER_CHUNK = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FgramVocab:
+    """S f-grams of 2..K tokens, ranked; see the module docstring for the layout."""
+
+    tokens: np.ndarray  # int32 [S, K], padded with PAD
+    lengths: np.ndarray  # int32 [S]
+    counts: np.ndarray  # int64 [S]
+    max_len: int
+    min_count: int
+    tokens_counted: int
+    vocab_size: int  # the tokenizer's vocabulary size; token ids lie in [0, vocab_size)
+    tokenizer_fingerprint: str = ""
+
+    def __post_init__(self):
+        s = len(self.lengths)
+        if self.tokens.shape != (s, self.max_len) or self.counts.shape != (s,):
+            raise ValueError(
+                f"Inconsistent vocabulary arrays: tokens {self.tokens.shape}, lengths {self.lengths.shape}, "
+                f"counts {self.counts.shape}, max_len {self.max_len}."
+            )
+
+    @property
+    def num_fgrams(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def metadata(self) -> dict:
+        return {
+            "max_len": int(self.max_len),
+            "num_fgrams": self.num_fgrams,
+            "min_count": int(self.min_count),
+            "tokens_counted": int(self.tokens_counted),
+            "vocab_size": int(self.vocab_size),
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """First 16 hex digits of sha256 over the arrays and the metadata."""
+        digest = hashlib.sha256(json.dumps(self.metadata, sort_keys=True).encode())
+        for array, dtype in ((self.tokens, "<i4"), (self.lengths, "<i4"), (self.counts, "<i8")):
+            digest.update(np.ascontiguousarray(array, dtype=dtype).tobytes())
+        return digest.hexdigest()[:16]
+
+    def fgram(self, row: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.tokens[row, : self.lengths[row]])
+
+
+def build_vocab(
+    grams: list[tuple[np.ndarray, np.ndarray]],
+    *,
+    num_fgrams: int,
+    max_len: int,
+    min_count: int,
+    tokens_counted: int,
+    vocab_size: int,
+    tokenizer_fingerprint: str,
+) -> FgramVocab:
+    """Ranks candidate n-grams of all lengths together and keeps the top `num_fgrams`.
+
+    `grams` holds one (tokens int32 [m, n], counts [m]) pair per length n, each
+    n-gram listed once. Both extraction engines end here, so they agree exactly.
+    """
+    rows, lengths, counts = [], [], []
+    for tokens, gram_counts in grams:
+        n = tokens.shape[1]
+        keep = gram_counts >= min_count
+        padded = np.full((int(keep.sum()), max_len), PAD, dtype=np.int32)
+        padded[:, :n] = tokens[keep]
+        rows.append(padded)
+        lengths.append(np.full(len(padded), n, dtype=np.int32))
+        counts.append(gram_counts[keep].astype(np.int64))
+    tokens = np.concatenate(rows) if rows else np.zeros((0, max_len), np.int32)
+    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
+    counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+    # np.lexsort sorts by its last key first: count desc, length asc, then token ids left to right.
+    # Padding can't confuse the token comparison: rows of equal length have padding in the same places.
+    order = np.lexsort([tokens[:, j] for j in reversed(range(max_len))] + [lengths, -counts])[:num_fgrams]
+    return FgramVocab(
+        tokens=tokens[order],
+        lengths=lengths[order],
+        counts=counts[order],
+        max_len=max_len,
+        min_count=min_count,
+        tokens_counted=tokens_counted,
+        vocab_size=vocab_size,
+        tokenizer_fingerprint=tokenizer_fingerprint,
+    )
+
+
+def _kvstore(path: str) -> str:
+    """A tensorstore kvstore URL for a directory: URLs pass through, local paths become file://."""
+    if "://" in path:
+        return path.rstrip("/") + "/"
+    return "file://" + os.path.abspath(path) + "/"
+
+
+def _array_spec(path: str, name: str) -> dict:
+    return {"driver": "zarr3", "kvstore": _kvstore(path) + name + "/"}
+
+
+def save_vocab(vocab: FgramVocab, path: str) -> None:
+    """Writes `vocab` to `path` (a directory or a kvstore URL), replacing any vocabulary there."""
+    store = ts.KvStore.open(_kvstore(path)).result()
+    store.delete_range(ts.KvStore.KeyRange(_META, _META + "\0")).result()  # a half-rewritten dir reads as unfinished
+    for name, array in (("tokens", vocab.tokens), ("lengths", vocab.lengths), ("counts", vocab.counts)):
+        chunk = [_ROWS_PER_CHUNK] + list(array.shape[1:])
+        spec = _array_spec(path, name) | {
+            "metadata": {
+                "shape": list(array.shape),
+                "data_type": str(array.dtype),
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
+            }
+        }
+        out = ts.open(spec, create=True, delete_existing=True).result()
+        out.write(array).result()
+    meta = {"format": FORMAT, "version": VERSION, **vocab.metadata, "fingerprint": vocab.fingerprint}
+    store.write(_META, json.dumps(meta, indent=1).encode()).result()
+
+
+def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None) -> FgramVocab:
+    """Reads a vocabulary written by `save_vocab` and checks it is whole and fits the tokenizer."""
+    raw = ts.KvStore.open(_kvstore(path)).result().read(_META).result()
+    if raw.state != "value":
+        raise FileNotFoundError(
+            f"No f-gram vocabulary at {path!r}: {_META} is missing (nothing there, or a write that did not "
+            "finish). Fix: run tools/extract_fgrams.py --output=" + path + " (again)."
+        )
+    meta = json.loads(bytes(raw.value))
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{path!r} holds format {meta.get('format')!r} v{meta.get('version')}; "
+                         f"this code reads {FORMAT!r} v{VERSION}.")
+    if expected_tokenizer_fingerprint is not None and meta["tokenizer_fingerprint"] != expected_tokenizer_fingerprint:
+        raise ValueError(
+            f"The f-gram vocabulary at {path!r} was built with tokenizer {meta['tokenizer_fingerprint']!r}, "
+            f"but the tokenizer in use is {expected_tokenizer_fingerprint!r}: its f-gram ids would mean other "
+            "token sequences. Fix: re-extract f-grams with this tokenizer (tools/extract_fgrams.py), or use "
+            "the tokenizer the vocabulary was built with."
+        )
+    arrays = {name: ts.open(_array_spec(path, name), open=True).result().read().result()
+              for name in ("tokens", "lengths", "counts")}
+    try:
+        vocab = FgramVocab(
+            tokens=arrays["tokens"], lengths=arrays["lengths"], counts=arrays["counts"],
+            max_len=meta["max_len"], min_count=meta["min_count"], tokens_counted=meta["tokens_counted"],
+            vocab_size=meta["vocab_size"], tokenizer_fingerprint=meta["tokenizer_fingerprint"],
+        )
+    except ValueError as e:
+        raise ValueError(f"The f-gram vocabulary at {path!r} is damaged: {e}") from e
+    if vocab.fingerprint != meta["fingerprint"]:
+        raise ValueError(
+            f"The f-gram vocabulary at {path!r} is damaged: its content hashes to {vocab.fingerprint}, but "
+            f"{_META} records {meta['fingerprint']}. Fix: extract it again."
+        )
+    return vocab

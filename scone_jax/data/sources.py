@@ -1,0 +1,225 @@
+"""Random-access document sources (grain's RandomAccessDataSource protocol).
+
+Every source has `__len__` and `__getitem__`, and pickles small (no file handles,
+no text), so grain worker processes can read any document by index. Items are
+`str` (text) or int32 `np.ndarray` (pre-tokenized ArrayRecord).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import grain
+import numpy as np
+from array_record.python import array_record_module
+
+from scone_jax.data import corpus
+
+SOURCES = ("kjv", "text", "jsonl", "arrayrecord")
+_SCAN_BYTES = 1 << 24
+
+
+def expand_files(patterns: str) -> list[str]:
+    """Sorted files matching comma-separated glob patterns; each pattern must match something."""
+    files = set()
+    for pattern in (p.strip() for p in patterns.split(",")):
+        if not pattern:
+            continue
+        matches = [f for f in glob.glob(pattern) if os.path.isfile(f)]
+        if not matches:
+            raise FileNotFoundError(f"No files match the pattern {pattern!r}. Fix: check the path/glob.")
+        files.update(matches)
+    if not files:
+        raise ValueError(f"No file pattern given ({patterns!r}). Fix: set data.train_files / data.eval_files.")
+    return sorted(files)
+
+
+def _line_starts(path: str) -> np.ndarray:
+    """Byte offsets of the non-empty lines of `path`, plus the file size as a sentinel (int64)."""
+    starts, offset, at_line_start = [], 0, True
+    with open(path, "rb") as f:
+        while chunk := f.read(_SCAN_BYTES):
+            data = np.frombuffer(chunk, np.uint8)
+            newline = data == ord("\n")
+            # A line starts after every newline (and at offset 0); skip lines that start with a line break.
+            begins = np.flatnonzero(np.concatenate([[at_line_start], newline[:-1]]))
+            begins = begins[~np.isin(data[begins], (ord("\n"), ord("\r")))]
+            starts.append(begins + offset)
+            offset += len(chunk)
+            at_line_start = bool(newline[-1])
+    starts.append(np.array([offset]))
+    return np.concatenate(starts).astype(np.int64)
+
+
+class _LineIndex:
+    """Shared by the text and JSONL line sources: document i is the i-th non-empty line over all files."""
+
+    def __init__(self, files: list[str]):
+        self._files = files
+        per_file = [_line_starts(f) for f in files]
+        # Offsets of all files back to back, each followed by its sentinel; 8 bytes per document.
+        self._offsets = np.concatenate(per_file)
+        self._first_doc = np.cumsum([0] + [len(s) - 1 for s in per_file])
+
+    def __len__(self) -> int:
+        return int(self._first_doc[-1])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(file number, byte offset) of document `index`."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"document index {index} out of range [0, {len(self)})")
+        file_no = int(np.searchsorted(self._first_doc, index, side="right")) - 1
+        return file_no, int(self._offsets[index + file_no])
+
+    def read(self, index: int) -> tuple[str, int, str]:
+        """(path, byte offset, text) of document `index`, trailing newlines stripped."""
+        file_no, start = self.locate(index)
+        end = int(self._offsets[index + file_no + 1])
+        path = self._files[file_no]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            raw = os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
+        try:
+            return path, start, raw.rstrip(b"\r\n").decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} at byte {start + e.start}: not UTF-8 text ({e.reason}).") from e
+
+
+def _line_number(path: str, offset: int) -> int:
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+class TextLineSource:
+    """One document per non-empty line of text files, read by offset; the text stays on disk."""
+
+    def __init__(self, files: list[str]):
+        self._index = _LineIndex(files)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, index: int) -> str:
+        return self._index.read(index)[2]
+
+
+class TextFileSource:
+    """One document per non-empty file."""
+
+    def __init__(self, files: list[str]):
+        self._files = [f for f in files if os.path.getsize(f) > 0]
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __getitem__(self, index: int) -> str:
+        path = self._files[index]
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} at byte {e.start}: not UTF-8 text ({e.reason}).") from e
+
+
+class JsonlSource:
+    """One document per non-empty JSONL line: the string in `text_field`."""
+
+    def __init__(self, files: list[str], text_field: str):
+        self._index = _LineIndex(files)
+        self._field = text_field
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, index: int) -> str:
+        path, offset, line = self._index.read(index)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{_line_number(path, offset)}: bad JSON ({e.msg}).") from e
+        text = record.get(self._field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(
+                f"{path}:{_line_number(path, offset)}: no string field {self._field!r} (found {keys}). "
+                "Fix: set data.text_field to the field that holds the text."
+            )
+        return text
+
+
+class TokenArrayRecordSource:
+    """Pre-tokenized documents: each ArrayRecord record is raw little-endian int32 token ids."""
+
+    def __init__(self, files: list[str]):
+        self._records = grain.sources.ArrayRecordDataSource(files)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.frombuffer(self._records[index], dtype="<i4").astype(np.int32)
+
+
+def write_token_arrayrecord(path: str, docs) -> None:
+    """Writes token-id documents (iterable of int sequences) as one ArrayRecord file."""
+    writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+    try:
+        for doc in docs:
+            writer.write(np.asarray(doc, dtype="<i4").tobytes())
+    finally:
+        writer.close()
+
+
+class KjvSource:
+    """The embedded KJV corpus; pickles as (split, fraction) and re-reads the text in each process."""
+
+    def __init__(self, split: str, eval_fraction: float):
+        self._split, self._fraction = split, eval_fraction
+        corpus.kjv_documents(split, eval_fraction)  # fail early on a bad split/fraction
+
+    def __len__(self) -> int:
+        return len(corpus.kjv_documents(self._split, self._fraction))
+
+    def __getitem__(self, index: int) -> str:
+        return corpus.kjv_documents(self._split, self._fraction)[index]
+
+
+def open_source(data_cfg, split: str):
+    """The document source that data_cfg names for `split` ('train' or 'eval')."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r} is not valid; use 'train' or 'eval'.")
+    kind = data_cfg.source
+    if kind not in SOURCES:
+        raise ValueError(f"data.source={kind!r} is unknown; valid sources: {', '.join(SOURCES)}.")
+    patterns = data_cfg.train_files if split == "train" else data_cfg.eval_files
+    if kind == "kjv":
+        if patterns:
+            key = "train_files" if split == "train" else "eval_files"
+            raise ValueError(
+                f"data.{key}={patterns!r} is set but data.source='kjv' reads the embedded corpus. "
+                f"Fix: clear data.{key}, or set data.source to one of text/jsonl/arrayrecord."
+            )
+        source, where = KjvSource(split, data_cfg.eval_fraction), f"kjv {split} split"
+    else:
+        if not patterns:
+            key = "train_files" if split == "train" else "eval_files"
+            raise ValueError(f"data.source={kind!r} needs data.{key}: a comma-separated list of globs.")
+        files = expand_files(patterns)
+        where = f"{len(files)} file(s) matching {patterns!r}"
+        if kind == "text" and data_cfg.document_unit not in ("line", "file"):
+            raise ValueError(f"data.document_unit={data_cfg.document_unit!r} is unknown; use 'line' or 'file'.")
+        if kind == "text":
+            source = TextLineSource(files) if data_cfg.document_unit == "line" else TextFileSource(files)
+        elif kind == "jsonl":
+            source = JsonlSource(files, data_cfg.text_field)
+        else:
+            source = TokenArrayRecordSource(files)
+    if len(source) == 0:
+        raise ValueError(f"The {where} hold zero documents (data.source={kind!r}). Fix: point at non-empty data.")
+    if kind == "jsonl":
+        source[0]  # fail now, not inside a worker, when data.text_field is wrong
+    return source

@@ -1,0 +1,106 @@
+"""Longest-match f-gram lookup (SCONE.md rule 2), vectorized over a whole batch.
+
+The vocabulary is stored as a trie in one hash table (trie.py). Matching walks
+n = 2, 3, ...: it probes the n-gram ending at a position only where the n-gram
+ending there and the (n-1)-gram ending one before matched at length n-1. By
+the closure property no other position can match at length n, so the last
+length that matched is the longest match, and most positions need one probe.
+Host memory: the table (8 bytes per slot) plus an int32 f-gram id per slot, at
+LOAD = 0.6 keys per slot ~ 20 bytes per f-gram, besides the vocabulary's tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from scone_jax.fgram import trie
+from scone_jax.fgram.vocab import FgramVocab
+
+
+class Matcher:
+    """Built once from a vocabulary; `match` is read-only, so one Matcher can serve many threads."""
+
+    def __init__(self, vocab: FgramVocab):
+        self.max_len = vocab.max_len
+        self.vocab_size = vocab.vocab_size
+        self.tokenizer_fingerprint = vocab.tokenizer_fingerprint
+        self.table = trie.KeyTable(vocab.num_fgrams)
+        rows_by_slot = []
+        for n in range(2, vocab.max_len + 1):
+            rows = np.flatnonzero(vocab.lengths == n)
+            tokens = vocab.tokens[rows, :n]
+            if n == 2:
+                keys = trie.pair_keys(tokens[:, 0], tokens[:, 1], self.vocab_size)
+            else:
+                prefix = self._slots_of(tokens[:, :-1])
+                self._check_closed(vocab, rows, prefix, "prefix")
+                keys = trie.extend_keys(prefix, tokens[:, -1], self.vocab_size)
+            rows_by_slot.append((self.table.insert(keys), rows))
+        for n in range(3, vocab.max_len + 1):
+            rows = np.flatnonzero(vocab.lengths == n)
+            self._check_closed(vocab, rows, self._slots_of(vocab.tokens[rows, 1:n]), "suffix")
+        # One extra entry, -1, so that slot -1 (no match) maps to id -1 without a branch.
+        self.fgram_id = np.full(self.table.keys.size + 1, -1, dtype=np.int32)
+        for slots, rows in rows_by_slot:
+            self.fgram_id[slots] = rows
+
+    def _slots_of(self, grams: np.ndarray) -> np.ndarray:
+        """Slots of n-gram rows [m, n] already in the table; -1 where a row (or one of its prefixes) is not."""
+        slots = self.table.lookup(trie.pair_keys(grams[:, 0], grams[:, 1], self.vocab_size))
+        missing = slots < 0
+        for j in range(2, grams.shape[1]):
+            slots = self.table.lookup(trie.extend_keys(np.maximum(slots, 0), grams[:, j], self.vocab_size))
+            missing |= slots < 0
+        return np.where(missing, -1, slots)
+
+    @staticmethod
+    def _check_closed(vocab: FgramVocab, rows: np.ndarray, slots: np.ndarray, part: str) -> None:
+        if (slots < 0).any():
+            row = int(rows[np.argmax(slots < 0)])
+            raise ValueError(
+                f"The vocabulary is not closed under sub-n-grams: the {part} of f-gram {row} {vocab.fgram(row)} "
+                "is no f-gram, so longest-match by probing n = 2, 3, ... would be wrong. Use a vocabulary "
+                "built by extract_fgrams (whose counts guarantee closure)."
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory of the index (the table and the slot-to-id map), without the vocabulary tokens."""
+        return self.table.nbytes + self.fgram_id.nbytes
+
+    def match(self, tokens: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+        """int32 [B, T]: id of the longest f-gram ending at each position inside its segment, else -1.
+
+        Segment id 0 marks padding, which never matches; an f-gram never spans two
+        segments (documents) nor two rows.
+        """
+        tokens, segment_ids = np.asarray(tokens), np.asarray(segment_ids)
+        if tokens.ndim != 2 or tokens.shape != segment_ids.shape:
+            raise ValueError(f"tokens {tokens.shape} and segment_ids {segment_ids.shape} must both be [B, T].")
+        flat, segments = tokens.ravel(), segment_ids.ravel()
+        self._check_range(flat, segments != 0, tokens.shape)
+        pair_ok = np.empty(flat.shape, dtype=bool)
+        pair_ok[0] = False
+        np.equal(segments[1:], segments[:-1], out=pair_ok[1:])
+        pair_ok &= segments != 0
+        pair_ok[:: tokens.shape[1]] = False  # a row never continues the previous one
+        best = np.full(flat.shape, -1, dtype=np.int64)
+        levels = trie.walk(self.table, flat, pair_ok, self.vocab_size, self.max_len)
+        level, ends, keys = next(levels)
+        while True:
+            slots = self.table.lookup(keys)
+            hit = slots >= 0
+            best[ends[hit]] = slots[hit]
+            if level == self.max_len or not hit.any():
+                break
+            level, ends, keys = levels.send(slots)
+        return self.fgram_id[best].reshape(tokens.shape)
+
+    def _check_range(self, flat: np.ndarray, real: np.ndarray, shape) -> None:
+        bad = real & ((flat < 0) | (flat >= self.vocab_size))
+        if bad.any():
+            where = np.unravel_index(int(np.argmax(bad)), shape)
+            raise ValueError(
+                f"Token id {flat[np.argmax(bad)]} at {tuple(int(i) for i in where)} is outside [0, "
+                f"{self.vocab_size}), the vocabulary of tokenizer {self.tokenizer_fingerprint!r} that the "
+                "f-grams were built with. Fix: tokenize with that tokenizer, or re-extract f-grams for yours."
+            )

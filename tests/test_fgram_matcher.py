@@ -1,0 +1,116 @@
+"""Matcher == the plain dict reference, on random closed vocabularies, planted f-grams and packed segments."""
+import numpy as np
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+from test_fgram_reference import reference_match, zipf_docs
+from scone_jax.fgram.extract import extract_fgrams
+from scone_jax.fgram.matcher import Matcher
+from scone_jax.fgram.vocab import FgramVocab
+
+
+def make_vocab(grams, max_len, vocab_size):
+    """A vocabulary holding `grams` in the given row order (the matcher must not care about ranks)."""
+    tokens = np.zeros((len(grams), max_len), np.int32)
+    for r, g in enumerate(grams):
+        tokens[r, : len(g)] = g
+    return FgramVocab(tokens=tokens, lengths=np.array([len(g) for g in grams], np.int32).reshape(-1),
+                      counts=np.ones(len(grams), np.int64), max_len=max_len, min_count=1, tokens_counted=0,
+                      vocab_size=vocab_size, tokenizer_fingerprint="tok")
+
+
+def closure(seeds):
+    """All sub-n-grams of length >= 2 of the seeds: the smallest closed set containing them."""
+    return sorted({tuple(s[i:j]) for s in seeds for i in range(len(s)) for j in range(i + 2, len(s) + 1)})
+
+
+def planted_batch(rng, grams, vocab_size, batch, length):
+    """Rows made of f-grams and random tokens, then cut into segments with padding (segment 0) at the end."""
+    tokens = np.zeros((batch, length), np.int32)
+    segments = np.zeros((batch, length), np.int32)
+    for b in range(batch):
+        row = []
+        while len(row) < length:
+            use_gram = grams and rng.random() < 0.6
+            row += list(grams[rng.integers(len(grams))]) if use_gram else [int(rng.integers(vocab_size))]
+        tokens[b] = row[:length]
+        real = int(rng.integers(0, length + 1))
+        cuts = np.sort(rng.integers(0, real + 1, size=int(rng.integers(0, 4))))
+        segments[b, :real] = 1 + np.searchsorted(cuts, np.arange(real), side="right")
+    return tokens, segments
+
+
+@settings(max_examples=80, deadline=None)
+@example(max_len=8, vocab_size=6, num_seeds=8, batch=3, length=48, seed=0)  # matches of all 8 lengths
+@given(max_len=st.integers(2, 8), vocab_size=st.integers(2, 40), num_seeds=st.integers(0, 25),
+       batch=st.integers(1, 4), length=st.integers(1, 50), seed=st.integers(0, 2**32 - 1))
+def test_matches_reference(max_len, vocab_size, num_seeds, batch, length, seed):
+    rng = np.random.default_rng(seed)
+    sizes = np.where(rng.random(num_seeds) < 0.5, max_len, rng.integers(2, max_len + 1, size=num_seeds))
+    seeds = [list(rng.integers(vocab_size, size=n)) for n in sizes]
+    grams = closure(seeds)
+    grams = [grams[i] for i in rng.permutation(len(grams))]
+    tokens, segments = planted_batch(rng, grams, vocab_size, batch, length)
+    got = Matcher(make_vocab(grams, max_len, vocab_size)).match(tokens, segments)
+    assert got.dtype == np.int32 and got.shape == tokens.shape
+    np.testing.assert_array_equal(got, reference_match(grams, tokens, segments, max_len))
+    HITS.append(int((got >= 0).sum()))
+    LONGEST.append(max([len(grams[i]) for i in got[got >= 0]], default=0))
+
+
+HITS, LONGEST = [], []
+
+
+def test_property_cases_were_not_trivial():
+    """Runs after the property test: most cases had matches, and some matched 8 tokens."""
+    assert sum(h > 0 for h in HITS) > len(HITS) / 2 and max(LONGEST) == 8
+
+
+def test_extracted_vocab_on_text_like_corpus():
+    rng = np.random.default_rng(0)
+    docs = zipf_docs(rng, num_docs=200, vocab_size=50, max_doc_len=100)
+    vocab = extract_fgrams(docs, max_len=6, num_fgrams=300, min_count=3, vocab_size=50, num_workers=1)
+    tokens = np.minimum(rng.zipf(1.2, size=(8, 128)) - 1, 49).astype(np.int32)
+    segments = np.repeat(np.arange(1, 9)[None], 8, 0).repeat(16, axis=1)
+    got = Matcher(vocab).match(tokens, segments)
+    expected = reference_match([vocab.fgram(r) for r in range(vocab.num_fgrams)], tokens, segments, 6)
+    np.testing.assert_array_equal(got, expected)
+    assert 0.3 < (got >= 0).mean() < 0.9  # a real mix of hits and misses
+
+
+def test_boundaries_and_padding():
+    matcher = Matcher(make_vocab([(1, 2), (2, 3), (1, 2, 3)], 3, 5))
+    tokens = np.array([[1, 2, 3, 1], [2, 3, 1, 2]], np.int32)
+    # Row 0: a new segment starts at the 3; row 1 ends in padding. Rows never join: row 1's "1 2" at the
+    # start would complete nothing from row 0.
+    segments = np.array([[1, 1, 2, 2], [1, 1, 1, 0]], np.int32)
+    assert matcher.match(tokens, segments).tolist() == [[-1, 0, -1, -1], [-1, 1, -1, -1]]
+    segments = np.ones_like(tokens)
+    assert matcher.match(tokens, segments).tolist() == [[-1, 0, 2, -1], [-1, 1, -1, 0]]
+
+
+def test_padding_may_hold_any_value_but_real_tokens_must_fit():
+    matcher = Matcher(make_vocab([(1, 2)], 2, 5))
+    assert matcher.match(np.array([[1, 2, -7, 99]]), np.array([[1, 1, 0, 0]])).tolist() == [[-1, 0, -1, -1]]
+    with pytest.raises(ValueError, match=r"Token id 5 at \(0, 1\) is outside \[0, 5\).*tokenizer 'tok'"):
+        matcher.match(np.array([[1, 5]]), np.array([[1, 1]]))
+    with pytest.raises(ValueError, match=r"must both be \[B, T\]"):
+        matcher.match(np.array([1, 2]), np.array([1, 1]))
+
+
+@pytest.mark.parametrize("grams,part", [([(1, 2), (1, 2, 3)], "suffix"), ([(2, 3), (1, 2, 3)], "prefix")])
+def test_unclosed_vocab_is_refused(grams, part):
+    with pytest.raises(ValueError, match=f"the {part} of f-gram 1 \\(1, 2, 3\\)"):
+        Matcher(make_vocab(grams, 3, 5))
+
+
+def test_index_is_compact():
+    rng = np.random.default_rng(0)
+    grams = closure([list(rng.integers(1000, size=5)) for _ in range(4000)])
+    vocab = make_vocab(grams, 5, 1000)
+    matcher = Matcher(vocab)
+    per_fgram = (matcher.nbytes + vocab.tokens.nbytes) / vocab.num_fgrams
+    assert 30 < per_fgram <= 64, per_fgram  # 20 bytes of tokens (K=5) + ~20 of index
+    tokens = np.array([grams[-1] + grams[0]], np.int32)
+    got = matcher.match(tokens, np.ones_like(tokens))
+    assert got[0, len(grams[-1]) - 1] == len(grams) - 1

@@ -53,7 +53,7 @@ def test_fingerprint_stable_across_loads_and_pickles(tok, tmp_path):
     assert other.fingerprint != tok.fingerprint
     assert tokenizer.Tokenizer.load(str(path)).fingerprint == other.fingerprint
     clone = pickle.loads(pickle.dumps(tok))
-    assert clone.fingerprint == tok.fingerprint
+    assert (clone.fingerprint, clone.path) == (tok.fingerprint, tok.path)
     text = corpus.kjv_documents("eval", 0.02)[3]
     np.testing.assert_array_equal(clone.encode(text), tok.encode(text))
 
@@ -72,6 +72,7 @@ def test_ensure_tokenizer_trains_once_then_reuses(tmp_path):
     cfg = _data_cfg()
     first = tokenizer.ensure_tokenizer(cfg, str(tmp_path), max_chars=150_000)
     path = tmp_path / "tokenizer.model"
+    assert first.path == str(path)
     mtime = path.stat().st_mtime_ns
     assert first.vocab_size == 400
     second = tokenizer.ensure_tokenizer(cfg, str(tmp_path), max_chars=150_000)

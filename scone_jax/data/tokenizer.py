@@ -30,13 +30,14 @@ _TRAIN_PIECE_CHARS = 4096
 class Tokenizer:
     """A SentencePiece model with the ids the pipeline needs; picklable for grain workers."""
 
-    def __init__(self, model_proto: bytes, name: str = "<in memory>"):
+    def __init__(self, model_proto: bytes, path: str | None = None):
         self._proto = model_proto
+        self.path = path  # the .model file it came from, None if built in memory
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         missing = [n for n, i in (("pad", self.pad_id), ("bos", self.bos_id), ("eos", self.eos_id)) if i < 0]
         if missing:
             raise ValueError(
-                f"Tokenizer {name} defines no {'/'.join(missing)} piece; the pipeline needs pad, bos "
+                f"Tokenizer {path or '<in memory>'} defines no {'/'.join(missing)} piece; the pipeline needs pad, bos "
                 "and eos. Fix: train one with tools/train_tokenizer.py."
             )
 
@@ -45,13 +46,13 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Tokenizer model {path!r} does not exist.")
         with open(path, "rb") as f:
-            return cls(f.read(), name=repr(path))
+            return cls(f.read(), path=path)
 
     def __getstate__(self):
-        return {"model_proto": self._proto}
+        return {"model_proto": self._proto, "path": self.path}
 
     def __setstate__(self, state):
-        self.__init__(state["model_proto"])
+        self.__init__(state["model_proto"], state["path"])
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.encode(text), dtype=np.int32)
@@ -135,7 +136,7 @@ def train_tokenizer(
             f"SentencePiece training (vocab_size={vocab_size}, model_type={model_type!r}) failed: {e}"
         ) from e
     _write_atomically(model_path, writer.getvalue())
-    return Tokenizer(writer.getvalue(), name=repr(model_path))
+    return Tokenizer(writer.getvalue(), path=model_path)
 
 
 def sample_documents(source: Sequence[str], max_chars: int, seed: int = 0) -> list[str]:

@@ -52,6 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = t = ml_collections.ConfigDict()
     t.seed = 0
     t.num_steps = 1000
+    t.max_steps_per_run = 0  # stop this invocation after so many steps (0 = no limit); rerun resumes
     t.learning_rate = 1e-3
     t.warmup_steps = 100
     t.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio

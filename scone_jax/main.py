@@ -6,6 +6,7 @@ same command resumes from the latest checkpoint in DIR. Exit status: 0 done, 2 b
 """
 from __future__ import annotations
 
+import logging as std_logging
 import sys
 import traceback
 
@@ -42,8 +43,17 @@ def _override_error(argv) -> str | None:
     return None
 
 
+class _QuietLibraries(std_logging.Filter):
+    """Keep INFO lines from our code; libraries (orbax, grain, jax) speak only at WARNING+."""
+
+    def filter(self, record):
+        return record.levelno >= std_logging.WARNING or "/scone_jax/" in record.pathname
+
+
 def main(argv):
     del argv
+    if logging.get_verbosity() <= logging.INFO:
+        logging.get_absl_handler().addFilter(_QuietLibraries())
     from scone_jax import train  # after flag parsing: imports JAX
 
     if _CONFIG.value is None or not _WORKDIR.value:

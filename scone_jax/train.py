@@ -74,9 +74,10 @@ class _PendingMetrics:
         ]
         self.items = []
         for r in records:
-            if not math.isfinite(r["loss"]):
+            bad = {k: r[k] for k in ("loss", "grad_norm", "param_norm") if not math.isfinite(r[k])}
+            if bad:
                 raise NonFiniteLossError(
-                    f"Loss became {r['loss']} at step {r['step']}; training stopped and the bad state "
+                    f"Non-finite {bad} at step {r['step']}; training stopped and the bad state "
                     "was not saved. Lower train.learning_rate, enable train.grad_clip_norm, or check "
                     "the data; the next run resumes from the last good checkpoint."
                 )
@@ -118,14 +119,15 @@ def run(config, workdir: str) -> dict:
     flops_per_token = accounting.decoder_flops_per_token(config.model, config.data.seq_len, counts["non_embedding"])
     meter = Throughput(t.num_steps, step, flops_per_token, peak_flops_per_device(t.peak_flops_per_device) * jax.device_count())
     pending, window, summary = _PendingMetrics(), [], {}
+    stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     try:
-        while step < t.num_steps:
+        while step < stop_at:
             host_batch = next(data_iter)
             fingerprint = batch_fingerprint(host_batch)
             state, metrics = train_step(state, sharding.global_batch(host_batch, mesh))
             step += 1
             pending.add(step, metrics, fingerprint)
-            last = step == t.num_steps
+            last = step == stop_at
             if step % t.log_every == 0 or step % t.checkpoint_every == 0 or last:
                 records = pending.flush()
                 writer.write_steps(records)

@@ -1,12 +1,11 @@
-"""A suffix-closed n-gram set stored as a trie in one open-addressing hash table.
+"""N-gram sets as tries in one open-addressing hash table of uint64 keys.
 
-An n-gram (n >= 2) is the key `(code(prefix) * V + last_token)`, where V is the
-tokenizer's vocabulary size and code(prefix) is the prefix's first token for a
-2-gram, else V + the prefix's slot in the table. Because the f-gram set is closed
-under prefixes (SCONE.md), every f-gram's prefix has a slot, and the slot doubles
-as the n-gram's compact id: walking n = 2, 3, ... over a token stream needs one
-hash probe per length and no per-gram value lookups. Keys are uint64 and fit
-while (V + slots) * V < 2^64, i.e. for any realistic V and S.
+An n-gram (n >= 2) is the key `code(prefix) * V + last_token`, where V is the
+tokenizer's vocabulary size and code(prefix) is the first token for a 2-gram,
+else V + an id of the (n-1)-token prefix (its slot in the matcher, its row
+during extraction). The f-gram set is closed under prefixes (SCONE.md), so every
+prefix has such an id, and n-grams can be looked up one token at a time without
+storing tokens in the table. Keys fit in 64 bits while (V + ids) * V < 2^64.
 
 Lookups are vectorized over all queries: each round gathers one bucket row per
 pending query, so a lookup costs one random memory access in the common case,
@@ -23,7 +22,7 @@ LOAD = 0.6  # keys per slot; lower costs memory, higher sends more lookups to a 
 
 
 class KeyTable:
-    """uint64 keys in buckets of WIDTH slots; a key's slot (bucket * WIDTH + column) is its stable id.
+    """Distinct uint64 keys in buckets of WIDTH slots; a key's slot (bucket * WIDTH + column) never changes.
 
     Buckets fill left to right and keys are never removed, so a bucket with an
     empty last column ends every probe sequence that reaches it. A full bucket
@@ -49,8 +48,11 @@ class KeyTable:
         return self.keys.nbytes
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
+        """Bucket of each key: the high 32 bits of a multiplicative hash, scaled to num_buckets."""
         mixed = (keys * _MIX) >> np.uint64(32)
-        return ((mixed * np.uint64(self.num_buckets)) >> np.uint64(32)).astype(np.int64)
+        mixed *= np.uint64(self.num_buckets)
+        mixed >>= np.uint64(32)
+        return mixed.view(np.int64)
 
     def insert(self, keys: np.ndarray) -> np.ndarray:
         """Inserts distinct keys not yet present; returns their slots (int64)."""
@@ -105,49 +107,7 @@ def pair_keys(first: np.ndarray, last: np.ndarray, vocab_size: int) -> np.ndarra
     return first.astype(np.uint64) * np.uint64(vocab_size) + last.astype(np.uint64)
 
 
-def extend_keys(parent_slot: np.ndarray, last: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Keys of (n+1)-grams: the n-gram in `parent_slot` followed by `last`."""
+def extend_keys(prefix_id: np.ndarray, last: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Keys of (n+1)-grams: the n-gram with id `prefix_id` followed by `last`."""
     v = np.uint64(vocab_size)
-    return (parent_slot.astype(np.uint64) + v) * v + last.astype(np.uint64)
-
-
-def walk(table: KeyTable, tokens: np.ndarray, pair_ok: np.ndarray, vocab_size: int, max_len: int):
-    """Yields (n, ends, keys) for n = 2..max_len: candidate n-grams ending at `ends` with their keys.
-
-    The caller sends back the slots of those keys (from `table.lookup`, or -1s
-    for the level it only counts). Candidates at level n+1 are the ends where the
-    n-gram ending there and the n-gram ending one before are both present: by
-    closure, no other position can hold an (n+1)-gram of the set. `pair_ok[e]`
-    says tokens e-1 and e belong to the same document (False at e = 0).
-    """
-    ends = np.flatnonzero(pair_ok)
-    keys = pair_keys(tokens[ends - 1], tokens[ends], vocab_size)
-    current = np.full(len(tokens), -1, dtype=np.int64)  # slot of the n-gram ending at each position
-    written = ends[:0]
-    for n in range(2, max_len + 1):
-        slots = yield n, ends, keys
-        if n == max_len:
-            return
-        present = slots >= 0
-        hits = ends[present]
-        current[written] = -1
-        current[hits] = slots[present]
-        written = hits
-        before = current[hits - 1]  # ends are >= 1: pair_ok[0] is False
-        keep = before >= 0
-        ends = hits[keep]
-        keys = extend_keys(before[keep], tokens[ends], vocab_size)
-
-
-def build_trie(levels: list[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> tuple[KeyTable, list[np.ndarray]]:
-    """A table holding n-grams given level by level; returns it and each level's slots.
-
-    levels[0] lists the 2-grams as (first tokens, last tokens); levels[i] for
-    i >= 1 lists (i+2)-grams as (row of their prefix in levels[i-1], last tokens).
-    """
-    table = KeyTable(sum(len(last) for _, last in levels))
-    slots = []
-    for i, (prefix, last) in enumerate(levels):
-        keys = pair_keys(prefix, last, vocab_size) if i == 0 else extend_keys(slots[-1][prefix], last, vocab_size)
-        slots.append(table.insert(keys))
-    return table, slots
+    return (prefix_id.astype(np.uint64) + v) * v + last.astype(np.uint64)

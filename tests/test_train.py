@@ -1,0 +1,116 @@
+"""End-to-end training: exact resume in a new process, NaN handling, bad input via the CLI."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from scone_jax import checkpoint, sharding, state as state_lib, train
+from scone_jax.data import tokenizer as tokenizer_lib
+from tests.common import small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("tok"))
+    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
+    return os.path.join(workdir, "tokenizer.model")
+
+
+def config_with(tokenizer_path, **train_overrides):
+    config = small_config()
+    config.data.tokenizer_path = tokenizer_path
+    config.train.update(train_overrides)
+    return config
+
+
+def run_cli(workdir, *args, config="tests/small_config.py"):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "scone_jax.main", f"--config={config}", f"--workdir={workdir}", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+
+
+def step_records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: r for r in rows if r["split"] == "step"}
+
+
+def final_params(config, workdir):
+    mesh = sharding.make_mesh(config.mesh)
+    spec = state_lib.state_spec(config, mesh)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    state, _ = ckpt.restore(ckpt.latest_step(), state_lib.abstract_with_shardings(spec))
+    ckpt.close()
+    return jax.device_get(jax.tree.leaves(state[0]))
+
+
+def test_resume_in_new_process_replays_the_same_batches_and_parameters(tokenizer_path, tmp_path):
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    config = config_with(tokenizer_path)
+    train.run(config, straight)
+    train.run(config_with(tokenizer_path, max_steps_per_run=3), split)
+    assert checkpoint.Checkpointer(os.path.join(split, "checkpoints")).latest_step() == 3
+    result = run_cli(split, f"--config=tests/small_config.py:{tokenizer_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resumed from step 3" in result.stderr
+
+    a, b = step_records(straight), step_records(split)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    assert [a[s]["batch_crc"] for s in a] == [b[s]["batch_crc"] for s in a]
+    assert len({a[s]["batch_crc"] for s in a}) == 6  # six different batches
+    np.testing.assert_allclose([a[s]["loss"] for s in a], [b[s]["loss"] for s in a], rtol=1e-5)
+    for x, y in zip(final_params(config, straight), final_params(config, split)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tokenizer_path, tmp_path):
+    config = config_with(tokenizer_path, learning_rate=1e30, checkpoint_every=1, log_every=1, grad_clip_norm=0.0)
+    with pytest.raises(train.NonFiniteLossError, match="Non-finite"):
+        train.run(config, str(tmp_path))
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
+    last_good = ckpt.latest_step()
+    ckpt.close()
+    assert last_good is not None and last_good < config.train.num_steps
+    assert all(np.isfinite(p).all() for p in final_params(config, str(tmp_path)))
+
+
+def test_resume_refuses_a_checkpoint_from_another_tokenizer(tokenizer_path, tmp_path):
+    train.run(config_with(tokenizer_path, max_steps_per_run=1), str(tmp_path))
+    tokenizer_lib.ensure_tokenizer(_other_vocab_data(), str(tmp_path / "other"))
+    config = config_with(str(tmp_path / "other" / "tokenizer.model"))
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="tokenizer_fingerprint"):
+        train.run(config, str(tmp_path))
+    assert checkpoint.Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 1
+
+
+def _other_vocab_data():
+    data = small_config().data
+    data.vocab_size = 400
+    return data
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config.model.num_layrs=3"], "Valid keys there: ['d_ff', 'd_model'"),
+    (["--config.data.source=text", "--config.data.train_files=/nonexistent/*.txt"], "/nonexistent/*.txt"),
+])
+def test_bad_input_is_a_clear_error(tmp_path, args, message):
+    result = run_cli(str(tmp_path / "w"), *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_empty_corpus_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    result = run_cli(str(tmp_path / "w"), "--config.data.source=text", f"--config.data.train_files={empty}")
+    assert result.returncode == 2
+    assert "empty" in result.stderr.lower() and "Traceback" not in result.stderr

@@ -1,0 +1,88 @@
+"""GPT-2 models of the SCONE paper's WebText experiments (Yu et al. 2025), at paper scale.
+
+Variants (the paper's parameter counts: 4d^2 + 2*d*ffw per layer plus the tied 50,257 x d
+token table and 1024 x d positions):
+  128m, 419m, 589m     the SCONE main models: d 1024 / 1536 / 1536, 6 / 12 / 18 layers
+  204m, 759m, 1099m    the baselines with twice the non-embedding size: 12 / 24 / 36 layers
+All: ffw 4d, head size 64, learned positions (1024), LayerNorm, GELU, biases, tied
+embeddings, bf16 compute over fp32 master weights; seq 1024 x global batch 512, AdamW
+(weight decay 0.1), lr 2e-4 with cosine decay, 152,600 steps = the paper's 80B tokens.
+
+The data and the tokenizer are yours to supply (the paper trains on WebText with GPT-2's
+50,257-token vocabulary). Pre-tokenize into ArrayRecord (records of int32 token ids, see
+scone_jax.data.sources.write_token_arrayrecord) or point source=text at one document per
+line; data.tokenizer_path must name the SentencePiece model with <= 50,257 pieces that
+produced the ids (tools/train_tokenizer.py --vocab_size=50257 makes one). On a v5p-64:
+
+  python launch/tpu.py run --name=scone-v5p --zone=us-east5-a --project=my-project \
+      --config=configs/gpt2_paper.py:419m --workdir=gs://my-bucket/runs/gpt2-419m \
+      --config.data.train_files='/mnt/data/webtext/train-*.arrayrecord' \
+      --config.data.eval_files='/mnt/data/webtext/valid-*.arrayrecord' \
+      --config.data.tokenizer_path=/mnt/data/webtext/tokenizer.model
+
+(`python -m scone_jax.main` takes the same flags on one host.) data.*_files are globbed on
+each worker's local file system: mount a bucket there (e.g. gcsfuse) to read from GCS.
+Expect the log to report 418.5M parameters for 419m; the first step compiles for a minute
+or two. Check memory and step time before renting a slice with
+  python tools/aot_compile.py --config=configs/gpt2_paper.py:419m --topology=v5p-128
+
+Arguments are `SIZE[,option=value...]`; no options exist yet (SCONE's f-gram settings will
+arrive as options such as `419m,fgram=3x`).
+"""
+import ml_collections
+
+from scone_jax.config import base_config
+
+# name -> (d_model, num_layers, fsdp). The two smallest keep parameters and optimizer state
+# (16 bytes per parameter, ~3.3 GB at 204M) whole on every chip: plain data parallelism needs
+# no weight gathers. The others shard them over all chips (FSDP) to leave HBM for activations.
+_SIZES = {
+    "128m": (1024, 6, False),
+    "419m": (1536, 12, True),
+    "589m": (1536, 18, True),
+    "204m": (1024, 12, False),
+    "759m": (1536, 24, True),
+    "1099m": (1536, 36, True),
+}
+VARIANTS = tuple(_SIZES)
+
+
+def _parse(arg: str | None) -> tuple[str, dict]:
+    """`SIZE[,key=value...]` -> (SIZE, options); every problem names the valid choices."""
+    name, *options = (arg or "").split(",")
+    if name not in _SIZES:
+        raise ValueError(
+            f"Unknown variant {arg!r} of configs/gpt2_paper.py; valid variants: {', '.join(VARIANTS)}. "
+            "Pass one as --config=configs/gpt2_paper.py:419m."
+        )
+    if options:
+        raise ValueError(f"configs/gpt2_paper.py takes no options yet, got {options} in {arg!r}.")
+    return name, {}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    name, _ = _parse(arg)
+    d_model, num_layers, fsdp = _SIZES[name]
+    config = base_config()
+    m = config.model
+    m.vocab_size = 50257
+    m.d_model, m.num_layers, m.num_heads, m.d_ff = d_model, num_layers, d_model // 64, 4 * d_model
+    m.max_seq_len = 1024
+    m.norm, m.mlp, m.position, m.use_bias, m.tie_embeddings = "layernorm", "gelu", "learned", True, True
+    m.dtype = "bfloat16"
+
+    d = config.data
+    d.source, d.train_files, d.eval_files, d.tokenizer_path = "arrayrecord", "", "", ""
+    d.vocab_size = 50257
+    d.seq_len, d.global_batch_size = 1024, 512
+
+    t = config.train
+    t.num_steps, t.warmup_steps = 152_600, 2000
+    t.learning_rate, t.weight_decay = 2e-4, 0.1
+    t.log_every, t.eval_every, t.eval_batches = 100, 2000, 100
+    t.checkpoint_every, t.keep_checkpoints = 2000, 3
+
+    if fsdp:
+        config.mesh.data, config.mesh.fsdp = 1, -1
+    config.lock()
+    return config

@@ -1,0 +1,110 @@
+"""Every shipped config loads for each of its variants, builds a model, and the paper-scale
+configs have the paper's parameter counts (`pytest -s` prints the table)."""
+import glob
+import importlib.util
+import math
+import os
+
+import pytest
+from flax import nnx
+
+from scone_jax import config as config_lib
+from scone_jax.model.accounting import param_counts
+from scone_jax.model.transformer import Decoder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py")))
+
+# Parameter counts the paper gives, in millions. For the OLMo 0.7B / 1.3B / 1.9B baselines it
+# gives only the rounded name; there the number is its formula (see paper_formula).
+PAPER_PARAMS_M = {
+    ("configs/gpt2_paper.py", "128m"): 128,
+    ("configs/gpt2_paper.py", "419m"): 419,
+    ("configs/gpt2_paper.py", "589m"): 589,
+    ("configs/gpt2_paper.py", "204m"): 204,
+    ("configs/gpt2_paper.py", "759m"): 759,
+    ("configs/gpt2_paper.py", "1099m"): 1099,
+    ("configs/olmo_paper.py", "0.7b"): 707,
+    ("configs/olmo_paper.py", "1b"): 1014,
+    ("configs/olmo_paper.py", "1.3b"): 1311,
+    ("configs/olmo_paper.py", "1.9b"): 1915,
+}
+PAPER_FFW = {"configs/gpt2_paper.py": None, "configs/olmo_paper.py": 8192}  # None: 4 * d
+
+
+def variants_of(path):
+    """The module's VARIANTS; a config without them has the single variant None."""
+    spec = importlib.util.spec_from_file_location("_config_under_test", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, "VARIANTS", (None,))
+
+
+CASES = [(path, v) for path in CONFIG_FILES for v in variants_of(path)]
+
+
+def load(path, variant):
+    return config_lib.load_config_file(os.path.join(ROOT, path) + (f":{variant}" if variant else ""))
+
+
+def paper_formula(model_cfg, ffw):
+    """The paper's count: per layer 4d^2 + 2*d*ffw, plus the token table and learned positions."""
+    d = model_cfg.d_model
+    positions = model_cfg.max_seq_len * d if model_cfg.position == "learned" else 0
+    return model_cfg.num_layers * (4 * d * d + 2 * d * ffw) + model_cfg.vocab_size * d + positions
+
+
+def test_all_config_files_are_covered():
+    assert {"configs/tiny.py", "configs/gpt2_paper.py", "configs/olmo_paper.py"} <= set(CONFIG_FILES)
+    assert {v for p, v in CASES if p == "configs/olmo_paper.py"} == {"0.7b", "1b", "1.3b", "1.9b"}
+
+
+@pytest.mark.parametrize("path,variant", CASES, ids=[f"{p}:{v}" for p, v in CASES])
+def test_config_loads_locked_validates_and_builds(path, variant):
+    config = load(path, variant)
+    config_lib.validate(config)
+    with pytest.raises(AttributeError):
+        config.model.num_layrs = 2  # locked: a typo is an error, not a new field
+    if not config.model.vocab_size:  # sized from the tokenizer at run time, as train.py does
+        config.model.vocab_size = math.ceil(config.data.vocab_size / 128) * 128
+    model = nnx.eval_shape(lambda: Decoder(config.model, nnx.Rngs(0)))
+    counts = param_counts(model)
+    print(f"\n{path}:{variant}: {counts['total']:,} parameters ({counts['non_embedding']:,} non-embedding)")
+    assert counts["total"] > counts["non_embedding"] > 0
+
+    paper_m = PAPER_PARAMS_M.get((path, variant))
+    if paper_m is not None:
+        m = config.model
+        formula = paper_formula(m, PAPER_FFW[path] or 4 * m.d_model)
+        rel = counts["total"] / (paper_m * 1e6) - 1
+        print(f"  paper {paper_m:,}M, paper's formula {formula / 1e6:,.1f}M, ours {counts['total'] / 1e6:,.1f}M "
+              f"({rel:+.2%})")
+        assert abs(rel) < 0.02
+        assert abs(formula / (paper_m * 1e6) - 1) < 0.01  # the config has the paper's shapes
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIG_FILES if variants_of(p) != (None,)])
+def test_unknown_variant_lists_the_valid_ones(path):
+    with pytest.raises(ValueError, match="valid variants") as error:
+        load(path, "7b")
+    for name in variants_of(path):
+        assert name in str(error.value)
+    with pytest.raises(ValueError, match="valid variants"):
+        config_lib.load_config_file(os.path.join(ROOT, path))  # no variant at all
+
+
+@pytest.mark.parametrize("spec", ["configs/gpt2_paper.py:419m,fgram=3x", "configs/olmo_paper.py:1b,fgram=1.8b"])
+def test_options_after_the_size_are_rejected_until_they_exist(spec):
+    with pytest.raises(ValueError, match="no options yet"):
+        config_lib.load_config_file(os.path.join(ROOT, spec))
+
+
+def test_paper_shapes():
+    gpt2, olmo = load("configs/gpt2_paper.py", "589m"), load("configs/olmo_paper.py", "1b")
+    assert (gpt2.model.d_model, gpt2.model.num_layers, gpt2.model.d_ff, gpt2.model.vocab_size) == (1536, 18, 6144, 50257)
+    assert (gpt2.data.seq_len, gpt2.data.global_batch_size, gpt2.train.learning_rate) == (1024, 512, 2e-4)
+    assert (gpt2.model.position, gpt2.model.mlp, gpt2.model.use_bias, gpt2.model.dtype) == ("learned", "gelu", True, "bfloat16")
+    assert (olmo.model.d_model, olmo.model.num_layers, olmo.model.num_heads, olmo.data.seq_len) == (2048, 18, 16, 2048)
+    assert (olmo.model.position, olmo.model.mlp, olmo.model.norm, olmo.model.use_bias) == (
+        "rope", "swiglu", "nonparametric_layernorm", False)
+    assert olmo.model.d_ff % 128 == 0 and abs(3 * olmo.model.d_ff - 2 * 8192) < 128 * 3

@@ -4,7 +4,9 @@ The corpus is read once and spooled to a scratch file (int32, each document
 followed by -1), so the K-1 scans re-read it from disk, never from RAM, and a
 one-shot iterator works. Scan n counts the n-grams whose (n-1)-prefix and
 (n-1)-suffix survived the previous scans: the survivors form a trie in one hash
-table (trie.py), and walking it over a chunk yields exactly those n-grams.
+table (trie.py). Scan n looks up the (n-1)-grams ending at each position once,
+stores their ids in a per-position state file for scan n+1, and counts the
+n-grams whose two (n-1)-grams (ending at e-1 and at e) were both found.
 
 Memory stays bounded: the corpus lives on disk; worker processes count chunks of
 `chunk_tokens` and spill sorted runs once they hold `spill_limit` distinct
@@ -79,22 +81,41 @@ def _spool(documents: Iterable, vocab_size: int, path: str, progress: Progress |
 
 
 def _count_task(task: dict) -> list[str]:
-    """Counts the candidate n-grams ending in [start, stop) of the spooled corpus; returns spilled runs."""
-    n, vocab_size = task["n"], task["vocab_size"]
+    """Counts scan n's candidates ending in [start, stop) of the spooled corpus; returns spilled runs.
+
+    For n >= 3 it also looks up the (n-1)-grams found by the previous scan and
+    records their ids per position in the state file that scan n+1 reads, so no
+    scan looks up more than one length.
+    """
+    n, vocab_size, start, stop = task["n"], task["vocab_size"], task["start"], task["stop"]
     corpus = np.memmap(task["corpus"], dtype=np.int32, mode="r")
-    table = None
+    writer = counting.RunWriter(task["run_prefix"], task["spill_limit"])
+    table = id_of_slot = None
     if n > 2:
         table = trie.KeyTable.from_buckets(np.load(task["table"], mmap_mode="r"), task["num_buckets"])
-    writer = counting.RunWriter(task["run_prefix"], task["spill_limit"])
-    for start in range(task["start"], task["stop"], task["chunk_tokens"]):
-        lo, stop = max(0, start - (n - 1)), min(task["stop"], start + task["chunk_tokens"])
-        tokens = np.asarray(corpus[lo:stop])
-        pair_ok = np.r_[False, (tokens[1:] >= 0) & (tokens[:-1] >= 0)]
-        levels = trie.walk(table, tokens, pair_ok, vocab_size, n)
-        level, ends, keys = next(levels)
-        while level < n:
-            level, ends, keys = levels.send(table.lookup(keys))
-        writer.add(keys[ends >= start - lo])  # earlier ends belong to the previous chunk
+        id_of_slot = np.load(task["id_of_slot"], mmap_mode="r")
+    for chunk in range(start, stop, task["chunk_tokens"]):
+        # Two tokens of context: the (n-1)-gram ending at chunk-1 needs the state at chunk-2.
+        lo, hi = max(0, chunk - 2), min(stop, chunk + task["chunk_tokens"])
+        tokens = np.asarray(corpus[lo:hi])
+        if n == 2:
+            ends = 1 + np.flatnonzero((tokens[1:] >= 0) & (tokens[:-1] >= 0))
+            ends = ends[ends >= chunk - lo]
+            writer.add(trie.pair_keys(tokens[ends - 1], tokens[ends], vocab_size))
+            continue
+        if n == 3:
+            ends = 1 + np.flatnonzero((tokens[1:] >= 0) & (tokens[:-1] >= 0))
+            keys = trie.pair_keys(tokens[ends - 1], tokens[ends], vocab_size)
+        else:
+            before = np.asarray(np.memmap(task["state_in"], dtype=np.int32, mode="r")[lo:hi])
+            ends = 1 + np.flatnonzero((before[1:] >= 0) & (before[:-1] >= 0))
+            keys = trie.extend_keys(before[ends - 1], tokens[ends], vocab_size)
+        ids = np.full(len(tokens), -1, dtype=np.int32)  # id of the (n-1)-gram ending at each position
+        ids[ends] = id_of_slot[table.lookup(keys)]
+        np.memmap(task["state_out"], dtype=np.int32, mode="r+")[chunk:hi] = ids[chunk - lo :]
+        ends = 1 + np.flatnonzero((ids[1:] >= 0) & (ids[:-1] >= 0))
+        ends = ends[ends >= chunk - lo]  # earlier ends belong to the previous chunk
+        writer.add(trie.extend_keys(ids[ends - 1], tokens[ends], vocab_size))
     return writer.flush()
 
 
@@ -120,18 +141,36 @@ def _cutoff(levels: list[dict], num_fgrams: int, min_count: int) -> int:
     return max(min_count, int(np.partition(counts, len(counts) - num_fgrams)[len(counts) - num_fgrams]))
 
 
-def _decode(keys: np.ndarray, counts: np.ndarray, levels: list[dict], slots: list[np.ndarray], vocab_size: int):
-    """A level of n-grams from their trie keys: prefix rows in the previous level, last tokens, token rows."""
+def _decode(keys: np.ndarray, counts: np.ndarray, levels: list[dict], vocab_size: int) -> dict:
+    """A level of n-grams from their keys: prefix rows in the previous level, last tokens, token rows."""
     prefix = (keys // np.uint64(vocab_size)).astype(np.int64)
     last = (keys % np.uint64(vocab_size)).astype(np.int32)
     if not levels:
-        tokens = np.stack([prefix.astype(np.int32), last], axis=1)
-    else:
-        row_of_slot = np.full(int(slots[-1].max()) + 1, -1, np.int64)
-        row_of_slot[slots[-1]] = np.arange(len(slots[-1]))
-        prefix = row_of_slot[prefix - vocab_size]
-        tokens = np.concatenate([levels[-1]["tokens"][prefix], last[:, None]], axis=1)
+        return {"prefix": prefix, "last": last, "tokens": np.stack([prefix.astype(np.int32), last], 1),
+                "counts": counts}
+    prefix -= vocab_size + levels[-1]["first_id"]
+    tokens = np.concatenate([levels[-1]["tokens"][prefix], last[:, None]], axis=1)
     return {"prefix": prefix, "last": last, "tokens": tokens, "counts": counts}
+
+
+def _save_trie(levels: list[dict], vocab_size: int, directory: str) -> dict:
+    """Writes the table of all levels so far (ids: rows numbered level after level); returns task fields."""
+    keys = []
+    for i, level in enumerate(levels):
+        level["first_id"] = levels[i - 1]["first_id"] + len(levels[i - 1]["last"]) if i else 0
+        if i == 0:
+            keys.append(trie.pair_keys(level["prefix"], level["last"], vocab_size))
+        else:
+            keys.append(trie.extend_keys(level["prefix"] + levels[i - 1]["first_id"], level["last"], vocab_size))
+    keys = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
+    table = trie.KeyTable(len(keys))
+    slots = table.insert(keys)
+    id_of_slot = np.full(table.keys.size + 1, -1, dtype=np.int32)  # + 1: slot -1 (absent) maps to -1
+    id_of_slot[slots] = np.arange(len(keys), dtype=np.int32)
+    paths = {"table": os.path.join(directory, "table.npy"), "id_of_slot": os.path.join(directory, "id_of_slot.npy")}
+    np.save(paths["table"], table.keys)
+    np.save(paths["id_of_slot"], id_of_slot)
+    return paths | {"num_buckets": table.num_buckets}
 
 
 def extract_fgrams(
@@ -163,21 +202,23 @@ def extract_fgrams(
         per_task = max(chunk_tokens, min(16 * chunk_tokens, -(-length // (2 * num_workers))))
         levels: list[dict] = []
         for n in range(2, max_len + 1):
-            table, slots = trie.build_trie([(level["prefix"], level["last"]) for level in levels], vocab_size)
-            np.save(os.path.join(tmp, "table.npy"), table.keys)
-            tasks = [
-                {"n": n, "vocab_size": vocab_size, "corpus": corpus, "table": os.path.join(tmp, "table.npy"),
-                 "num_buckets": table.num_buckets, "start": start, "stop": min(length, start + per_task),
-                 "chunk_tokens": chunk_tokens, "spill_limit": spill_limit,
-                 "run_prefix": os.path.join(tmp, f"run-{n}-{start}")}
-                for start in range(0, length, per_task)
-            ]
+            state = {"state_in": os.path.join(tmp, f"state-{n - 2}.i32"),
+                     "state_out": os.path.join(tmp, f"state-{n - 1}.i32")}
+            if n > 2:
+                np.memmap(state["state_out"], dtype=np.int32, mode="w+", shape=(length,)).flush()
+            common = {"n": n, "vocab_size": vocab_size, "corpus": corpus, "chunk_tokens": chunk_tokens,
+                      "spill_limit": spill_limit, **state, **_save_trie(levels, vocab_size, tmp)}
+            tasks = [common | {"start": start, "stop": min(length, start + per_task),
+                               "run_prefix": os.path.join(tmp, f"run-{n}-{start}")}
+                     for start in range(0, length, per_task)]
             runs, done = [], 0
             for task_runs in mapper(_count_task, tasks):
                 runs += task_runs
                 done += per_task
                 if progress:
                     progress(f"count {n}-grams", min(done, length), length)
+            if os.path.exists(state["state_in"]):
+                os.remove(state["state_in"])
             runs.sort()  # the reduce sums counts, so run order can't matter; sorting keeps it reproducible anyway
             threshold = _cutoff(levels, num_fgrams, min_count)
             groups = counting.group_partitions(runs, spill_limit)
@@ -186,7 +227,7 @@ def extract_fgrams(
             keys, counts = counting.merge_counts([k for k, _ in parts], [c for _, c in parts])
             if not len(keys):
                 break
-            levels.append(_decode(keys, counts, levels, slots, vocab_size))
+            levels.append(_decode(keys, counts, levels, vocab_size))
     if not levels:
         raise ValueError(
             f"No 2-gram occurs min_count={min_count} times in the {tokens_counted} tokens counted. "

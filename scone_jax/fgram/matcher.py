@@ -1,10 +1,11 @@
 """Longest-match f-gram lookup (SCONE.md rule 2), vectorized over a whole batch.
 
-The vocabulary is stored as a trie in one hash table (trie.py). Matching walks
-n = 2, 3, ...: it probes the n-gram ending at a position only where the n-gram
-ending there and the (n-1)-gram ending one before matched at length n-1. By
-the closure property no other position can match at length n, so the last
-length that matched is the longest match, and most positions need one probe.
+The vocabulary is stored as a trie in one hash table (trie.py), keyed by the
+prefix's slot, so the slot found at length n is the id needed at length n+1.
+Matching walks n = 2, 3, ...: it probes the (n+1)-gram ending at a position only
+where the n-grams ending there and one before both matched. By the closure
+property no other position can match at length n+1, so the last length that
+matched is the longest match, and most positions need one or two probes.
 Host memory: the table (8 bytes per slot) plus an int32 f-gram id per slot, at
 LOAD = 0.6 keys per slot ~ 20 bytes per f-gram, besides the vocabulary's tokens.
 """
@@ -83,17 +84,31 @@ class Matcher:
         np.equal(segments[1:], segments[:-1], out=pair_ok[1:])
         pair_ok &= segments != 0
         pair_ok[:: tokens.shape[1]] = False  # a row never continues the previous one
+        return self.fgram_id[self._longest_slots(flat, pair_ok)].reshape(tokens.shape)
+
+    def _longest_slots(self, flat: np.ndarray, pair_ok: np.ndarray) -> np.ndarray:
+        """Slot of the longest f-gram ending at each position (-1: none); pair_ok[e]: e-1, e in one segment."""
         best = np.full(flat.shape, -1, dtype=np.int64)
-        levels = trie.walk(self.table, flat, pair_ok, self.vocab_size, self.max_len)
-        level, ends, keys = next(levels)
-        while True:
+        current = np.full(flat.shape, -1, dtype=np.int64)  # slot of the n-gram ending at each position
+        ends = np.flatnonzero(pair_ok)
+        keys = trie.pair_keys(flat[ends - 1], flat[ends], self.vocab_size)
+        written = ends[:0]
+        for n in range(2, self.max_len + 1):
             slots = self.table.lookup(keys)
             hit = slots >= 0
-            best[ends[hit]] = slots[hit]
-            if level == self.max_len or not hit.any():
-                break
-            level, ends, keys = levels.send(slots)
-        return self.fgram_id[best].reshape(tokens.shape)
+            ends, slots = ends[hit], slots[hit]
+            best[ends] = slots
+            if n == self.max_len or not len(ends):
+                return best
+            current[written] = -1
+            current[ends] = slots
+            written = ends
+            # An (n+1)-gram can end at e only if the n-grams ending at e and at e-1 both matched.
+            before = current[ends - 1]
+            keep = before >= 0
+            ends = ends[keep]
+            keys = trie.extend_keys(before[keep], flat[ends], self.vocab_size)
+        return best
 
     def _check_range(self, flat: np.ndarray, real: np.ndarray, shape) -> None:
         bad = real & ((flat < 0) | (flat >= self.vocab_size))

@@ -83,23 +83,29 @@ class KeyTable:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Slots of `keys` (int64), -1 where absent."""
         keys = np.asarray(keys, dtype=np.uint64)
-        out = np.full(len(keys), -1, dtype=np.int64)
         bucket = self._home(keys)
-        pending = None  # None: all queries, in order (saves index arrays in the common first round)
-        query = keys
-        while len(query):
-            rows = np.take(self.keys, bucket, axis=0)
-            # One bool per column, read as one little-endian uint32 per row: byte c set <=> column c holds the key.
-            hit = (rows == query[:, None]).view(np.uint32).ravel()
-            found = hit != 0
-            hit = hit[found]
-            column = (hit > 0xFF).astype(np.int64) + (hit > 0xFFFF) + (hit > 0xFFFFFF)
-            where = found if pending is None else pending[found]
-            out[where] = bucket[found] * WIDTH + column
-            go_on = ~found & (rows[:, -1] != EMPTY)
-            pending = np.flatnonzero(go_on) if pending is None else pending[go_on]
-            bucket, query = bucket[go_on] + 1, query[go_on]
-        return out
+        slots, go_on = self._probe(keys, bucket)
+        # Rare: the home bucket was full and did not hold the key; keep probing the following buckets.
+        pending = np.flatnonzero(go_on)
+        bucket = bucket[pending]
+        while len(pending):
+            bucket += 1
+            found, go_on = self._probe(keys[pending], bucket)
+            slots[pending] = found
+            pending, bucket = pending[go_on], bucket[go_on]
+        return slots
+
+    def _probe(self, keys: np.ndarray, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slot of each key in its bucket or -1, whether to try the next bucket)."""
+        rows = np.take(self.keys, bucket, axis=0)
+        # One bool per column, read as one little-endian uint32 per row: byte c is set <=> column c holds
+        # the key, so the row reads 2^(8c); as a float32 its exponent field is 127 + 8c, i.e. (bits >> 26) = 15 + c.
+        hit = (rows == keys[:, None]).view(np.uint32).ravel()
+        column = (hit.astype(np.float32).view(np.int32) >> 26) - 15
+        slots = bucket * WIDTH + column
+        missing = hit == 0
+        slots[missing] = -1
+        return slots, missing & (rows[:, -1] != EMPTY)
 
 
 def pair_keys(first: np.ndarray, last: np.ndarray, vocab_size: int) -> np.ndarray:

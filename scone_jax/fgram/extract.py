@@ -45,15 +45,16 @@ def check_extract_args(max_len: int, num_fgrams: int, min_count: int, vocab_size
         raise ValueError(f"vocab_size = {vocab_size} must be the tokenizer's vocabulary size, in [1, 2^31).")
 
 
-def check_document(index: int, doc, vocab_size: int) -> np.ndarray:
-    """`doc` as int32 ids, or a clear error naming the document and the bad value."""
+def check_document(index: int | None, doc, vocab_size: int) -> np.ndarray:
+    """`doc` as int32 ids, or a clear error naming the document (if `index` is known) and the bad value."""
     doc = np.asarray(doc)
+    name = "A document" if index is None else f"Document {index}"
     if doc.ndim != 1 or not (np.issubdtype(doc.dtype, np.integer) or doc.size == 0):
-        raise ValueError(f"Document {index} is {doc.dtype} {doc.shape}; expected a 1-D array of integer token ids.")
+        raise ValueError(f"{name} is {doc.dtype} {doc.shape}; expected a 1-D array of integer token ids.")
     if doc.size and (doc.min() < 0 or doc.max() >= vocab_size):
         bad = doc.min() if doc.min() < 0 else doc.max()
         raise ValueError(
-            f"Document {index} holds token id {bad}, outside [0, vocab_size={vocab_size}). Fix: pass the "
+            f"{name} holds token id {bad}, outside [0, vocab_size={vocab_size}). Fix: pass the "
             "vocab_size of the tokenizer that produced these ids (or re-tokenize with it)."
         )
     return doc.astype(np.int32)

@@ -3,7 +3,8 @@
 The vocabulary is stored as a trie in one hash table (trie.py), keyed by the
 prefix's slot, so the slot found at length n is the id needed at length n+1.
 Matching walks n = 2, 3, ...: it probes the (n+1)-gram ending at a position only
-where the n-grams ending there and one before both matched. By the closure
+where the n-grams ending there and one before both matched (adjacent entries in
+the sorted list of length-n matches). By the closure
 property no other position can match at length n+1, so the last length that
 matched is the longest match, and most positions need one or two probes.
 Host memory: the table (8 bytes per slot) plus an int32 f-gram id per slot, at
@@ -89,25 +90,20 @@ class Matcher:
     def _longest_slots(self, flat: np.ndarray, pair_ok: np.ndarray) -> np.ndarray:
         """Slot of the longest f-gram ending at each position (-1: none); pair_ok[e]: e-1, e in one segment."""
         best = np.full(flat.shape, -1, dtype=np.int64)
-        current = np.full(flat.shape, -1, dtype=np.int64)  # slot of the n-gram ending at each position
         ends = np.flatnonzero(pair_ok)
         keys = trie.pair_keys(flat[ends - 1], flat[ends], self.vocab_size)
-        written = ends[:0]
         for n in range(2, self.max_len + 1):
             slots = self.table.lookup(keys)
             hit = slots >= 0
             ends, slots = ends[hit], slots[hit]
             best[ends] = slots
-            if n == self.max_len or not len(ends):
+            # An (n+1)-gram can end at e only if the n-grams ending at e and at e-1 both matched; `ends` is
+            # sorted, so that is where the previous entry is e-1.
+            follows = np.flatnonzero(ends[1:] - ends[:-1] == 1)
+            if n == self.max_len or not len(follows):
                 return best
-            current[written] = -1
-            current[ends] = slots
-            written = ends
-            # An (n+1)-gram can end at e only if the n-grams ending at e and at e-1 both matched.
-            before = current[ends - 1]
-            keep = before >= 0
-            ends = ends[keep]
-            keys = trie.extend_keys(before[keep], flat[ends], self.vocab_size)
+            keys = trie.extend_keys(slots[follows], flat[ends[follows + 1]], self.vocab_size)
+            ends = ends[follows + 1]
         return best
 
     def _check_range(self, flat: np.ndarray, real: np.ndarray, shape) -> None:

@@ -1,0 +1,72 @@
+"""Vocabulary format: round trip, fingerprints, and clear errors for partial, damaged or mismatched data."""
+import json
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from scone_jax.fgram.vocab import build_vocab, load_vocab, save_vocab
+
+
+@pytest.fixture
+def vocab():
+    bigrams = (np.array([[1, 2], [3, 4], [5, 6]], np.int32), np.array([7, 9, 2]))
+    trigrams = (np.array([[1, 2, 3]], np.int32), np.array([7]))
+    return build_vocab([bigrams, trigrams], num_fgrams=10, max_len=3, min_count=3, tokens_counted=100,
+                       vocab_size=10, tokenizer_fingerprint="tokA")
+
+
+def test_ranking_padding_and_fields(vocab):
+    # (5, 6) is below min_count; the tie at 7 puts the shorter (1, 2) first.
+    assert vocab.tokens.tolist() == [[3, 4, 0], [1, 2, 0], [1, 2, 3]]
+    assert vocab.lengths.tolist() == [2, 2, 3] and vocab.counts.tolist() == [9, 7, 7]
+    assert (vocab.tokens.dtype, vocab.lengths.dtype, vocab.counts.dtype) == (np.int32, np.int32, np.int64)
+    assert len(vocab.fingerprint) == 16 and vocab.num_fgrams == 3
+
+
+def test_round_trip(vocab, tmp_path):
+    save_vocab(vocab, str(tmp_path / "v"))
+    loaded = load_vocab(str(tmp_path / "v"), expected_tokenizer_fingerprint="tokA")
+    for name in ("tokens", "lengths", "counts"):
+        np.testing.assert_array_equal(getattr(loaded, name), getattr(vocab, name))
+        assert getattr(loaded, name).dtype == getattr(vocab, name).dtype
+    assert loaded.metadata == vocab.metadata and loaded.fingerprint == vocab.fingerprint
+    meta = json.loads((tmp_path / "v" / "vocab.json").read_text())
+    assert meta["fingerprint"] == vocab.fingerprint and meta["num_fgrams"] == 3 and meta["max_len"] == 3
+
+
+def test_fingerprint_covers_content_and_metadata(vocab):
+    other = build_vocab([(vocab.tokens[:, :2][:2], np.array([9, 7]))], num_fgrams=10, max_len=3, min_count=3,
+                        tokens_counted=100, vocab_size=10, tokenizer_fingerprint="tokB")
+    assert other.fingerprint != vocab.fingerprint
+
+
+def test_tokenizer_mismatch(vocab, tmp_path):
+    save_vocab(vocab, str(tmp_path / "v"))
+    with pytest.raises(ValueError, match="built with tokenizer 'tokA', but the tokenizer in use is 'tokB'"):
+        load_vocab(str(tmp_path / "v"), expected_tokenizer_fingerprint="tokB")
+
+
+def test_missing_or_unfinished(vocab, tmp_path):
+    with pytest.raises(FileNotFoundError, match="No f-gram vocabulary at .*vocab.json is missing"):
+        load_vocab(str(tmp_path / "nothing"))
+    save_vocab(vocab, str(tmp_path / "v"))
+    (tmp_path / "v" / "vocab.json").unlink()  # what a crash before the last write leaves
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        load_vocab(str(tmp_path / "v"))
+
+
+def test_damaged_arrays(vocab, tmp_path):
+    save_vocab(vocab, str(tmp_path / "v"))
+    counts = ts.open({"driver": "zarr3", "kvstore": f"file://{tmp_path}/v/counts/"}).result()
+    counts[0].write(8).result()
+    with pytest.raises(ValueError, match=f"damaged: its content hashes to .*records {vocab.fingerprint}"):
+        load_vocab(str(tmp_path / "v"))
+
+
+def test_overwrite_replaces(vocab, tmp_path):
+    save_vocab(vocab, str(tmp_path / "v"))
+    smaller = build_vocab([(np.array([[1, 2]], np.int32), np.array([4]))], num_fgrams=10, max_len=2, min_count=1,
+                          tokens_counted=5, vocab_size=10, tokenizer_fingerprint="tokA")
+    save_vocab(smaller, str(tmp_path / "v"))
+    assert load_vocab(str(tmp_path / "v")).fingerprint == smaller.fingerprint

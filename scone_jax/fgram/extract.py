@@ -193,6 +193,9 @@ def extract_fgrams(
     `documents` yields one int32 token array per document (n-grams never cross
     documents); it is read once. Scratch files go to `work_dir` (default: the
     system temp dir) and need ~4 bytes per token plus the spilled runs.
+    `num_workers` > 1 (default: all cores) uses spawned processes, so a calling
+    script needs the `if __name__ == "__main__":` guard. min_count applies to every
+    length, so every f-gram occurs at least min_count times.
     """
     check_extract_args(max_len, num_fgrams, min_count, vocab_size)
     num_workers = num_workers or len(os.sched_getaffinity(0))

@@ -34,6 +34,19 @@ def base_config() -> ml_collections.ConfigDict:
     m.param_dtype = "float32"  # master weights
     m.remat = False  # recompute block activations in the backward pass
 
+    c.scone = s = ml_collections.ConfigDict()
+    s.enabled = False  # train the f-gram model jointly and replace embeddings at matches
+    s.vocab_path = ""  # f-gram vocabulary; '' = extract into <workdir>/fgrams on first run
+    s.max_len = 5  # K: longest f-gram, in tokens
+    s.num_fgrams = 100_000  # S: f-grams kept (top S by count, all lengths ranked together)
+    s.min_count = 5  # extraction's minimum count from the second scan on
+    s.extract_max_tokens = 50_000_000  # extraction reads at most this many training tokens
+    s.fgram_capacity = 1024  # U: unique f-grams per data shard per step (static shape)
+    s.num_layers = 4  # f-gram model depth (its size relative to the main model)
+    s.d_model = 0  # f-gram model width; 0 = the main model's (else projected to it)
+    s.num_heads = 0  # 0 = the main model's
+    s.d_ff = 0  # 0 = the main model's
+
     c.data = d = ml_collections.ConfigDict()
     d.source = "kjv"  # 'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'
     d.train_files = ""  # glob pattern(s), comma-separated

@@ -46,9 +46,15 @@ class MetricsWriter:
 def format_line(step: int, total: int, scalars: dict) -> str:
     """Human progress line: step, loss, perplexity, tokens/s, ETA, MFU."""
     eta = scalars.get("eta_s", 0.0)
-    return (
+    line = (
         f"step {step}/{total} loss {scalars['loss']:.4f} ppl {scalars['perplexity']:.2f} "
         f"tok/s {scalars['tokens_per_s']:,.0f} mfu {100 * scalars['mfu']:.2f}% "
         f"grad_norm {scalars['grad_norm']:.3f} lr {scalars['learning_rate']:.2e} "
         f"eta {int(eta // 60)}m{int(eta % 60):02d}s"
     )
+    if "fgram/hit_rate" in scalars:
+        line += (
+            f" | fgram hit {scalars['fgram/hit_rate']:.3f} len {scalars['fgram/mean_matched_length']:.2f} "
+            f"unique {scalars['fgram/unique_ratio']:.3f} model_tok/step {scalars['fgram/model_tokens']:,.0f}"
+        )
+    return line

@@ -11,16 +11,21 @@ import jax
 from flax import nnx
 
 from scone_jax import sharding
+from scone_jax.model.scone import SconeModel
 from scone_jax.model.transformer import Decoder
 from scone_jax.optimizer import make_optimizer
 
 
-def build_model(model_cfg, seed: int) -> nnx.Module:
-    return Decoder(model_cfg, nnx.Rngs(seed))
+def build_model(config) -> nnx.Module:
+    """The plain decoder, or the SCONE model (decoder + f-gram model) if scone.enabled."""
+    rngs = nnx.Rngs(config.train.seed)
+    if config.scone.enabled:
+        return SconeModel(config.model, config.scone, rngs)
+    return Decoder(config.model, rngs)
 
 
 def _create(config):
-    model = build_model(config.model, config.train.seed)
+    model = build_model(config)
     optimizer = nnx.Optimizer(model, make_optimizer(config.train), wrt=nnx.Param)
     return nnx.split((model, optimizer))
 

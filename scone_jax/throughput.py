@@ -49,9 +49,9 @@ def peak_flops_per_device(configured: float = 0.0) -> float:
 class Throughput:
     """Rates over the interval since the previous `update` call."""
 
-    def __init__(self, total_steps: int, start_step: int, flops_per_token: float, peak_flops_total: float):
+    def __init__(self, total_steps: int, start_step: int, flops_per_step: float, peak_flops_total: float):
         self.total_steps = total_steps
-        self.flops_per_token = flops_per_token
+        self.flops_per_step = flops_per_step
         self.peak = peak_flops_total
         self._last_time = time.perf_counter()
         self._last_step = start_step
@@ -66,5 +66,5 @@ class Throughput:
             "tokens_per_s": tokens_per_s,
             "step_time_s": elapsed / steps,
             "eta_s": (self.total_steps - step) * elapsed / steps,
-            "mfu": tokens_per_s * self.flops_per_token / self.peak if self.peak else 0.0,
+            "mfu": self.flops_per_step * steps / elapsed / self.peak if self.peak else 0.0,
         }

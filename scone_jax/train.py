@@ -15,6 +15,9 @@ from absl import logging
 
 from scone_jax import checkpoint, config as config_lib, sharding, state as state_lib, steps
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+from scone_jax.fgram import stats as fgram_stats, workdir_vocab
+from scone_jax.fgram.dedup import FgramBatcher
+from scone_jax.fgram.matcher import Matcher
 from scone_jax.metrics_writer import MetricsWriter, format_line
 from scone_jax.model import accounting
 from scone_jax.throughput import Throughput, peak_flops_per_device
@@ -42,7 +45,7 @@ def batch_fingerprint(batch: dict) -> int:
     return zlib.crc32(np.ascontiguousarray(batch["inputs"]).tobytes())
 
 
-def evaluate(eval_step, state, config, tokenizer, mesh) -> dict:
+def evaluate(eval_step, state, config, tokenizer, mesh, batch_transform=None) -> dict:
     """Held-out loss and perplexity over data.eval (train.eval_batches caps the batch count)."""
     loss_sum, count = 0.0, 0.0
     batches = pipeline.make_eval_batches(
@@ -51,10 +54,27 @@ def evaluate(eval_step, state, config, tokenizer, mesh) -> dict:
     for i, batch in enumerate(batches):
         if config.train.eval_batches and i >= config.train.eval_batches:
             break
-        l, n = eval_step(state, sharding.global_batch(batch, mesh))
+        if batch_transform is not None:
+            batch = batch_transform(batch)
+        l, n = eval_step(state, sharding.global_batch(device_batch(batch), mesh))
         loss_sum, count = loss_sum + float(l), count + float(n)
     loss = loss_sum / max(count, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+def device_batch(batch: dict) -> dict:
+    """The arrays the step uses (host-only extras such as global f-gram ids stay behind)."""
+    return {k: v for k, v in batch.items() if k != "fgram_ids"}
+
+
+def fgram_batcher(config, tokenizer, workdir: str, mesh):
+    """The grain batch transform that adds per-shard f-grams, or (None, None) without SCONE."""
+    if not config.scone.enabled:
+        return None, None
+    vocab = workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer, workdir, jax.process_index() == 0)
+    local_shards = sharding.num_batch_shards(mesh) // jax.process_count()
+    batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=local_shards, capacity=config.scone.fgram_capacity)
+    return vocab, batcher
 
 
 class _PendingMetrics:
@@ -63,14 +83,14 @@ class _PendingMetrics:
     def __init__(self):
         self.items = []
 
-    def add(self, step, metrics, fingerprint):
-        self.items.append((step, metrics, fingerprint))
+    def add(self, step, metrics, host_figures: dict):
+        self.items.append((step, metrics, host_figures))
 
     def flush(self) -> list[dict]:
         fetched = jax.device_get([m for _, m, _ in self.items])
         records = [
-            {"step": s, "batch_crc": fp, **{k: float(v) for k, v in m.items()}}
-            for (s, _, fp), m in zip(self.items, fetched)
+            {"step": s, **host, **{k: float(v) for k, v in m.items()}}
+            for (s, _, host), m in zip(self.items, fetched)
         ]
         self.items = []
         for r in records:
@@ -94,16 +114,21 @@ def run(config, workdir: str) -> dict:
     if is_chief:
         config_lib.write_config(config, workdir)
     logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(), jax.process_count())
+    vocab, batcher = fgram_batcher(config, tokenizer, workdir, mesh)
 
     spec = state_lib.state_spec(config, mesh)
-    counts = accounting.param_counts(spec.abstract[0])
-    logging.info("Parameters: %s", {k: f"{v:,}" for k, v in counts.items()})
+    logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(spec.abstract[0]).items()})
+    flops = accounting.train_step_flops(config, spec.abstract[0], sharding.num_batch_shards(mesh))
     data_iter = iter(pipeline.make_train_dataset(
-        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
+        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
+        batch_transform=batcher,
     ))
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
-    meta = {"tokenizer_fingerprint": tokenizer.fingerprint, "config": config.to_dict()}
-    expect = {"tokenizer_fingerprint": tokenizer.fingerprint}
+    expect = {
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "fgram_vocab_fingerprint": vocab.fingerprint if vocab else None,
+    }
+    meta = {**expect, "config": config.to_dict()}
 
     step = ckpt.latest_step() or 0
     if step:
@@ -116,17 +141,20 @@ def run(config, workdir: str) -> dict:
     eval_step = steps.make_eval_step(spec.graphdef, spec.shardings, mesh)
     writer = MetricsWriter(workdir, enabled=is_chief)
     t = config.train
-    flops_per_token = accounting.decoder_flops_per_token(config.model, config.data.seq_len, counts["non_embedding"])
-    meter = Throughput(t.num_steps, step, flops_per_token, peak_flops_per_device(t.peak_flops_per_device) * jax.device_count())
+    peak = peak_flops_per_device(t.peak_flops_per_device) * jax.device_count()
+    meter = Throughput(t.num_steps, step, flops["total"], peak)
     pending, window, summary = _PendingMetrics(), [], {}
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     try:
         while step < stop_at:
             host_batch = next(data_iter)
-            fingerprint = batch_fingerprint(host_batch)
-            state, metrics = train_step(state, sharding.global_batch(host_batch, mesh))
+            host = {"batch_crc": batch_fingerprint(host_batch)}
+            if batcher is not None:
+                host.update(fgram_stats.batch_stats(host_batch, batcher.num_shards))
+                host["fgram/model_tokens"] = host_batch["fgram_tokens"].size * jax.process_count()
+            state, metrics = train_step(state, sharding.global_batch(device_batch(host_batch), mesh))
             step += 1
-            pending.add(step, metrics, fingerprint)
+            pending.add(step, metrics, host)
             last = step == stop_at
             if step % t.log_every == 0 or step % t.checkpoint_every == 0 or last:
                 records = pending.flush()
@@ -138,7 +166,7 @@ def run(config, workdir: str) -> dict:
                 writer.write(step, summary)
                 logging.info(format_line(step, t.num_steps, summary))
             if t.eval_every and (step % t.eval_every == 0 or last):
-                ev = evaluate(eval_step, state, config, tokenizer, mesh)
+                ev = evaluate(eval_step, state, config, tokenizer, mesh, batcher)
                 writer.write(step, ev, prefix="eval")
                 logging.info("eval step %d: loss %.4f ppl %.2f over %d tokens", step, ev["loss"], ev["perplexity"], ev["tokens"])
                 summary.update({f"eval_{k}": v for k, v in ev.items()})
@@ -152,11 +180,14 @@ def run(config, workdir: str) -> dict:
 
 
 def _summarize(records: list[dict], rates: dict) -> dict:
+    """Window means of loss and f-gram figures, last values of the rest, plus rates."""
     loss = float(np.mean([r["loss"] for r in records]))
+    fgram = {k: float(np.mean([r[k] for r in records])) for k in records[-1] if k.startswith("fgram/")}
     return {
         "loss": loss,
         "perplexity": math.exp(min(loss, 50.0)),
         "grad_norm": records[-1]["grad_norm"],
         "learning_rate": records[-1]["learning_rate"],
+        **fgram,
         **rates,
     }

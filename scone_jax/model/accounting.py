@@ -7,6 +7,11 @@ Training FLOPs per token (forward + backward = 3x forward; a matmul of an [n] ve
 Embedding lookups, norms and softmax are ignored (< 1% at our sizes). Attention is counted as
 if every query saw the whole sequence, as the PaLM paper does; causal masking halves the real
 work, so the MFU here is comparable with theirs.
+
+SCONE adds the f-gram model, which runs on every row of the static f-gram buffer (U rows per
+data shard, K tokens each, padding included, because that is what the device computes):
+    rows * K * (6 * its non-embedding matmul parameters + 12 * its layers * K * its attention width)
+Its token-embedding input is a lookup, and the table-gather back into the batch is free.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import math
 
 import jax
 from flax import nnx
+
+from scone_jax.model.fgram_model import fgram_block_config
 
 EMBEDDING_PARAMS = ("token_embed", "pos_embed")
 
@@ -34,9 +41,35 @@ def param_counts(abstract_model_state) -> dict:
     return counts
 
 
+def fgram_flops_per_step(fgram_block_cfg, rows: int, non_embedding_params: int) -> float:
+    """Training FLOPs of the f-gram model on `rows` f-grams of K tokens (module docstring)."""
+    k = fgram_block_cfg.max_seq_len
+    head_dim = fgram_block_cfg.head_dim or fgram_block_cfg.d_model // fgram_block_cfg.num_heads
+    attention = 12 * fgram_block_cfg.num_layers * k * fgram_block_cfg.num_heads * head_dim
+    return rows * k * (6.0 * non_embedding_params + attention)
+
+
 def decoder_flops_per_token(model_cfg, seq_len: int, non_embedding_params: int) -> float:
     """Training FLOPs per token of the decoder (formula in the module docstring)."""
     head_dim = model_cfg.head_dim or model_cfg.d_model // model_cfg.num_heads
     matmul_params = non_embedding_params + model_cfg.d_model * model_cfg.vocab_size
     attention = 12 * model_cfg.num_layers * seq_len * model_cfg.num_heads * head_dim
     return 6.0 * matmul_params + attention
+
+
+def train_step_flops(config, abstract_model_state, num_batch_shards: int) -> dict:
+    """{'decoder', 'fgram', 'total'} training FLOPs of one step of the configured model."""
+    tokens = config.data.global_batch_size * config.data.seq_len
+    scone = config.scone.enabled
+    decoder_state = abstract_model_state["decoder"] if scone else abstract_model_state
+    decoder = tokens * decoder_flops_per_token(
+        config.model, config.data.seq_len, param_counts(decoder_state)["non_embedding"]
+    )
+    fgram = 0.0
+    if scone:
+        fgram = fgram_flops_per_step(
+            fgram_block_config(config.model, config.scone),
+            num_batch_shards * config.scone.fgram_capacity,
+            param_counts(abstract_model_state["fgram_model"])["non_embedding"],
+        )
+    return {"decoder": decoder, "fgram": fgram, "total": decoder + fgram}

@@ -78,8 +78,13 @@ class Decoder(nnx.Module):
             )
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """T(tokens): [B, T] int -> [B, T, d]."""
-        return self.token_embed(tokens)
+        """T(tokens): [..., n] int -> [..., n, d], rows staying on the devices holding `tokens`.
+
+        The table is gathered over FSDP first (as for any weight) so the lookup is local; left
+        to itself XLA may shard the output like the table and reshuffle rows across devices."""
+        table = constrain(self.token_embed.embedding[...], ("vocab", None))
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
     def decode(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """Input embeddings [B, T, d] -> final hidden states [B, T, d]."""

@@ -1,0 +1,64 @@
+"""The f-gram model: the main model's block architecture over one f-gram at a time.
+
+Input: the main model's token embeddings T(tok_1..tok_n) of a left-aligned f-gram (right
+padding up to K), plus this model's own learned position embedding with K positions.
+Output: the final-norm hidden state at the f-gram's last token, width d of the main model.
+Attention is causal, so right padding never reaches the last real token (SCONE.md rule 4).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from scone_jax.model.layers import dense, dtype_of, normal
+from scone_jax.model.transformer import BlockStack
+
+
+def fgram_block_config(main_cfg, scone_cfg):
+    """The main model's block config with the f-gram model's own depth and (optional) width.
+
+    Positions are learned absolute ones (K of them) whatever the main model uses."""
+    cfg = main_cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.num_layers = scone_cfg.num_layers
+        cfg.d_model = scone_cfg.d_model or main_cfg.d_model
+        cfg.num_heads = scone_cfg.num_heads or main_cfg.num_heads
+        cfg.head_dim = 0 if scone_cfg.d_model else main_cfg.head_dim
+        cfg.d_ff = scone_cfg.d_ff or main_cfg.d_ff
+        cfg.position = "learned"
+        cfg.max_seq_len = scone_cfg.max_len
+    return cfg
+
+
+class FgramModel(nnx.Module):
+    """Maps embedded f-grams [U, K, d] and their lengths [U] to f-gram embeddings [U, d]."""
+
+    def __init__(self, main_cfg, scone_cfg, rngs: nnx.Rngs):
+        cfg = fgram_block_config(main_cfg, scone_cfg)
+        self.max_len = scone_cfg.max_len
+        self.dtype = dtype_of(cfg.dtype)
+        self.pos_embed = nnx.Embed(
+            self.max_len, cfg.d_model, dtype=self.dtype, param_dtype=dtype_of(cfg.param_dtype),
+            embedding_init=normal(cfg.init_std, (None, "embed")), rngs=rngs,
+        )
+        resize = cfg.d_model != main_cfg.d_model
+        self.in_proj = dense(main_cfg.d_model, cfg.d_model, ("embed", "mlp"), cfg, rngs) if resize else None
+        self.out_proj = dense(cfg.d_model, main_cfg.d_model, ("mlp", "embed"), cfg, rngs) if resize else None
+        self.stack = BlockStack(cfg, cfg.num_layers, rngs)
+
+    def __call__(self, token_embeddings: jax.Array, lengths: jax.Array) -> jax.Array:
+        u, k, _ = token_embeddings.shape
+        x = token_embeddings.astype(self.dtype)
+        if self.in_proj is not None:
+            x = self.in_proj(x)
+        positions = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (u, k))
+        x = x + self.pos_embed(positions)
+        # Segment 1 = the f-gram's tokens; padding is segment 0 and never mixes with them.
+        segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
+        h = self.stack(x, segment_ids, positions)
+        last = jnp.maximum(lengths - 1, 0)
+        out = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+        if self.out_proj is not None:
+            out = self.out_proj(out)
+        return out

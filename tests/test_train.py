@@ -10,6 +10,7 @@ import pytest
 
 from scone_jax import checkpoint, sharding, state as state_lib, train
 from scone_jax.data import tokenizer as tokenizer_lib
+from scone_jax.fgram import workdir_vocab
 from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,3 +115,28 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
     result = run_cli(str(tmp_path / "w"), "--config.data.source=text", f"--config.data.train_files={empty}")
     assert result.returncode == 2
     assert "empty" in result.stderr.lower() and "Traceback" not in result.stderr
+
+
+def scone_config(tokenizer_path, **scone_overrides):
+    config = config_with(tokenizer_path, max_steps_per_run=2, log_every=1)
+    config.scone.update({**dict(enabled=True, max_len=4, num_fgrams=2000, min_count=3, fgram_capacity=64,
+                                num_layers=1, extract_max_tokens=200_000), **scone_overrides})
+    return config
+
+
+def test_scone_training_extracts_fgrams_logs_their_figures_and_pins_the_vocabulary(tokenizer_path, tmp_path):
+    workdir = str(tmp_path / "run")
+    result = train.run(scone_config(tokenizer_path), workdir)
+    assert result["step"] == 2 and np.isfinite(result["loss"])
+    assert 0.3 < result["fgram/hit_rate"] <= 1.0
+    assert 2.0 <= result["fgram/mean_matched_length"] <= 4.0
+    assert 0.0 < result["fgram/unique_ratio"] <= 1.0
+    assert result["fgram/model_tokens"] == 8 * 64 * 4  # 8 data shards x U rows x K tokens
+    assert os.path.exists(os.path.join(workdir, "fgrams", "vocab.json"))
+
+    other = str(tmp_path / "other_fgrams")
+    config = scone_config(tokenizer_path, num_fgrams=500)
+    workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer_lib.Tokenizer.load(tokenizer_path), other)
+    config.scone.vocab_path = os.path.join(other, "fgrams")
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="fgram_vocab_fingerprint"):
+        train.run(config, workdir)

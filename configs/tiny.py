@@ -31,7 +31,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     t.log_every, t.eval_every, t.checkpoint_every, t.eval_batches = 10, 100, 100, 20
     s = config.scone
     s.enabled = variant == "scone"
-    s.max_len, s.num_fgrams, s.min_count, s.fgram_capacity = 5, 20_000, 5, 1536
+    s.max_len, s.num_fgrams, s.min_count, s.fgram_capacity = 5, 20_000, 5, 1024
     s.num_layers = 2  # f-gram model at 0.5x the main model's blocks (the paper's low end), for speed
     if variant == "baseline_2x":
         m.num_layers = 8

@@ -55,6 +55,6 @@ def format_line(step: int, total: int, scalars: dict) -> str:
     if "fgram/hit_rate" in scalars:
         line += (
             f" | fgram hit {scalars['fgram/hit_rate']:.3f} len {scalars['fgram/mean_matched_length']:.2f} "
-            f"unique {scalars['fgram/unique_ratio']:.3f} model_tok/step {scalars['fgram/model_tokens']:,.0f}"
+            f"unique {scalars['fgram/unique_ratio']:.3f} rows {scalars['fgram/row_ratio']:.3f} model_tok/step {scalars['fgram/model_tokens']:,.0f}"
         )
     return line

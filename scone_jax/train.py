@@ -1,7 +1,8 @@
 """The training loop: steps, metrics, periodic evaluation, checkpoints and exact resume.
 
 Resume is automatic: if <workdir>/checkpoints holds a checkpoint, the state and the data
-iterator position are restored and training continues from that step.
+iterator position are restored and training continues from that step. On SIGTERM the loop
+finishes the current step, saves a checkpoint there and raises preemption.Preempted.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from scone_jax import checkpoint, config as config_lib, sharding, state as state_lib, steps
+from scone_jax import checkpoint, config as config_lib, distributed, preemption, sharding, state as state_lib, steps
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
 from scone_jax.fgram import stats as fgram_stats, workdir_vocab
 from scone_jax.fgram.dedup import FgramBatcher
@@ -62,16 +63,20 @@ def evaluate(eval_step, state, config, tokenizer, mesh, batch_transform=None) ->
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
 
 
+HOST_ONLY_KEYS = ("fgram_ids", "fgram_unique")
+
+
 def device_batch(batch: dict) -> dict:
     """The arrays the step uses (host-only extras such as global f-gram ids stay behind)."""
-    return {k: v for k, v in batch.items() if k != "fgram_ids"}
+    return {k: v for k, v in batch.items() if k not in HOST_ONLY_KEYS}
 
 
 def fgram_batcher(config, tokenizer, workdir: str, mesh):
     """The grain batch transform that adds per-shard f-grams, or (None, None) without SCONE."""
     if not config.scone.enabled:
         return None, None
-    vocab = workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer, workdir, jax.process_index() == 0)
+    vocab = distributed.chief_first("fgram_vocab", lambda: workdir_vocab.ensure_vocab(
+        config.scone, config.data, tokenizer, workdir, jax.process_index() == 0))
     local_shards = sharding.num_batch_shards(mesh) // jax.process_count()
     batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=local_shards, capacity=config.scone.fgram_capacity)
     return vocab, batcher
@@ -109,7 +114,7 @@ def run(config, workdir: str) -> dict:
     config_lib.validate(config)
     mesh = sharding.make_mesh(config.mesh)
     is_chief = jax.process_index() == 0
-    tokenizer = tokenizer_lib.ensure_tokenizer(config.data, workdir)
+    tokenizer = distributed.chief_first("tokenizer", lambda: tokenizer_lib.ensure_tokenizer(config.data, workdir))
     resolve_vocab_size(config, tokenizer)
     if is_chief:
         config_lib.write_config(config, workdir)
@@ -145,6 +150,7 @@ def run(config, workdir: str) -> dict:
     meter = Throughput(t.num_steps, step, flops["total"], peak)
     pending, window, summary = _PendingMetrics(), [], {}
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
+    watch = preemption.Watch()
     try:
         while step < stop_at:
             host_batch = next(data_iter)
@@ -156,7 +162,8 @@ def run(config, workdir: str) -> dict:
             step += 1
             pending.add(step, metrics, host)
             last = step == stop_at
-            if step % t.log_every == 0 or step % t.checkpoint_every == 0 or last:
+            preempted = watch.reached(step)
+            if step % t.log_every == 0 or step % t.checkpoint_every == 0 or last or preempted:
                 records = pending.flush()
                 writer.write_steps(records)
                 window += records
@@ -170,9 +177,12 @@ def run(config, workdir: str) -> dict:
                 writer.write(step, ev, prefix="eval")
                 logging.info("eval step %d: loss %.4f ppl %.2f over %d tokens", step, ev["loss"], ev["perplexity"], ev["tokens"])
                 summary.update({f"eval_{k}": v for k, v in ev.items()})
-            if step % t.checkpoint_every == 0 or last:
+            if step % t.checkpoint_every == 0 or last or preempted:
                 ckpt.save(step, state, data_iter, {**meta, "step": step})
+            if preempted and not last:
+                raise preemption.Preempted(step)
     finally:
+        watch.close()
         ckpt.wait()
         ckpt.close()
         writer.close()

@@ -9,20 +9,29 @@ from scone_jax.fgram.matcher import Matcher
 
 
 def reference_dedup(ids, vocab, num_shards, capacity):
+    """Plain dicts: per shard, the unique f-grams that are no proper prefix of another one get
+    rows; every matched position reads (row, length-1) of the first row that begins with it."""
+    k = vocab.max_len
     rows = ids.shape[0] // num_shards
-    tokens = np.zeros((num_shards * capacity, vocab.max_len), np.int32)
+    tokens = np.zeros((num_shards * capacity, k), np.int32)
     lengths = np.zeros(num_shards * capacity, np.int32)
     index = np.full(ids.shape, -1, np.int32)
+    as_tuple = {f: vocab.fgram(f) for f in range(vocab.num_fgrams)}
     for s in range(num_shards):
         block = ids[s * rows : (s + 1) * rows]
         unique = sorted(set(block[block >= 0].tolist()))
-        for u, fgram in enumerate(unique):
+        grams = {as_tuple[f] for f in unique}
+        maximal = [f for f in unique if not any(g != as_tuple[f] and g[: len(as_tuple[f])] == as_tuple[f] for g in grams)]
+        slot = {}
+        for u, fgram in enumerate(maximal):
             tokens[s * capacity + u] = vocab.tokens[fgram]
             lengths[s * capacity + u] = vocab.lengths[fgram]
-        local = {fgram: u for u, fgram in enumerate(unique)}
+        for f in unique:
+            u = next(u for u, m in enumerate(maximal) if as_tuple[m][: len(as_tuple[f])] == as_tuple[f])
+            slot[f] = u * k + len(as_tuple[f]) - 1
         for (b, t), fgram in np.ndenumerate(block):
             if fgram >= 0:
-                index[s * rows + b, t] = local[fgram]
+                index[s * rows + b, t] = slot[fgram]
     return tokens, lengths, index
 
 
@@ -46,21 +55,25 @@ def test_matches_reference(setup, num_shards):
     np.testing.assert_array_equal(out["fgram_lengths"], lengths)
     np.testing.assert_array_equal(out["fgram_index"], index)
     assert out["inputs"] is batch["inputs"] and (out["fgram_ids"] >= 0).mean() > 0.3
-    # What the model will see: each matched position's row holds the tokens that end there.
+    assert (out["fgram_lengths"] > 0).sum() < (tokens_unique := out["fgram_unique"].sum())  # prefixes shared
+    assert tokens_unique == sum(len(set(ids[s * (8 // num_shards):(s + 1) * (8 // num_shards)][
+        ids[s * (8 // num_shards):(s + 1) * (8 // num_shards)] >= 0].tolist())) for s in range(num_shards))
+    # What the model will see: each matched position's slot starts the tokens that end there.
     rows_per_shard = 8 // num_shards
-    for (b, t), u in np.ndenumerate(out["fgram_index"]):
-        if u >= 0:
-            row = (b // rows_per_shard) * 200 + u
-            n = out["fgram_lengths"][row]
+    for (b, t), slot in np.ndenumerate(out["fgram_index"]):
+        if slot >= 0:
+            row, n = (b // rows_per_shard) * 200 + slot // 5, slot % 5 + 1
+            assert n <= out["fgram_lengths"][row]
             assert out["fgram_tokens"][row, :n].tolist() == batch["inputs"][b, t - n + 1 : t + 1].tolist()
 
 
 def test_capacity_overflow_names_the_fix(setup):
     vocab, matcher, batch = setup
     ids = matcher.match(batch["inputs"], batch["segment_ids"])
-    need = max(len(set(ids[s * 4 : s * 4 + 4][ids[s * 4 : s * 4 + 4] >= 0].tolist())) for s in range(2))
+    need = max((FgramBatcher(matcher, vocab, num_shards=2, capacity=200)(batch)["fgram_lengths"]
+                .reshape(2, 200) > 0).sum(1))
     FgramBatcher(matcher, vocab, num_shards=2, capacity=need)(batch)  # exactly enough is fine
-    with pytest.raises(ValueError, match=rf"holds {need} unique f-grams.*scone.fgram_capacity={need - 1}.*"
+    with pytest.raises(ValueError, match=rf"needs {need} f-gram rows.*scone.fgram_capacity={need - 1}.*"
                                          rf"--config.scone.fgram_capacity=128 or more"):
         FgramBatcher(matcher, vocab, num_shards=2, capacity=need - 1)(batch)
 
@@ -84,7 +97,10 @@ def test_stats_by_hand():
         "fgram/hit_rate": 0.5,
         "fgram/mean_matched_length": (2 + 3 + 2) / 3,
         "fgram/unique_ratio": 1.0,  # shard 0: 2 unique of 2 matched; shard 1: 1 of 1
-        "fgram/capacity_fill": 0.5,
+        "fgram/row_ratio": 2 / 3,  # shard 0 runs only (1 2 3): (1 2) is its prefix
+        "fgram/capacity_fill": 0.25,
     }
+    assert out["fgram_index"].tolist() == [[-1, 1, 2, -1], [-1, 1, -1, -1]]  # slots row*3 + length-1
     out = FgramBatcher(Matcher(vocab), vocab, num_shards=1, capacity=4)(batch)
-    assert stats.unique_ratio(out["fgram_index"], out["fgram_lengths"]) == 2 / 3
+    assert stats.unique_ratio(out["fgram_index"], out["fgram_unique"]) == 2 / 3
+    assert stats.row_ratio(out["fgram_index"], out["fgram_lengths"]) == 1 / 3

@@ -31,7 +31,7 @@ def random_fgrams(seed=0):
 
 
 def dedup_reference(fgram_ids, vocab_tokens, vocab_lengths, num_shards):
-    """Plain per-shard dedup: the arrays the grain pipeline hands the device."""
+    """Plain per-shard dedup, one row per unique f-gram (no prefix sharing): a valid input too."""
     b, t = fgram_ids.shape
     rows_tokens = np.zeros((num_shards * U, K), np.int32)
     rows_lengths = np.zeros(num_shards * U, np.int32)
@@ -44,7 +44,7 @@ def dedup_reference(fgram_ids, vocab_tokens, vocab_lengths, num_shards):
                 f = fgram_ids[r, c]
                 if f >= 0:
                     slot = slots.setdefault(int(f), len(slots))
-                    index[r, c] = slot
+                    index[r, c] = slot * K + vocab_lengths[f] - 1  # (row, last position) slot
                     rows_tokens[s * U + slot] = vocab_tokens[f]
                     rows_lengths[s * U + slot] = vocab_lengths[f]
         assert len(slots) <= U

@@ -3,8 +3,10 @@
 hit rate             matched positions / real positions (segment id != 0)
 mean matched length  average f-gram length over matched positions
 unique ratio         unique f-grams (summed over shards) / matched positions: the f-gram model's work
-                     with deduplication, relative to running it once per matched position
-capacity fill        the fullest shard's unique f-grams / capacity U: how close a batch came to the limit
+                     with per-shard deduplication, relative to running it once per matched position
+row ratio            f-gram model rows actually run (maximal f-grams, after prefix sharing) / matched
+                     positions
+capacity fill        the fullest shard's rows / capacity U: how close a batch came to the limit
 """
 from __future__ import annotations
 
@@ -16,20 +18,21 @@ def hit_rate(fgram_index: np.ndarray, segment_ids: np.ndarray) -> float:
     return float((fgram_index[real] >= 0).sum() / max(1, real.sum()))
 
 
-def matched_lengths(fgram_index: np.ndarray, fgram_lengths: np.ndarray, num_shards: int) -> np.ndarray:
-    """Length of the f-gram at each matched position (1-D, in row-major order)."""
-    capacity = len(fgram_lengths) // num_shards
-    shard = np.repeat(np.arange(num_shards), fgram_index.size // num_shards).reshape(fgram_index.shape)
-    matched = fgram_index >= 0
-    return fgram_lengths[shard[matched] * capacity + fgram_index[matched]]
+def matched_lengths(fgram_index: np.ndarray, max_len: int) -> np.ndarray:
+    """Length of the f-gram at each matched position (1-D, row-major): slots are row*K + length-1."""
+    return fgram_index[fgram_index >= 0] % max_len + 1
 
 
-def mean_matched_length(fgram_index: np.ndarray, fgram_lengths: np.ndarray, num_shards: int) -> float:
-    lengths = matched_lengths(fgram_index, fgram_lengths, num_shards)
+def mean_matched_length(fgram_index: np.ndarray, max_len: int) -> float:
+    lengths = matched_lengths(fgram_index, max_len)
     return float(lengths.mean()) if len(lengths) else 0.0
 
 
-def unique_ratio(fgram_index: np.ndarray, fgram_lengths: np.ndarray) -> float:
+def unique_ratio(fgram_index: np.ndarray, fgram_unique: np.ndarray) -> float:
+    return float(fgram_unique.sum() / max(1, (fgram_index >= 0).sum()))
+
+
+def row_ratio(fgram_index: np.ndarray, fgram_lengths: np.ndarray) -> float:
     return float((fgram_lengths > 0).sum() / max(1, (fgram_index >= 0).sum()))
 
 
@@ -38,11 +41,12 @@ def capacity_fill(fgram_lengths: np.ndarray, num_shards: int) -> float:
 
 
 def batch_stats(batch: dict, num_shards: int) -> dict[str, float]:
-    """All four figures for a batch that went through FgramBatcher with `num_shards` shards."""
+    """The figures for a batch that went through FgramBatcher with `num_shards` shards."""
     index, lengths = batch["fgram_index"], batch["fgram_lengths"]
     return {
         "fgram/hit_rate": hit_rate(index, batch["segment_ids"]),
-        "fgram/mean_matched_length": mean_matched_length(index, lengths, num_shards),
-        "fgram/unique_ratio": unique_ratio(index, lengths),
+        "fgram/mean_matched_length": mean_matched_length(index, batch["fgram_tokens"].shape[1]),
+        "fgram/unique_ratio": unique_ratio(index, batch["fgram_unique"]),
+        "fgram/row_ratio": row_ratio(index, lengths),
         "fgram/capacity_fill": capacity_fill(lengths, num_shards),
     }

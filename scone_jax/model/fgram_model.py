@@ -48,6 +48,14 @@ class FgramModel(nnx.Module):
         self.stack = BlockStack(cfg, cfg.num_layers, rngs)
 
     def __call__(self, token_embeddings: jax.Array, lengths: jax.Array) -> jax.Array:
+        """Embeddings of the f-grams themselves: the output at each row's last token, [U, d]."""
+        h = self.all_positions(token_embeddings, lengths)
+        last = jnp.maximum(lengths - 1, 0)
+        return jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+
+    def all_positions(self, token_embeddings: jax.Array, lengths: jax.Array) -> jax.Array:
+        """Outputs at every position [U, K, d]: position j of row (t_1..t_n) is the embedding of
+        the prefix f-gram (t_1..t_{j+1}), since attention is causal and rows left-aligned."""
         u, k, _ = token_embeddings.shape
         x = token_embeddings.astype(self.dtype)
         if self.in_proj is not None:
@@ -57,8 +65,4 @@ class FgramModel(nnx.Module):
         # Segment 1 = the f-gram's tokens; padding is segment 0 and never mixes with them.
         segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
         h = self.stack(x, segment_ids, positions)
-        last = jnp.maximum(lengths - 1, 0)
-        out = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-        if self.out_proj is not None:
-            out = self.out_proj(out)
-        return out
+        return self.out_proj(h) if self.out_proj is not None else h

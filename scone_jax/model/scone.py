@@ -1,9 +1,11 @@
 """SconeModel: the main decoder whose input embedding is replaced at f-gram matches.
 
-Per data shard the batch carries its unique f-grams (`fgram_tokens` [U, K], `fgram_lengths`
-[U]) and, per position, an index into them (`fgram_index`, -1 = no match). The f-gram model
-runs once per unique f-gram and the results are gathered back inside the shard: the arrays
-of shard s sit on the devices holding batch rows of shard s, so nothing crosses devices.
+Per data shard the batch carries the f-grams to run (`fgram_tokens` [U, K], `fgram_lengths`
+[U]: the shard's maximal unique f-grams, see fgram/dedup.py) and, per position, the slot
+row*K + j whose f-gram-model output is that position's embedding (`fgram_index`, -1 = no
+match). The f-gram model runs once per row and the results are gathered back inside the
+shard: the arrays of shard s sit on the devices holding batch rows of shard s, so nothing
+crosses devices.
 """
 from __future__ import annotations
 
@@ -28,11 +30,12 @@ class SconeModel(nnx.Module):
     def input_embeddings(self, batch: dict) -> jax.Array:
         """T(token) everywhere, replaced by the f-gram embedding where a match ends."""
         x = self.decoder.embed(batch["inputs"])
-        rows = self.fgram_embeddings(batch["fgram_tokens"], batch["fgram_lengths"])
+        tokens = batch["fgram_tokens"]
+        slots = self.fgram_model.all_positions(self.decoder.embed(tokens), batch["fgram_lengths"])
         index = batch["fgram_index"]
-        num_shards = rows.shape[0] // self.capacity
+        num_shards = tokens.shape[0] // self.capacity
         b, t = index.shape
-        per_shard = rows.reshape(num_shards, self.capacity, -1)
+        per_shard = slots.reshape(num_shards, self.capacity * tokens.shape[1], -1)
         index_per_shard = index.reshape(num_shards, (b // num_shards) * t)
         gathered = jax.vmap(lambda r, i: jnp.take(r, jnp.maximum(i, 0), axis=0))(per_shard, index_per_shard)
         gathered = gathered.reshape(b, t, -1).astype(x.dtype)

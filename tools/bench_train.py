@@ -1,22 +1,28 @@
-"""Training throughput of a config (default: the tiny one): tokens/s, step time and MFU.
+"""Training throughput of the tiny config: baseline vs SCONE step time, FLOPs and f-gram dedup.
 
   python tools/bench_train.py [--quick] [--config=configs/tiny.py] [--config.model.num_layers=8]
-Real batches from the config's data pipeline are prepared first, so the figure is the device
-step alone; MFU uses the FLOP formula in scone_jax/model/accounting.py.
+Real batches from the config's data pipeline (f-grams matched and deduplicated on the host)
+are prepared first, so the timings are the device step alone. MFU and the FLOP ratio use the
+formula in scone_jax/model/accounting.py. The dedup reduction is measured on the embedded
+corpus at the tiny config's shard (16 x 128 tokens) and at a paper-sized one (64 x 1024
+tokens: the paper's 512 x 1024 batch over 8 data shards).
 """
 import tempfile
 import time
 
 import jax
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 from scone_jax import sharding, state as state_lib, steps, train
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+from scone_jax.fgram import stats
+from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.model import accounting
 from scone_jax.throughput import peak_flops_per_device
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config to benchmark.")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "SCONE config (its baseline = scone off).")
 _QUICK = flags.DEFINE_bool("quick", False, "Few steps (under a minute here).")
 
 
@@ -26,7 +32,7 @@ def time_steps(config, batches, warmup: int = 2) -> float:
     spec = state_lib.state_spec(config, mesh)
     state = state_lib.init_state(config, spec)
     step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    device_batches = [sharding.global_batch(b, mesh) for b in batches]
+    device_batches = [sharding.global_batch(train.device_batch(b), mesh) for b in batches]
     for b in device_batches[:warmup]:
         state, metrics = step(state, b)
     jax.block_until_ready(metrics)
@@ -37,24 +43,57 @@ def time_steps(config, batches, warmup: int = 2) -> float:
     return (time.perf_counter() - start) / (len(device_batches) - warmup)
 
 
+def step_flops(config) -> float:
+    mesh = sharding.make_mesh(config.mesh)
+    abstract = state_lib.state_spec(config, mesh).abstract[0]
+    return accounting.train_step_flops(config, abstract, sharding.num_batch_shards(mesh))["total"]
+
+
+def dedup_reduction(config, tokenizer, batcher, rows: int, seq_len: int, num_batches: int) -> float:
+    """F-gram-model tokens per step: naive (K per matched position) over deduplicated (K per row)."""
+    data = config.data.copy_and_resolve_references()
+    data.update(dict(global_batch_size=rows, seq_len=seq_len))
+    big = FgramBatcher(batcher.matcher, batcher.vocab, num_shards=1, capacity=rows * seq_len)
+    it = iter(pipeline.make_train_dataset(data, tokenizer, batch_transform=big))
+    figures = [stats.batch_stats(next(it), 1) for _ in range(num_batches)]
+    return float(1.0 / np.mean([f["fgram/row_ratio"] for f in figures]))
+
+
 def main(_):
-    config = _CONFIG.value
-    num_steps = 5 if _QUICK.value else 30
+    scone = _CONFIG.value
+    baseline = scone.copy_and_resolve_references()
+    baseline.scone.enabled = False
+    num_steps = 4 if _QUICK.value else 20
     with tempfile.TemporaryDirectory() as workdir:
-        tokenizer = tokenizer_lib.ensure_tokenizer(config.data, workdir)
-    train.resolve_vocab_size(config, tokenizer)
-    dataset = iter(pipeline.make_train_dataset(config.data, tokenizer))
+        tokenizer = tokenizer_lib.ensure_tokenizer(scone.data, workdir)
+        for config in (scone, baseline):
+            train.resolve_vocab_size(config, tokenizer)
+        vocab, batcher = train.fgram_batcher(scone, tokenizer, workdir, sharding.make_mesh(scone.mesh))
+    dataset = iter(pipeline.make_train_dataset(scone.data, tokenizer, batch_transform=batcher))
     batches = [next(dataset) for _ in range(num_steps + 2)]
-    step_s = time_steps(config, batches)
-    tokens = config.data.global_batch_size * config.data.seq_len
-    counts = accounting.param_counts(state_lib.state_spec(config, sharding.make_mesh(config.mesh)).abstract[0])
-    flops = accounting.decoder_flops_per_token(config.model, config.data.seq_len, counts["non_embedding"]) * tokens
-    peak = peak_flops_per_device(config.train.peak_flops_per_device) * jax.device_count()
-    print(f"devices {jax.device_count()} ({jax.devices()[0].device_kind}), params {counts['total']:,}")
-    print(f"step {step_s * 1e3:.1f} ms, {tokens / step_s:,.0f} tokens/s, {flops / step_s / 1e9:.1f} GFLOP/s, "
-          f"MFU {100 * flops / step_s / peak:.1f}% of {peak / 1e9:.0f} GFLOP/s peak")
-    print(f"RESULT train_tokens_per_s {tokens / step_s:.1f}")
-    print(f"RESULT train_mfu {flops / step_s / peak:.4f}")
+    base_s = time_steps(baseline, batches)
+    scone_s = time_steps(scone, batches)
+    tokens = scone.data.global_batch_size * scone.data.seq_len
+    base_flops, scone_flops = step_flops(baseline), step_flops(scone)
+    peak = peak_flops_per_device(scone.train.peak_flops_per_device) * jax.device_count()
+    figures = [stats.batch_stats(b, batcher.num_shards) for b in batches]
+    print(f"devices {jax.device_count()} ({jax.devices()[0].device_kind}); {vocab.num_fgrams:,} f-grams, K={vocab.max_len}")
+    for name, sec, flops in (("baseline", base_s, base_flops), ("scone", scone_s, scone_flops)):
+        print(f"{name:9s} step {sec * 1e3:7.1f} ms  {tokens / sec:9,.0f} tokens/s  "
+              f"{flops / 1e9:7.1f} GFLOP/step  MFU {100 * flops / sec / peak:5.1f}% of {peak / 1e9:.0f} GFLOP/s")
+    print("tiny batch f-gram figures: " + ", ".join(
+        f"{k.split('/')[1]} {np.mean([f[k] for f in figures]):.3f}" for k in figures[0]))
+    tiny = 1.0 / np.mean([f["fgram/row_ratio"] for f in figures])
+    paper = dedup_reduction(scone, tokenizer, batcher, 64, 1024, 1 if _QUICK.value else 4)
+    print(f"dedup: naive / deduplicated f-gram-model tokens = {tiny:.2f} at 16 x 128 tokens per shard, "
+          f"{paper:.2f} at 64 x 1024 (static capacity U={scone.scone.fgram_capacity} rows: "
+          f"{np.mean([(b['fgram_index'] >= 0).sum() for b in batches]) / scone.scone.fgram_capacity:.2f} at the tiny shard)")
+    print(f"RESULT train_tokens_per_s {tokens / base_s:.1f}")
+    print(f"RESULT scone_train_tokens_per_s {tokens / scone_s:.1f}")
+    print(f"RESULT scone_step_time_ratio {scone_s / base_s:.3f}")
+    print(f"RESULT scone_flop_ratio {scone_flops / base_flops:.3f}")
+    print(f"RESULT dedup_fgram_token_reduction {paper:.2f}")
+    print(f"RESULT dedup_fgram_token_reduction_tiny_shard {tiny:.2f}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from flax import nnx
 
 from scone_jax import config as config_lib
 from scone_jax.model.accounting import param_counts
-from scone_jax.model.transformer import Decoder
+from scone_jax.state import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -56,6 +56,7 @@ def paper_formula(model_cfg, ffw):
 
 def test_all_config_files_are_covered():
     assert {"configs/tiny.py", "configs/gpt2_paper.py", "configs/olmo_paper.py"} <= set(CONFIG_FILES)
+    assert {v for p, v in CASES if p == "configs/gpt2_paper.py"} == {"128m", "419m", "589m", "204m", "759m", "1099m"}
     assert {v for p, v in CASES if p == "configs/olmo_paper.py"} == {"0.7b", "1b", "1.3b", "1.9b"}
 
 
@@ -67,7 +68,7 @@ def test_config_loads_locked_validates_and_builds(path, variant):
         config.model.num_layrs = 2  # locked: a typo is an error, not a new field
     if not config.model.vocab_size:  # sized from the tokenizer at run time, as train.py does
         config.model.vocab_size = math.ceil(config.data.vocab_size / 128) * 128
-    model = nnx.eval_shape(lambda: Decoder(config.model, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build_model(config))  # the decoder, plus the f-gram model if scone.enabled
     counts = param_counts(model)
     print(f"\n{path}:{variant}: {counts['total']:,} parameters ({counts['non_embedding']:,} non-embedding)")
     assert counts["total"] > counts["non_embedding"] > 0
@@ -85,12 +86,16 @@ def test_config_loads_locked_validates_and_builds(path, variant):
 
 @pytest.mark.parametrize("path", [p for p in CONFIG_FILES if variants_of(p) != (None,)])
 def test_unknown_variant_lists_the_valid_ones(path):
-    with pytest.raises(ValueError, match="valid variants") as error:
+    with pytest.raises(ValueError, match="7b") as error:
         load(path, "7b")
     for name in variants_of(path):
         assert name in str(error.value)
+
+
+@pytest.mark.parametrize("path", ["configs/gpt2_paper.py", "configs/olmo_paper.py"])
+def test_paper_configs_need_a_size(path):
     with pytest.raises(ValueError, match="valid variants"):
-        config_lib.load_config_file(os.path.join(ROOT, path))  # no variant at all
+        config_lib.load_config_file(os.path.join(ROOT, path))
 
 
 @pytest.mark.parametrize("spec", ["configs/gpt2_paper.py:419m,fgram=3x", "configs/olmo_paper.py:1b,fgram=1.8b"])

@@ -1,0 +1,71 @@
+"""tools/aot_compile.py end to end: compiles a small model's train step for a TPU slice
+with libtpu (skipped where libtpu is not installed: pip install -e '.[aot]')."""
+import ast
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu not installed (pip install -e '.[aot]')")
+
+# configs/tiny.py shrunk to a 1-layer, 64-wide SCONE model: compiles in ~20 s.
+SMALL = ["--config=configs/tiny.py", "--config.model.num_layers=1", "--config.model.d_model=64",
+         "--config.model.num_heads=2", "--config.model.d_ff=128", "--config.data.global_batch_size=8",
+         "--config.data.seq_len=32", "--config.data.vocab_size=512", "--config.scone.fgram_capacity=64",
+         "--config.scone.num_layers=1"]
+
+
+def aot(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "aot_compile.py"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def results(stdout: str) -> dict:
+    return {k: float(v) for k, v in re.findall(r"^RESULT (\w+) (\S+)$", stdout, re.M)}
+
+
+@needs_libtpu
+def test_compiles_the_train_step_for_a_v5e_slice():
+    run = aot(*SMALL, "--topology=v5e-4", "--config.mesh.data=2", "--config.mesh.fsdp=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "v5e-4: 4 chips (TPU v5 lite, topology v5e:2x2), mesh {'data': 2, 'fsdp': 2, 'tensor': 1}" in run.stdout
+    flops = re.search(r"FLOPs per chip and step: XLA (\S+); model formula (\S+) ", run.stdout)
+    assert abs(float(flops[1]) / float(flops[2]) - 1) < 0.15  # XLA's count agrees with the formula
+    found = results(run.stdout)
+    assert found["step_flops"] == pytest.approx(float(flops[1]), rel=1e-3)
+    assert 0 < found["hbm_gib_per_chip"] < 1
+    assert found["predicted_step_s"] == pytest.approx(found["step_flops"] / 197e12, rel=1e-3)
+    assert run.stdout.rstrip().splitlines()[-1].startswith("FITS: ")
+
+
+@needs_libtpu
+def test_a_mesh_that_does_not_divide_the_chips_is_a_clear_error():
+    run = aot(*SMALL, "--topology=v5p-8", "--config.mesh.data=3")
+    assert run.returncode == 2
+    assert "Mesh (data, fsdp, tensor) = (3, 1, 1) does not divide the 4 devices" in run.stderr
+
+
+def test_an_unknown_slice_lists_the_valid_names():
+    run = aot(*SMALL, "--topology=v5p-100")
+    assert run.returncode == 2
+    assert "Unknown TPU slice 'v5p-100'" in run.stderr
+    for name in ("v4-8", "v5p-128", "v5e-256", "v6e-64"):
+        assert name in run.stderr
+
+
+def test_slice_names_map_to_libtpu_topologies():
+    # In a subprocess: importing the tool defines absl flags, which must not leak into this one.
+    names = ["v4-8", "v4-128", "v5p-128", "v5p-1024", "v5e-1", "v5litepod-16", "v5e-256", "v6e-8", "V6E-64"]
+    code = ("import sys; sys.path.insert(0, 'tools'); import aot_compile as a; "
+            f"print([(s.topology_name, s.chips, s.chip_config, s.hbm_bytes >> 30) for s in map(a.parse_slice, {names})])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert ast.literal_eval(out) == [
+        ("v4:2x2x1", 4, "megacore", 32), ("v4:4x4x4", 64, "megacore", 32), ("v5p:4x4x4", 64, "default", 95),
+        ("v5p:8x8x8", 512, "default", 95), ("v5e:1x1", 1, "default", 16), ("v5e:4x4", 16, "default", 16),
+        ("v5e:16x16", 256, "default", 16), ("v6e:2x4", 8, "default", 32), ("v6e:8x8", 64, "default", 32),
+    ]

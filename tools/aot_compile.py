@@ -1,0 +1,252 @@
+"""Compile the real train step for a TPU slice on a machine without TPUs: does it fit, how fast?
+
+  pip install -e '.[aot]'     # libtpu: the TPU compiler, usable without a TPU
+  python tools/aot_compile.py --config=configs/olmo_paper.py:1b --topology=v5p-128
+  python tools/aot_compile.py --config=configs/gpt2_paper.py:419m --topology=v5e-256 \
+      --config.train.grad_accum_steps=2
+
+The slice is named as Cloud TPU names it: v4-N and v5p-N count TensorCores (two per chip),
+v5e-N (or v5litepod-N) and v6e-N count chips. The step is the one training runs
+(scone_jax.steps.make_train_step over the config's mesh, with the state's shardings and a
+[global_batch, seq_len] batch), so the figures hold for `scone_jax.main` with the same config
+and flags. Prints, per chip: HBM use as XLA plans it (arguments, outputs, temporaries,
+generated code) against the chip's HBM; FLOPs per step from XLA's cost analysis next to the
+model formula of scone_jax.model.accounting; and the step time if the chip ran at its bf16
+peak (a lower bound: real steps reach maybe 40-60% of it). The last lines are
+`RESULT name value` for scripts and FITS or DOES NOT FIT; the exit status is 0 if it fits,
+1 if not, 2 for bad input. A v5p-128 compile of 18 layers takes a few minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import sys
+import time
+
+# The step compiles for TPU through the topology API; JAX's own default backend stays the
+# CPU, and libtpu skips its one-process-per-host lock (no TPU is opened here). See
+# tpu_devices for the rest of libtpu's environment.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from scone_jax import config as config_lib  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:variant], e.g. configs/olmo_paper.py:1b.", lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-128, v4-64, v5e-256, v6e-64.")
+
+GIB = 1024**3
+EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 1, 2
+
+# Slice shapes in chips, as Cloud TPU lays them out (v4/v5p: 3-D torus; v5e/v6e: 2-D).
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+              256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    cores_per_chip: int  # how many TensorCores the slice name counts per chip
+    shapes: dict
+    chip_config: str  # libtpu's name for one JAX device per chip ("megacore" on v4)
+    hbm_gib: int
+
+
+GENERATIONS = {
+    "v4": Generation(2, _SHAPES_3D, "megacore", 32),
+    "v5p": Generation(2, _SHAPES_3D, "default", 95),
+    "v5e": Generation(1, _SHAPES_2D, "default", 16),
+    "v6e": Generation(1, _SHAPES_2D, "default", 32),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    name: str  # as given, e.g. "v5e-256"
+    accelerator_type: str  # as a TPU VM reports it, e.g. "v5litepod-256"
+    generation: str
+    chips: int
+    topology_name: str  # what libtpu's topology API takes, e.g. "v5p:4x4x4"
+    chip_config: str
+    hbm_bytes: int
+
+
+def valid_slice_names() -> list[str]:
+    return [f"{g}-{chips * gen.cores_per_chip}" for g, gen in GENERATIONS.items() for chips in gen.shapes]
+
+
+def parse_slice(name: str) -> Slice:
+    """'v5p-128' -> 64 chips laid out 4x4x4; an unknown name is an error listing the valid ones."""
+    match = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name.strip().lower())
+    generation = ("v5e" if match[1] == "v5litepod" else match[1]) if match else None
+    gen = GENERATIONS.get(generation)
+    count = int(match[2]) if match else 0
+    chips = count // gen.cores_per_chip if gen and count % gen.cores_per_chip == 0 else 0
+    if not gen or chips not in gen.shapes:
+        raise ValueError(f"Unknown TPU slice {name!r}; valid names: {', '.join(valid_slice_names())}.")
+    accelerator_type = f"{'v5litepod' if generation == 'v5e' else generation}-{count}"
+    return Slice(match[0], accelerator_type, generation, chips, f"{generation}:{gen.shapes[chips]}",
+                 gen.chip_config, gen.hbm_gib * GIB)
+
+
+def tpu_devices(tpu: Slice) -> list:
+    """The slice's devices from libtpu's topology description (hosts of 2x2 chips)."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise ValueError("libtpu, the TPU compiler, is not installed; pip install -e '.[aot]' (no TPU needed).")
+    from jax.experimental import topologies
+
+    # Off a TPU VM libtpu cannot query the VM's metadata for these and prints screens of
+    # warnings; what they say does not change the compiled program. A TPU VM's own values win.
+    for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                       ("TPU_ACCELERATOR_TYPE", tpu.accelerator_type)):
+        os.environ.setdefault(key, value)
+
+    dims = [int(x) for x in tpu.topology_name.split(":")[1].split("x")]
+    host_bounds = tuple(min(2, d) for d in dims[:2]) + (1,)
+    topology = topologies.get_topology_desc(
+        platform="tpu", topology_name=tpu.topology_name, chip_config_name=tpu.chip_config,
+        chips_per_host_bounds=host_bounds, num_slices=1,
+    )
+    return topology.devices
+
+
+def abstract_batch(config, mesh) -> dict:
+    """The device batch as train.py sends it, as ShapeDtypeStructs sharded over (data, fsdp):
+    tokens [B, T], and with SCONE each batch shard's U unique f-grams of up to K tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from scone_jax import sharding
+
+    rows = (config.data.global_batch_size, config.data.seq_len)
+    shapes = dict(inputs=rows, targets=rows, segment_ids=rows, positions=rows, loss_mask=rows)
+    if config.scone.enabled:
+        fgram_rows = sharding.num_batch_shards(mesh) * config.scone.fgram_capacity
+        shapes.update(fgram_tokens=(fgram_rows, config.scone.max_len), fgram_lengths=(fgram_rows,), fgram_index=rows)
+    return {
+        k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
+                                sharding=sharding.batch_sharding(mesh, len(shape)))
+        for k, shape in shapes.items()
+    }
+
+
+def compile_train_step(config, devices):
+    """Lower and compile scone_jax's train step over `devices`: (compiled, mesh, spec, timings)."""
+    from scone_jax import sharding, state as state_lib, steps
+
+    mesh = sharding.make_mesh(config.mesh, devices=devices)
+    batch_shards = sharding.num_batch_shards(mesh)
+    if config.data.global_batch_size % batch_shards:
+        raise ValueError(
+            f"data.global_batch_size={config.data.global_batch_size} does not split over the "
+            f"{batch_shards} batch shards of mesh {dict(mesh.shape)}; change the batch or config.mesh."
+        )
+    spec = state_lib.state_spec(config, mesh)
+    step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    start = time.perf_counter()
+    lowered = step.lower(state_lib.abstract_with_shardings(spec), abstract_batch(config, mesh))
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    timings = {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
+    return compiled, mesh, spec, timings
+
+
+def resolve_vocab_size(config) -> None:
+    """model.vocab_size 0 means "from the tokenizer" at run time (scone_jax.train); here there
+    is no tokenizer, so size it as train.py would for one of data.vocab_size pieces."""
+    if not config.model.vocab_size:
+        config.model.vocab_size = math.ceil(config.data.vocab_size / 128) * 128
+
+
+def report(config, tpu: Slice, devices, compiled, mesh, spec, timings) -> bool:
+    """Print memory, FLOPs and predicted step time per chip; return whether it fits in HBM."""
+    from scone_jax import sharding
+    from scone_jax.model import accounting
+    from scone_jax.throughput import PEAK_FLOPS
+
+    mem = compiled.memory_analysis()
+    used = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    xla_flops = compiled.cost_analysis()["flops"]  # of one device's program
+    counts = accounting.param_counts(spec.abstract[0])
+    tokens = config.data.global_batch_size * config.data.seq_len
+    model_flops = accounting.train_step_flops(config, spec.abstract[0], sharding.num_batch_shards(mesh))["total"]
+    peak = PEAK_FLOPS[devices[0].device_kind]
+    step_s = xla_flops / peak
+    fits = used <= tpu.hbm_bytes
+
+    print(f"{tpu.name}: {tpu.chips} chips ({devices[0].device_kind}, topology {tpu.topology_name}), "
+          f"mesh {dict(mesh.shape)}; lowered in {timings['lower_s']:.1f} s, compiled in {timings['compile_s']:.1f} s")
+    scone = f" (SCONE, f-gram model {config.scone.num_layers} layers)" if config.scone.enabled else ""
+    print(f"model: {counts['total']:,} parameters{scone}; batch {config.data.global_batch_size} x {config.data.seq_len} "
+          f"= {tokens:,} tokens; remat={config.model.remat}, grad_accum_steps={config.train.grad_accum_steps}")
+    print("HBM per chip (GiB):")
+    for label, size in [("arguments (state + batch)", mem.argument_size_in_bytes),
+                        ("outputs not aliased to arguments", mem.output_size_in_bytes - mem.alias_size_in_bytes),
+                        ("temporaries (activations, gradients)", mem.temp_size_in_bytes),
+                        ("generated code", mem.generated_code_size_in_bytes)]:
+        print(f"  {label:38s} {size / GIB:8.2f}")
+    print(f"  {'total':38s} {used / GIB:8.2f} of {tpu.hbm_bytes / GIB:.0f} ({used / tpu.hbm_bytes:.0%})")
+    recompute = "; remat recomputes the forward pass" if config.model.remat else ""
+    print(f"FLOPs per chip and step: XLA {xla_flops:.4g}; model formula {model_flops / tpu.chips:.4g} "
+          f"(XLA/formula {xla_flops * tpu.chips / model_flops:.2f}{recompute})")
+    print(f"Step time at the {peak / 1e12:.0f} TFLOP/s bf16 peak: {step_s:.3g} s "
+          f"({tokens / step_s:,.0f} tokens/s over the slice; a lower bound)")
+    print(f"RESULT hbm_gib_per_chip {used / GIB:.3f}")
+    print(f"RESULT step_flops {xla_flops:.6g}")
+    print(f"RESULT predicted_step_s {step_s:.6g}")
+    if fits:
+        print(f"FITS: {used / GIB:.2f} GiB of {tpu.hbm_bytes / GIB:.0f} GiB HBM per chip on {tpu.name}")
+    else:
+        print(f"DOES NOT FIT: {used / GIB:.2f} GiB > {tpu.hbm_bytes / GIB:.0f} GiB HBM per chip on {tpu.name}; "
+              "try --config.model.remat=True, a larger train.grad_accum_steps, or more chips")
+    return fits
+
+
+def parse_flags(argv):
+    """absl flag parsing; a bad config file, variant or --config.* key becomes one line saying
+    what is valid instead of a traceback."""
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError, flags.Error) as e:
+        print(f"aot_compile: error: {_config_error(argv) or e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _config_error(argv) -> str | None:
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None:
+        return None
+    try:
+        base = config_lib.load_config_file(spec)
+    except (ValueError, FileNotFoundError) as e:
+        return str(e)
+    overrides = [a.split("=", 1)[0][len("--config."):] for a in argv if a.startswith("--config.")]
+    return next(filter(None, (config_lib.unknown_key_message(base, key) for key in overrides)), None)
+
+
+def main(argv):
+    del argv
+    try:
+        if _CONFIG.value is None or not _TOPOLOGY.value:
+            raise ValueError("pass --config=configs/<name>.py[:variant] and --topology=<slice>, e.g. v5p-128")
+        tpu = parse_slice(_TOPOLOGY.value)
+        config = _CONFIG.value
+        resolve_vocab_size(config)
+        config_lib.validate(config)
+        devices = tpu_devices(tpu)
+        compiled, mesh, spec, timings = compile_train_step(config, devices)
+    except (ValueError, OSError) as e:  # OSError: config_flags reports a missing config file late
+        print(f"aot_compile: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    if not report(config, tpu, devices, compiled, mesh, spec, timings):
+        sys.exit(EXIT_DOES_NOT_FIT)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)

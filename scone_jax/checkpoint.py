@@ -2,12 +2,19 @@
 
 Metadata holds the resolved config and the fingerprints of what the state depends on
 (tokenizer, f-gram vocabulary); restoring against different ones is refused, never silent.
+
+Every process of a multi-process job calls save and restore (orbax coordinates them). The
+data-iterator state is per process (each reads its own documents), so a checkpoint restored
+with a different process count restores the train state only: the data iterators start
+from the beginning of the data, with a warning. Refusing would strand a run whose slice
+came back with another size; re-reading data is the lesser harm.
 """
 from __future__ import annotations
 
 import logging
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 _STATE, _DATA, _META = "state", "data", "meta"
@@ -37,7 +44,7 @@ class Checkpointer:
     def save(self, step: int, state, data_iterator, meta: dict) -> None:
         items = {
             _STATE: ocp.args.StandardSave(state),
-            _META: ocp.args.JsonSave(meta),
+            _META: ocp.args.JsonSave({**meta, "process_count": jax.process_count()}),
         }
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -52,6 +59,13 @@ class Checkpointer:
         meta = self.read_meta(step)
         check_compatible(meta, expect or {}, f"{self.directory}/{step}")
         items = {_STATE: ocp.args.StandardRestore(abstract_state)}
+        saved_by = meta.get("process_count", jax.process_count())
+        if data_iterator is not None and saved_by != jax.process_count():
+            logging.warning(
+                "Checkpoint %s/%d was saved by %d processes and this run has %d: restoring the train "
+                "state only; the data iterators start from the beginning of the data.",
+                self.directory, step, saved_by, jax.process_count())
+            data_iterator = None
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))

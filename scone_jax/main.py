@@ -1,8 +1,16 @@
 """Train a model: `python -m scone_jax.main --config=configs/tiny.py --workdir=DIR`.
 
 Every config field can be overridden, e.g. `--config.model.num_layers=2`. Rerunning the
-same command resumes from the latest checkpoint in DIR. Exit status: 0 done, 2 bad input
-(config, data, mismatched checkpoint), 3 non-finite loss (last good checkpoint kept).
+same command resumes from the latest checkpoint in DIR.
+
+Multi-process jobs run this same command in every process. On a Cloud TPU VM the processes
+find each other from the TPU environment; elsewhere pass --coordinator_address=HOST:PORT
+(process 0's address and a free port), --num_processes=N and --process_id=I.
+
+Exit status: 0 done; 2 bad input (config, data, mismatched checkpoint, unwritable workdir,
+peers that never arrived, mismatched process counts); 3 non-finite loss (last good checkpoint
+kept); 143 stopped by SIGTERM after saving a checkpoint at the step reached (rerun to resume;
+128 + 15, what a process killed by SIGTERM reports, so schedulers treat it the same way).
 """
 from __future__ import annotations
 
@@ -17,8 +25,13 @@ from scone_jax import config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py (optionally :variant).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config and tokenizer.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0 (not needed on Cloud TPU).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes (not needed on Cloud TPU).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's id in [0, num_processes).")
+_STARTUP_TIMEOUT = flags.DEFINE_integer(
+    "startup_timeout", 300, "Seconds to wait for all processes to join, and for the workdir's storage to answer.")
 
-EXIT_BAD_INPUT, EXIT_NONFINITE = 2, 3
+EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED = 2, 3, 143
 
 
 def parse_flags(argv):
@@ -54,17 +67,23 @@ def main(argv):
     del argv
     if logging.get_verbosity() <= logging.INFO:
         logging.get_absl_handler().addFilter(_QuietLibraries())
-    from scone_jax import train  # after flag parsing: imports JAX
+    from scone_jax import distributed, preemption, train, workdir  # after flag parsing: imports JAX
 
     if _CONFIG.value is None or not _WORKDIR.value:
         print("scone_jax: error: pass --config=configs/<name>.py and --workdir=DIR", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    join = distributed.JoinSpec(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _STARTUP_TIMEOUT.value)
     try:
+        workdir.check_writable(_WORKDIR.value, _STARTUP_TIMEOUT.value)
+        distributed.initialize(join)
         train.run(_CONFIG.value, _WORKDIR.value)
     except train.NonFiniteLossError as e:
         logging.error("%s", e)
         sys.exit(EXIT_NONFINITE)
-    except (ValueError, FileNotFoundError) as e:
+    except preemption.Preempted as e:
+        logging.warning("%s", e)
+        sys.exit(EXIT_PREEMPTED)
+    except (ValueError, FileNotFoundError, distributed.DistributedStartError, workdir.WorkdirError) as e:
         logging.debug("%s", traceback.format_exc())
         print(f"scone_jax: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

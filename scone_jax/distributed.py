@@ -1,0 +1,169 @@
+"""Joining a multi-process JAX job: when to call jax.distributed.initialize, and with what.
+
+Every process of a job runs the same `python -m scone_jax.main`. The processes find each
+other either from flags (--coordinator_address, --num_processes, --process_id; any cluster)
+or, with no flags, from the Cloud TPU environment, which jax reads itself: TPU VM metadata,
+TPU_WORKER_HOSTNAMES (GKE) and MEGASCALE_* (multislice). A process with neither runs alone.
+
+When a peer never arrives, jax's C++ client aborts the whole process (SIGABRT, a stack
+trace, no Python exception) once its own deadline passes. So a watchdog of ours, due first,
+prints what went wrong and exits with status 2. jax also accepts a peer that was told
+another process count (it only checks process_id < count), and such a job would hang at its
+first collective: the counts are compared right after joining.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import sys
+import threading
+
+import jax
+from absl import logging
+
+_COUNT_KEY = "scone_jax/num_processes"
+EXIT_START_FAILED = 2  # main.py's "bad input" status
+# jax's own deadline is set this much later than ours, so our clear message comes first.
+_JAX_DEADLINE_EXTRA_S = 60
+
+
+class DistributedStartError(RuntimeError):
+    """The processes of a multi-process job could not form the job (flags, peers, network)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinSpec:
+    """How this process joins a job. All None: detect from the Cloud TPU environment."""
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    timeout_s: int = 300  # wait for peers (and for their exit) at most this long
+
+    @property
+    def explicit(self) -> bool:
+        return any(v is not None for v in (self.coordinator_address, self.num_processes, self.process_id))
+
+
+def on_tpu_pod() -> bool:
+    """True on a Cloud TPU VM (multi-host or not: one host is a one-process job) or when the
+    TPU/multislice variables are set. TPU chips appear as /dev/accel* (v2-v4) or /dev/vfio/N
+    (v5e and later); jax's own detection then reads the worker list from VM metadata."""
+    env = any(os.environ.get(k) for k in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_COORDINATOR_ADDRESS"))
+    chips = glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*")
+    return env or bool(chips)
+
+
+def initialize(spec: JoinSpec) -> bool:
+    """Join the job `spec` describes (see the module docstring). Returns whether
+    jax.distributed was started; call before anything touches a JAX device."""
+    if jax.distributed.is_initialized():
+        return True
+    if spec.explicit:
+        _check_flags(spec)
+        if spec.num_processes == 1:
+            return False
+        kwargs = dict(coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
+                      process_id=spec.process_id, cluster_detection_method="deactivate")
+        # Cross-process collectives on the CPU backend (tests, CPU clusters); TPUs have their own.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        where = f"coordinator {spec.coordinator_address} as process {spec.process_id} of {spec.num_processes}"
+    elif on_tpu_pod():
+        kwargs, where = {}, "the Cloud TPU environment"
+    else:
+        return False
+    logging.info("Joining a multi-process JAX job via %s (timeout %d s)", where, spec.timeout_s)
+    advice = ("Check that every process was started with the same --coordinator_address and --num_processes "
+              "and distinct --process_id values, that all of them are running, and that process 0's port is "
+              "reachable from the others.")
+    watchdog = threading.Timer(spec.timeout_s, _give_up, args=(
+        f"Not all processes joined the JAX job (via {where}) within {spec.timeout_s} s (--startup_timeout). {advice}",))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=spec.timeout_s + _JAX_DEADLINE_EXTRA_S,
+                                   shutdown_timeout_seconds=spec.timeout_s)
+        if spec.explicit:  # jax's TPU detection gives every process the same count
+            _check_same_count(spec.num_processes, spec.process_id, spec.timeout_s)
+    except DistributedStartError:
+        raise
+    except Exception as e:  # jax raises XlaRuntimeError / ValueError with gRPC text
+        raise DistributedStartError(f"Could not join the JAX job via {where}: {_first_line(e)}. {advice}") from e
+    finally:
+        watchdog.cancel()
+    return True
+
+
+def _give_up(message: str) -> None:
+    """Runs on the watchdog thread: the main thread is stuck inside jax's C++ client."""
+    print(f"scone_jax: error: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_START_FAILED)
+
+
+def _check_flags(spec: JoinSpec) -> None:
+    missing = [n for n in ("coordinator_address", "num_processes", "process_id") if getattr(spec, n) is None]
+    if missing and spec.num_processes != 1:
+        raise DistributedStartError(
+            f"Multi-process flags are incomplete: --{', --'.join(missing)} not given. Pass all three "
+            "(--coordinator_address=HOST:PORT --num_processes=N --process_id=I), or none on a Cloud TPU VM."
+        )
+    if spec.num_processes is not None and spec.num_processes < 1:
+        raise DistributedStartError(f"--num_processes={spec.num_processes} must be at least 1.")
+    if spec.process_id is not None and not 0 <= spec.process_id < (spec.num_processes or 1):
+        raise DistributedStartError(
+            f"--process_id={spec.process_id} is not in [0, --num_processes={spec.num_processes})."
+        )
+
+
+def _check_same_count(num_processes: int, me: int, timeout_s: int) -> None:
+    """Process 0 publishes its process count; every other process compares its own and
+    publishes it back, so both sides of a mismatch stop with the same message. Runs before
+    the backend starts, which would wait for peers that were never going to come."""
+    client = _client()
+    if me == 0:
+        client.key_value_set(_COUNT_KEY, str(num_processes))
+        for peer in range(1, num_processes):
+            theirs = int(client.blocking_key_value_get(f"{_COUNT_KEY}/{peer}", timeout_s * 1000))
+            if theirs != num_processes:
+                raise DistributedStartError(_mismatch(num_processes, peer, theirs))
+    else:
+        client.key_value_set(f"{_COUNT_KEY}/{me}", str(num_processes))
+        theirs = int(client.blocking_key_value_get(_COUNT_KEY, timeout_s * 1000))
+        if theirs != num_processes:
+            raise DistributedStartError(_mismatch(theirs, me, num_processes))
+
+
+def _mismatch(chief_count: int, peer: int, peer_count: int) -> str:
+    return (f"Mismatched process counts: process 0 was started with --num_processes={chief_count} but "
+            f"process {peer} with --num_processes={peer_count}. Start every process with the same value.")
+
+
+def _client():
+    from orbax.checkpoint import multihost  # the public accessor of jax's distributed client
+
+    return multihost.get_jax_distributed_client()
+
+
+def barrier(name: str, timeout_s: int = 600) -> None:
+    """Wait until every process reaches `name` (a no-op alone); fails after timeout_s instead
+    of hanging when a peer died before getting there."""
+    if jax.process_count() > 1:
+        _client().wait_at_barrier(f"scone_jax/{name}", timeout_s * 1000)
+
+
+def chief_first(name: str, make):
+    """`make()` on process 0, then on the others once it is done: for files that process 0
+    writes into the shared workdir on first use (tokenizer, f-gram vocabulary) and the
+    others then read."""
+    if jax.process_index() == 0:
+        result = make()
+        barrier(name)
+        return result
+    barrier(name)
+    return make()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]

@@ -1,0 +1,109 @@
+"""One process of the two-process tests in test_multihost.py (also imported there for the
+one-process reference, so both sides run the same code).
+
+    python -m tests.multihost_worker TASK PORT PROCESS_ID NUM_PROCESSES TOKENIZER DIR
+
+TASK `train`: three train steps on fixed global batches (each process feeds the rows that a
+one-process run places on its devices), a full held-out evaluation, then a checkpoint in
+DIR/ckpt; process 0 writes DIR/train.json. TASK `restore`: restore DIR/ckpt, gather the
+parameters and write them to DIR/restored.npz (process 0).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from scone_jax import checkpoint, distributed, sharding, state as state_lib, steps, train
+from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+from tests.common import random_batch, small_config
+
+NUM_STEPS = 3
+TIMEOUT_S = 60
+
+
+def make_config(tokenizer_path: str):
+    config = small_config()
+    config.data.tokenizer_path = tokenizer_path
+    config.train.eval_batches = 0  # the whole held-out set: each example once, whatever the process count
+    return config
+
+
+def local_rows(global_batch: dict) -> dict:
+    """This process's rows of a global batch: the mesh's devices are ordered by process, so
+    process p holds the p-th contiguous block of rows."""
+    n = len(global_batch["inputs"]) // jax.process_count()
+    start = jax.process_index() * n
+    return {k: v[start:start + n] for k, v in global_batch.items()}
+
+
+def train_steps(config, workdir: str):
+    """Train NUM_STEPS steps, evaluate and checkpoint; returns (state, losses, eval metrics)."""
+    mesh = sharding.make_mesh(config.mesh)
+    tokenizer = tokenizer_lib.Tokenizer.load(config.data.tokenizer_path)
+    spec = state_lib.state_spec(config, mesh)
+    state = state_lib.init_state(config, spec)
+    train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    losses = []
+    for s in range(NUM_STEPS):
+        batch = local_rows(random_batch(seed=s, vocab=config.model.vocab_size))
+        state, metrics = train_step(state, sharding.global_batch(batch, mesh))
+        losses.append(float(metrics["loss"]))
+    ev = train.evaluate(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config, tokenizer, mesh)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "ckpt"))
+    ckpt.save(NUM_STEPS, state, data_iterator(config, tokenizer), {"tokenizer_fingerprint": tokenizer.fingerprint})
+    ckpt.wait()
+    ckpt.close()
+    return state, losses, ev
+
+
+def data_iterator(config, tokenizer):
+    """This process's training-data iterator, one batch in (so its state is not the start)."""
+    it = iter(pipeline.make_train_dataset(config.data, tokenizer, process_index=jax.process_index(),
+                                          process_count=jax.process_count()))
+    next(it)
+    return it
+
+
+def restore(config, workdir: str):
+    """Restore the checkpoint in workdir/ckpt onto this run's mesh, with a data iterator."""
+    mesh = sharding.make_mesh(config.mesh)
+    tokenizer = tokenizer_lib.Tokenizer.load(config.data.tokenizer_path)
+    spec = state_lib.state_spec(config, mesh)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "ckpt"))
+    state, meta = ckpt.restore(ckpt.latest_step(), state_lib.abstract_with_shardings(spec),
+                               data_iterator(config, tokenizer), {"tokenizer_fingerprint": tokenizer.fingerprint})
+    ckpt.close()
+    return state, meta
+
+
+def gathered_params(state) -> list[np.ndarray]:
+    """Every parameter as a full numpy array on this host, wherever its shards live."""
+    return [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(state[0])]
+
+
+def main(task, port, process_id, num_processes, tokenizer_path, workdir):
+    distributed.initialize(distributed.JoinSpec(f"127.0.0.1:{port}", int(num_processes), int(process_id), TIMEOUT_S))
+    config = make_config(tokenizer_path)
+    if task == "train":
+        _, losses, ev = train_steps(config, workdir)
+        result = {"losses": losses, "eval": ev, "devices": jax.device_count(), "processes": jax.process_count()}
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, "train.json"), "w") as f:
+                json.dump(result, f)
+    elif task == "restore":
+        state, _ = restore(config, workdir)
+        params = gathered_params(state)
+        if jax.process_index() == 0:
+            np.savez(os.path.join(workdir, "restored.npz"), *params)
+    else:
+        raise ValueError(f"unknown task {task!r}")
+    distributed.barrier("done", TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

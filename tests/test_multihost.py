@@ -1,0 +1,147 @@
+"""Two JAX processes on loopback (4 CPU devices each, gloo collectives) against one process
+with 8 devices: the same losses, every held-out token counted once, and checkpoints that
+move between the two worlds. Plus the ways a job can fail to form, each within a deadline.
+
+The data pipeline gives each process its own documents, so a two-process run does not see
+the one-process run's batches; these tests feed fixed global batches instead (each process
+its block of rows), which isolates what multi-process changes: assembly and collectives.
+"""
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+from tests import multihost_worker as worker
+from tests.common import small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEADLINE_S = 240  # a whole two-process run; far above its ~30 s, far below "hung"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_with_devices(n: int) -> dict:
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+
+
+def run_processes(argvs: list[list[str]], timeout: float = DEADLINE_S) -> list[subprocess.CompletedProcess]:
+    """Start every argv at once (4 devices each); kill all of them if any outlives `timeout`."""
+    procs = [subprocess.Popen(a, cwd=REPO, env=env_with_devices(4), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a in argvs]
+    deadline, results = time.monotonic() + timeout, []
+    try:
+        for argv, p in zip(argvs, procs):
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(argv, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def run_workers(task: str, tokenizer_path: str, workdir: str) -> None:
+    port = free_port()
+    argvs = [[sys.executable, "-m", "tests.multihost_worker", task, str(port), str(i), "2", tokenizer_path, workdir]
+             for i in range(2)]
+    for r in run_processes(argvs):
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("tok"))
+    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
+    return os.path.join(workdir, "tokenizer.model")
+
+
+@pytest.fixture(scope="module")
+def one_process(tokenizer_path, tmp_path_factory):
+    """The reference: the worker's train task in this process (1 process, 8 devices)."""
+    workdir = str(tmp_path_factory.mktemp("one"))
+    state, losses, ev = worker.train_steps(worker.make_config(tokenizer_path), workdir)
+    return workdir, jax.device_get(jax.tree.leaves(state[0])), losses, ev
+
+
+@pytest.fixture(scope="module")
+def two_processes(tokenizer_path, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("two"))
+    run_workers("train", tokenizer_path, workdir)
+    with open(os.path.join(workdir, "train.json")) as f:
+        return workdir, json.load(f)
+
+
+def test_two_processes_train_and_evaluate_like_one_with_the_same_devices(one_process, two_processes, tokenizer_path):
+    _, _, losses, ev = one_process
+    _, result = two_processes
+    assert (result["processes"], result["devices"]) == (2, 8) and jax.device_count() == 8
+    assert len(set(losses)) == worker.NUM_STEPS  # the steps really trained
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    # Each process packs only its own documents, so rows (and the loss) differ slightly; the
+    # target tokens are all counted, each once.
+    data = worker.make_config(tokenizer_path).data
+    held_out = pipeline.make_eval_batches(data, tokenizer_lib.Tokenizer.load(tokenizer_path)).num_tokens
+    assert result["eval"]["tokens"] == ev["tokens"] == held_out
+    np.testing.assert_allclose(result["eval"]["loss"], ev["loss"], rtol=0.02)
+
+
+def test_checkpoint_from_two_processes_restores_in_one(one_process, two_processes, tokenizer_path, caplog):
+    _, params, _, _ = one_process
+    with caplog.at_level(logging.WARNING):
+        state, meta = worker.restore(worker.make_config(tokenizer_path), two_processes[0])
+    assert meta["process_count"] == 2
+    assert "saved by 2 processes and this run has 1" in caplog.text
+    # Gradient sums in another order differ in the last bits; Adam turns that into ~1e-6 moves
+    # of parameters whose gradients are near zero. One step moves parameters by ~lr = 3e-3.
+    for got, want in zip(jax.device_get(jax.tree.leaves(state[0])), params):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_from_one_process_restores_in_two(one_process, tokenizer_path):
+    workdir, params, _, _ = one_process
+    run_workers("restore", tokenizer_path, workdir)
+    restored = np.load(os.path.join(workdir, "restored.npz"))
+    assert len(restored.files) == len(params)
+    for i, want in enumerate(params):
+        np.testing.assert_array_equal(restored[f"arr_{i}"], want)
+
+
+def cli(tokenizer_path, port, process_id, num_processes, *extra):
+    return [sys.executable, "-m", "scone_jax.main", f"--config=tests/small_config.py:{tokenizer_path}",
+            f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
+            f"--process_id={process_id}", *extra]
+
+
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_peer_that_never_arrives_fails_within_the_timeout(tokenizer_path, tmp_path, process_id):
+    """Process 0 alone waits for process 1; process 1 alone finds no coordinator."""
+    start = time.monotonic()
+    [r] = run_processes([cli(tokenizer_path, free_port(), process_id, 2, f"--workdir={tmp_path}",
+                             "--startup_timeout=5")], timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Not all processes joined the JAX job" in r.stderr and "within 5 s" in r.stderr
+    assert time.monotonic() - start < 30  # 5 s plus interpreter and JAX start-up
+
+
+def test_mismatched_process_counts_are_a_clear_error_on_both_sides(tokenizer_path, tmp_path):
+    port = free_port()
+    results = run_processes([cli(tokenizer_path, port, 0, 2, f"--workdir={tmp_path}", "--startup_timeout=30"),
+                             cli(tokenizer_path, port, 1, 3, f"--workdir={tmp_path}", "--startup_timeout=30")],
+                            timeout=90)
+    for r in results:
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "process 0 was started with --num_processes=2 but process 1 with --num_processes=3" in r.stderr
+        assert "Traceback" not in r.stderr

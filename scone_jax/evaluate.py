@@ -1,0 +1,142 @@
+"""Batch perplexity with offloaded f-gram rows: `python -m scone_jax.evaluate --table=EXPORT [--config.data.*]`.
+
+Only the main decoder is on the devices; the f-gram rows come from the export's table in host RAM
+(scone_jax/inference.py). By default the data is the run's held-out split as its config names it;
+override any data key, e.g. `--config.data.source=text --config.data.eval_files=held_out/*.txt`.
+Every document is counted exactly once (the last partial batch included). Prints tokens,
+perplexity, bits per byte, f-gram hit rate and tokens/s, and writes them to --result as JSON.
+
+Bits per byte = total next-token loss (nats, end-of-document predictions included) / ln 2 / the
+UTF-8 bytes of the documents' text, each document counted once.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from scone_jax import config as config_lib, inference
+from scone_jax.data import pipeline, sources
+from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.table import Prefetcher
+
+
+def document_bytes(data_cfg, tokenizer) -> int:
+    """UTF-8 bytes of every held-out document (pre-tokenized ones are decoded first)."""
+    source = sources.open_source(data_cfg, "eval")
+    total = 0
+    for i in range(len(source)):
+        doc = source[i]
+        total += len((doc if isinstance(doc, str) else tokenizer.decode(doc)).encode("utf-8"))
+    return total
+
+
+def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_batches: int = 0,
+             log_every_s: float = 30.0) -> dict:
+    """Loss, perplexity, bits per byte, hit rate and throughput over `data_cfg`'s held-out data."""
+    batches = pipeline.make_eval_batches(data_cfg, served.tokenizer, process_index=jax.process_index(),
+                                         process_count=jax.process_count())
+    count = min(len(batches), max_batches) if max_batches else len(batches)
+    step = inference.make_eval_step(served, use_table)
+
+    def prepare(batch):
+        if use_table:
+            batch = inference.host_rows(served, batch)
+            real = batch["segment_ids"] > 0
+            stats = (int((batch["fgram_ids"][real] >= 0).sum()), int(real.sum()))
+        else:
+            stats = (0, int((batch["segment_ids"] > 0).sum()))
+        return stats, inference.device_batch(served, batch)
+
+    prefetch = Prefetcher((b for i, b in zip(range(count), batches)), prepare)
+    sums, hits, positions = [], 0, 0
+    start = last_log = time.time()
+    first_tokens = 0.0
+    try:
+        for i, ((hit, real), batch) in enumerate(prefetch):
+            sums.append(step(batch))
+            hits, positions = hits + hit, positions + real
+            if i == 0:  # the first step compiles: time the rest
+                first_tokens = float(jax.device_get(sums[0][1]))
+                start = time.time()
+            if time.time() - last_log > log_every_s:
+                last_log = time.time()
+                logging.info("evaluate: batch %d/%d", i + 1, count)
+    finally:
+        prefetch.close()
+    totals = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0) if sums else np.zeros(2)
+    seconds = time.time() - start
+    loss_sum, tokens = float(totals[0]), float(totals[1])
+    num_bytes = document_bytes(data_cfg, served.tokenizer) if not max_batches else 0
+    loss = loss_sum / max(tokens, 1.0)
+    return {
+        "tokens": int(tokens),
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "bytes": num_bytes,
+        "bits_per_byte": loss_sum / math.log(2) / num_bytes if num_bytes else None,
+        "hit_rate": hits / max(positions, 1) if use_table else None,
+        "tokens_per_s": (tokens - first_tokens) / seconds if len(sums) > 1 else None,
+        "batches": len(sums),
+        "use_table": use_table,
+    }
+
+
+def data_config(served: inference.Served, overrides: dict):
+    """The run's data config with the command line's --config.data.* / --config.mesh.* applied."""
+    config = served.config.copy_and_resolve_references()
+    bad = sorted(k for k in overrides if not k.startswith(("data.", "mesh.")))
+    if bad:
+        raise ValueError(f"{bad} cannot change at evaluation: the model comes from the export. Only "
+                         "--config.data.* and --config.mesh.* apply.")
+    with config.unlocked():
+        config.update_from_flattened_dict(overrides)
+    if "data.tokenizer_path" in overrides and config.data.tokenizer_path:
+        other = Tokenizer.load(config.data.tokenizer_path)
+        if other.fingerprint != served.tokenizer.fingerprint:
+            raise ValueError(
+                f"data.tokenizer_path={config.data.tokenizer_path!r} (fingerprint {other.fingerprint}) is not the "
+                f"tokenizer the export was trained with ({served.tokenizer.fingerprint}): its token ids would "
+                "mean other text. Fix: drop the override; the export carries its own tokenizer.")
+    return config
+
+
+_TABLE = flags.DEFINE_string("table", None, "Export directory written by scone_jax.export (local or gs://).")
+_CONFIG = config_flags.DEFINE_config_dict("config", config_lib.base_config(), "Data overrides: --config.data.*.")
+_RESULT = flags.DEFINE_string("result", "eval_result.json", "Where to write the JSON result ('' = nowhere).")
+_MAX_TABLE_BYTES = flags.DEFINE_integer("max_table_bytes", 0, "Host RAM for the table; 0 = load it whole, "
+                                        "else a bounded chunk cache of this many bytes.")
+_MAX_BATCHES = flags.DEFINE_integer("max_batches", 0, "Stop after this many batches (0 = all; then no bpb).")
+
+
+def main(argv):
+    del argv
+    if not _TABLE.value:
+        print("scone_jax.evaluate: error: pass --table=EXPORT_DIR", file=sys.stderr)
+        sys.exit(2)
+    try:
+        served = inference.load(_TABLE.value, max_table_bytes=_MAX_TABLE_BYTES.value or None)
+        config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
+        result = evaluate(served, config.data, max_batches=_MAX_BATCHES.value)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"scone_jax.evaluate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    result |= {"table": _TABLE.value, "data": config.data.to_dict()}
+    print(f"tokens {result['tokens']:,}  perplexity {result['perplexity']:.4f}  bits/byte "
+          f"{result['bits_per_byte'] or float('nan'):.4f}  hit rate {result['hit_rate']:.3f}  "
+          f"tokens/s {result['tokens_per_s'] or float('nan'):,.0f}")
+    if _RESULT.value:
+        os.makedirs(os.path.dirname(os.path.abspath(_RESULT.value)), exist_ok=True)
+        with open(_RESULT.value, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

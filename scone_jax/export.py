@@ -1,0 +1,276 @@
+"""Export a trained SCONE run for inference: `python -m scone_jax.export --workdir=RUN --output=PATH`.
+
+Runs the f-gram model once over all S f-grams (SCONE.md rule 6) in large batches sharded over every
+device of every process, and writes the bundle described in scone_jax/bundle.py (PATH local or
+gs://). Each process writes the rows its own devices computed, in whole table chunks, so writers
+never overlap. Writing is asynchronous: while tensorstore writes batch g, the devices compute g+1.
+Rerunning an interrupted export skips the batches whose chunks all carry done markers; COMPLETE is
+written last. Exit status: 0 done, 2 bad input (no SCONE checkpoint, a different export at PATH).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from absl import app, flags, logging
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from scone_jax import bundle, checkpoint, sharding, state as state_lib
+from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
+
+_MAX_PENDING_WRITES = 3
+
+
+class Run:
+    """A training run's latest checkpoint with the tokenizer and vocabulary it was trained with."""
+
+    def __init__(self, workdir: str, config: ml_collections.ConfigDict | None = None):
+        self.workdir = workdir
+        self.checkpointer = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+        self.step = self.checkpointer.latest_step()
+        if self.step is None:
+            raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints. Fix: train first "
+                                    f"(python -m scone_jax.main --workdir={workdir}).")
+        meta = self.checkpointer.read_meta(self.step)
+        self.config = config or ml_collections.ConfigDict(meta["config"])
+        if not self.config.scone.enabled:
+            raise bundle.BundleError(
+                f"The checkpoint {workdir}/checkpoints/{self.step} was trained without SCONE "
+                "(scone.enabled=False): it has no f-gram model to export. Serve it as a plain decoder.")
+        d = self.config.data
+        self.tokenizer = Tokenizer.load(d.tokenizer_path or os.path.join(workdir, "tokenizer.model"))
+        self.vocab = load_vocab(self.config.scone.vocab_path or os.path.join(workdir, "fgrams"),
+                                expected_tokenizer_fingerprint=self.tokenizer.fingerprint)
+        self.expect = {"tokenizer_fingerprint": self.tokenizer.fingerprint,
+                       "fgram_vocab_fingerprint": self.vocab.fingerprint}
+
+    def restore_model(self, mesh) -> nnx.Module:
+        """The SconeModel of the latest checkpoint, its arrays in the run's shardings (optimizer dropped)."""
+        spec = state_lib.state_spec(self.config, mesh)
+        state, _ = self.checkpointer.restore(self.step, state_lib.abstract_with_shardings(spec), expect=self.expect)
+        return state_lib.model_of(spec.graphdef, state)
+
+    def close(self):
+        self.checkpointer.close()
+
+
+def embed_fn(model, mesh, dtype: str):
+    """jit(tokens [B, K], lengths [B]) -> f-gram embeddings [B, d] in the table dtype, rows sharded
+    like the inputs. The cast happens on the device, so bf16 halves the transfer to the host."""
+    graphdef, params = nnx.split(model)
+    out = jnp.dtype(dtype)
+
+    @jax.jit
+    def embed(params, tokens, lengths):
+        return nnx.merge(graphdef, params).fgram_embeddings(tokens, lengths).astype(out)
+
+    def call(tokens, lengths):
+        with jax.set_mesh(mesh):
+            return embed(params, tokens, lengths)
+
+    return call
+
+
+def batch_inputs(vocab: FgramVocab, start: int, rows: int, mesh):
+    """Global [rows, K] tokens and [rows] lengths for table rows start.., padded past S with a
+    2-token PAD f-gram (computed, never written). Each process builds only its own shards."""
+    stop = min(start + rows, vocab.num_fgrams)
+    tokens = np.full((rows, vocab.max_len), PAD, np.int32)
+    tokens[: stop - start] = vocab.tokens[start:stop]
+    lengths = np.full(rows, 2, np.int32)
+    lengths[: stop - start] = vocab.lengths[start:stop]
+    put = lambda a: jax.make_array_from_callback(  # noqa: E731
+        a.shape, sharding.batch_sharding(mesh, a.ndim), lambda index: a[index])
+    return put(tokens), put(lengths)
+
+
+class _Progress:
+    def __init__(self, total: int, done: int, every_s: float):
+        self.total, self.done, self.every_s = total, done, every_s
+        self.start = self.last = time.time()
+        self.computed = 0
+
+    def add(self, rows: int):
+        self.computed += rows
+        now = time.time()
+        if now - self.last >= self.every_s:
+            self.last = now
+            rate = self.computed / max(now - self.start, 1e-9)
+            remaining = self.total - self.done - self.computed
+            logging.info("export: %s/%s rows (%.1f%%), %.0f rows/s, ETA %.0f s", f"{self.done + self.computed:,}",
+                         f"{self.total:,}", 100 * (self.done + self.computed) / self.total, rate,
+                         remaining / max(rate, 1e-9))
+
+
+class TableWriter:
+    """Writes this process's rows of each batch asynchronously; marks chunks done once committed."""
+
+    def __init__(self, table: ts.TensorStore, output: str, chunk_rows: int, num_rows: int):
+        self.table, self.store = table, bundle.open_store(output)
+        self.chunk_rows, self.num_rows = chunk_rows, num_rows
+        self.pending = collections.deque()
+
+    def write(self, start: int, result: jax.Array, skip: set[int]) -> int:
+        """Queue the rows of `result` (batch rows start..) held by this process; returns rows queued."""
+        queued = 0
+        for shard in result.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            lo = start + (shard.index[0].start or 0)
+            hi = min(lo + shard.data.shape[0], self.num_rows)
+            chunks = [c for c in range(lo // self.chunk_rows, math.ceil(hi / self.chunk_rows)) if c not in skip]
+            if hi <= lo or not chunks:
+                continue
+            rows = np.asarray(shard.data)[: hi - lo]
+            futures = self.table[lo:hi].write(rows)
+            self.pending.append((chunks, futures))
+            queued += hi - lo
+        while len(self.pending) > _MAX_PENDING_WRITES or (self.pending and self.pending[0][1].commit.done()):
+            self._finish_oldest()
+        return queued
+
+    def _finish_oldest(self):
+        chunks, futures = self.pending.popleft()
+        futures.commit.result()
+        for f in [self.store.write(f"{bundle.DONE}/{c:09d}", b"") for c in chunks]:
+            f.result()
+
+    def flush(self):
+        while self.pending:
+            self._finish_oldest()
+
+
+def done_chunks(output: str) -> set[int]:
+    """Chunks with a done marker, as process 0 sees them (all processes must skip the same batches)."""
+    keys = bundle.open_store(output).list(ts.KvStore.KeyRange(bundle.DONE + "/", bundle.DONE + "0")).result()
+    local = np.array(sorted(int(k.decode().rsplit("/", 1)[1]) for k in keys), np.int64)
+    count = int(multihost_utils.broadcast_one_to_all(np.int64(len(local))))
+    if count == 0:
+        return set()
+    padded = np.full(count, -1, np.int64)
+    padded[: min(len(local), count)] = local[:count]
+    return set(int(c) for c in multihost_utils.broadcast_one_to_all(padded))
+
+
+def _prepare_output(output: str, meta: dict) -> bool:
+    """Check PATH may receive this export; True if it already holds it complete. Never overwrites
+    a different export, finished or not."""
+    existing = bundle.read_meta(output)
+    if existing is None:
+        return False
+    if bundle.meta_fingerprint(existing) != bundle.meta_fingerprint(meta):
+        differ = sorted(k for k in set(meta) | set(existing) if meta.get(k) != existing.get(k))
+        raise bundle.BundleError(
+            f"{output!r} already holds an export that differs from this one in {differ}; nothing was "
+            "overwritten. Fix: choose another --output, or delete that one first.")
+    return bundle.read_bytes(output, bundle.COMPLETE) is not None
+
+
+def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", chunk_rows: int = 1024,
+           batch_rows: int = 8192, log_every_s: float = 10.0) -> dict:
+    """Export the latest checkpoint of `workdir` into `output`; returns figures of the run."""
+    bundle.numpy_dtype(dtype)
+    run = Run(workdir, config)
+    try:
+        mesh = sharding.make_mesh(run.config.mesh)
+        model = run.restore_model(mesh)
+        decoder_params = nnx.state(model.decoder, nnx.Param)
+        vocab = run.vocab
+        meta = {
+            "format": bundle.FORMAT, "version": bundle.VERSION, "num_fgrams": vocab.num_fgrams,
+            "d_model": run.config.model.d_model, "max_len": vocab.max_len, "dtype": dtype, "chunk_rows": chunk_rows,
+            "model_fingerprint": bundle.params_fingerprint(decoder_params),
+            "fgram_model_fingerprint": bundle.params_fingerprint(nnx.state(model.fgram_model, nnx.Param)),
+            "step": run.step, "config": run.config.to_dict(), **run.expect,
+        }
+        if _prepare_output(output, meta):
+            logging.info("export: %s is already complete", output)
+            return {"rows_computed": 0, "seconds": 0.0, "rows_per_s": 0.0, "meta": meta}
+        chief = jax.process_index() == 0
+        if chief:
+            bundle.write_bytes(output, bundle.META, json.dumps(meta, indent=1).encode())
+            with open(run.tokenizer.path, "rb") as f:
+                bundle.write_bytes(output, bundle.TOKENIZER, f.read())
+            save_vocab(vocab, bundle.join(output, bundle.FGRAMS))
+            ts.open(bundle.create_table_spec(output, vocab.num_fgrams, meta["d_model"], dtype, chunk_rows),
+                    create=True, open=True).result()
+        multihost_utils.sync_global_devices("scone_export_created")
+        saver = ocp.StandardCheckpointer()
+        saver.save(bundle.join(output, bundle.DECODER), decoder_params, force=True)
+        figures = _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s)
+        saver.wait_until_finished()
+        saver.close()
+        multihost_utils.sync_global_devices("scone_export_written")
+        if chief:
+            bundle.write_bytes(output, bundle.COMPLETE, bundle.meta_fingerprint(meta).encode())
+        return {**figures, "meta": meta}
+    finally:
+        run.close()
+
+
+def _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s) -> dict:
+    chunk_rows = meta["chunk_rows"]
+    unit = sharding.num_batch_shards(mesh) * chunk_rows  # every device's rows are whole chunks
+    batch_rows = max(unit, batch_rows // unit * unit)
+    total = vocab.num_fgrams
+    done = done_chunks(output)
+    todo = [s for s in range(0, total, batch_rows)
+            if not all(c in done for c in range(s // chunk_rows, math.ceil(min(s + batch_rows, total) / chunk_rows)))]
+    table = ts.open(bundle.table_spec(output), open=True).result()
+    writer = TableWriter(table, output, chunk_rows, total)
+    embed = embed_fn(model, mesh, meta["dtype"])
+    progress = _Progress(total, total - sum(min(batch_rows, total - s) for s in todo), log_every_s)
+    start_time, computed, in_flight = time.time(), 0, None
+    for start in todo:
+        result = embed(*batch_inputs(vocab, start, batch_rows, mesh))  # dispatched; runs while we write
+        if in_flight is not None:
+            writer.write(*in_flight, done)
+            progress.add(min(batch_rows, total - in_flight[0]))
+        in_flight = (start, result)
+        computed += min(batch_rows, total - start)
+    if in_flight is not None:
+        writer.write(*in_flight, done)
+        progress.add(min(batch_rows, total - in_flight[0]))
+    writer.flush()
+    seconds = time.time() - start_time
+    logging.info("export: computed %s rows in %.1f s (%.0f rows/s)", f"{computed:,}", seconds,
+                 computed / max(seconds, 1e-9))
+    return {"rows_computed": computed, "seconds": seconds, "rows_per_s": computed / max(seconds, 1e-9)}
+
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (checkpoints/, tokenizer, fgrams).")
+_OUTPUT = flags.DEFINE_string("output", None, "Bundle directory: a local path or gs://bucket/path.")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(bundle.DTYPES), "Table dtype.")
+_CHUNK_ROWS = flags.DEFINE_integer("chunk_rows", 1024, "Table rows per stored chunk (the unit of resume).")
+_BATCH_ROWS = flags.DEFINE_integer("batch_rows", 8192, "F-grams per device batch (rounded to whole chunks).")
+
+
+def main(argv):
+    del argv
+    if not _WORKDIR.value or not _OUTPUT.value:
+        print("scone_jax.export: error: pass --workdir=RUN and --output=PATH", file=sys.stderr)
+        sys.exit(2)
+    try:
+        figures = export(_WORKDIR.value, _OUTPUT.value, dtype=_DTYPE.value, chunk_rows=_CHUNK_ROWS.value,
+                         batch_rows=_BATCH_ROWS.value)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"scone_jax.export: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported {figures['meta']['num_fgrams']:,} f-grams to {_OUTPUT.value} "
+          f"({figures['rows_per_s']:.0f} rows/s)")
+
+
+if __name__ == "__main__":
+    app.run(main)

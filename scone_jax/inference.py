@@ -1,0 +1,122 @@
+"""The main model at inference: the decoder of an export, fed f-gram rows from the host.
+
+The device holds only the decoder (token embedding T, blocks, head). Per batch the host finds
+each position's longest f-gram with the Matcher and gathers its table row; the device embeds
+where(matched, row, T(token)) and runs the decoder unchanged (SCONE.md rules 3 and 6). Because
+matching depends only on token ids, the rows of a batch are known before the device needs them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from scone_jax import bundle, sharding
+from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.fgram.matcher import Matcher
+from scone_jax.fgram.vocab import load_vocab
+from scone_jax.model.transformer import Decoder
+from scone_jax.table import HostTable
+
+
+@dataclasses.dataclass
+class Served:
+    """An export loaded for inference: decoder on the devices, everything else on the host."""
+
+    meta: dict
+    config: ml_collections.ConfigDict
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    tokenizer: Tokenizer
+    matcher: Matcher
+    table: HostTable
+
+    @property
+    def decoder(self) -> Decoder:
+        return nnx.merge(self.graphdef, self.params)
+
+
+def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_fingerprint: str | None = None) -> Served:
+    """Load the export at `path`; refuses an unfinished one, swapped pieces, or (if given) a tokenizer
+    other than the one the export was trained with."""
+    expect = {} if tokenizer_fingerprint is None else {"tokenizer_fingerprint": tokenizer_fingerprint}
+    table = HostTable.open(path, expect=expect, max_bytes=max_table_bytes)
+    meta = table.meta
+    config = ml_collections.ConfigDict(meta["config"])
+    tokenizer = Tokenizer(bundle.read_bytes(path, bundle.TOKENIZER), path=None)
+    vocab = load_vocab(bundle.join(path, bundle.FGRAMS), expected_tokenizer_fingerprint=tokenizer.fingerprint)
+    for what, have in (("tokenizer_fingerprint", tokenizer.fingerprint), ("fgram_vocab_fingerprint", vocab.fingerprint)):
+        if have != meta[what]:
+            raise bundle.BundleError(f"The export at {path!r} records {what}={meta[what]!r} but its files hash to "
+                                     f"{have!r}: a piece was replaced. Fix: export again into a fresh --output.")
+    if meta["d_model"] != config.model.d_model:
+        raise bundle.BundleError(f"The table at {path!r} has width {meta['d_model']} but the decoder has "
+                                 f"d_model={config.model.d_model}. Fix: export again.")
+    mesh = mesh or sharding.make_mesh(config.mesh)
+    graphdef, params = load_decoder(path, config.model, mesh)
+    have = bundle.params_fingerprint(params)
+    if have != meta["model_fingerprint"]:
+        raise bundle.BundleError(
+            f"The decoder in {path!r} hashes to {have!r} but the table was exported from model "
+            f"{meta['model_fingerprint']!r}: the table belongs to another model. Fix: export again.")
+    return Served(meta, config, mesh, graphdef, params, tokenizer, Matcher(vocab), table)
+
+
+def load_decoder(path: str, model_cfg, mesh):
+    """The decoder's parameters from the export, each restored directly into its sharding."""
+    graphdef, abstract = nnx.eval_shape(lambda: nnx.split(Decoder(model_cfg, nnx.Rngs(0)), nnx.Param))
+    shardings = sharding.state_shardings(abstract, mesh)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    with ocp.StandardCheckpointer() as restorer:
+        params = restorer.restore(bundle.join(path, bundle.DECODER), target)
+    return graphdef, params
+
+
+def host_rows(served: Served, batch: dict) -> dict:
+    """Adds fgram_ids [B, T] (longest match, -1 none) and fgram_rows [B, T, d] (zero where none)."""
+    ids = served.matcher.match(batch["inputs"], batch["segment_ids"])
+    return batch | {"fgram_ids": ids, "fgram_rows": served.table.gather(ids)}
+
+
+def input_embeddings(decoder: Decoder, tokens: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
+    """T(token), replaced by the table row where an f-gram ends (the same rule as SconeModel)."""
+    x = decoder.embed(tokens)
+    return jnp.where((ids >= 0)[..., None], rows.astype(x.dtype), x)
+
+
+def batch_logits(decoder: Decoder, batch: dict) -> jax.Array:
+    x = input_embeddings(decoder, batch["inputs"], batch["fgram_ids"], batch["fgram_rows"])
+    return decoder.logits(decoder.decode(x, batch["segment_ids"], batch["positions"]))
+
+
+def make_eval_step(served: Served, use_table: bool = True):
+    """jit(params, batch) -> (sum of token losses, number of target tokens), batch sharded by rows.
+
+    use_table=False runs the same decoder on T(token) alone: the baseline the benchmark compares with."""
+    graphdef, mesh = served.graphdef, served.mesh
+
+    @jax.jit
+    def step(params, batch):
+        decoder = nnx.merge(graphdef, params)
+        logits = batch_logits(decoder, batch) if use_table else decoder.batch_logits(batch)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]) * batch["loss_mask"]
+        return ce.sum(), batch["loss_mask"].sum()
+
+    def call(batch):
+        with jax.set_mesh(mesh):
+            return step(served.params, batch)
+
+    return call
+
+
+def device_batch(served: Served, batch: dict, keys=("inputs", "targets", "segment_ids", "positions", "loss_mask",
+                                                    "fgram_ids", "fgram_rows")) -> dict:
+    """This process's host arrays -> global arrays sharded by rows (the transfer starts now, async)."""
+    return sharding.global_batch({k: np.asarray(batch[k]) for k in keys if k in batch}, served.mesh)

@@ -1,0 +1,62 @@
+"""One tiny trained SCONE run and its export, made once per test session and shared by the
+export, table, evaluate, generate and GCS tests (module globals outlive each test module)."""
+import os
+
+from scone_jax import checkpoint, export, sharding, state as state_lib, train
+from scone_jax.data import corpus, tokenizer as tokenizer_lib
+from scone_jax.fgram import workdir_vocab
+from tests.common import small_config
+
+_CACHE = {}
+
+
+def scone_config(tokenizer_path):
+    # init_std 0.5: an untrained model whose logits are far from uniform, so a wrong input embedding
+    # shows in the perplexity (at 0.02 every variant scores ~ln(vocab)).
+    config = small_config(init_std=0.5)
+    config.data.tokenizer_path = tokenizer_path
+    config.train.update(dict(num_steps=2, checkpoint_every=2, log_every=1))
+    config.scone.update(dict(enabled=True, max_len=4, num_fgrams=2000, min_count=3, fgram_capacity=64,
+                             num_layers=1, extract_max_tokens=200_000))
+    return config
+
+
+def trained_run(tmp_path_factory) -> dict:
+    """{'workdir', 'config', 'tokenizer', 'vocab'}: a SCONE run directory as train.run leaves it,
+    with a checkpoint of the initial state (training steps would only cost compile time here)."""
+    if "run" not in _CACHE:
+        root = str(tmp_path_factory.mktemp("scone_run"))
+        tokenizer = tokenizer_lib.ensure_tokenizer(small_config().data, os.path.join(root, "tok"))
+        config = scone_config(tokenizer.path)
+        workdir = os.path.join(root, "run")
+        train.resolve_vocab_size(config, tokenizer)
+        vocab = workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer, workdir)
+        spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
+        ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+        ckpt.save(1, state_lib.init_state(config, spec), None, {
+            "tokenizer_fingerprint": tokenizer.fingerprint, "fgram_vocab_fingerprint": vocab.fingerprint,
+            "config": config.to_dict(), "step": 1})
+        ckpt.wait()
+        ckpt.close()
+        _CACHE["run"] = {"workdir": workdir, "config": config, "tokenizer": tokenizer, "vocab": vocab}
+    return _CACHE["run"]
+
+
+def eval_text(tmp_path_factory, num_docs: int = 40) -> str:
+    """A small held-out text file (one KJV verse per line) for the data.source=text path."""
+    if "eval_text" not in _CACHE:
+        path = tmp_path_factory.mktemp("eval_text") / "held_out.txt"
+        path.write_text("\n".join(corpus.kjv_documents("eval", 0.02)[:num_docs]) + "\n")
+        _CACHE["eval_text"] = str(path)
+    return _CACHE["eval_text"]
+
+
+def exported(tmp_path_factory, dtype: str) -> str:
+    """The run exported with a `dtype` table into a local directory (once per dtype)."""
+    key = "export_" + dtype
+    if key not in _CACHE:
+        run = trained_run(tmp_path_factory)
+        path = str(tmp_path_factory.mktemp("export") / dtype)
+        export.export(run["workdir"], path, dtype=dtype, chunk_rows=64, batch_rows=512)
+        _CACHE[key] = path
+    return _CACHE[key]

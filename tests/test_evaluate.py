@@ -1,0 +1,110 @@
+"""Offloaded evaluation equals the training graph's perplexity; mismatched pieces are refused."""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from scone_jax import bundle, checkpoint, evaluate, inference, sharding, state as state_lib, steps, train
+from scone_jax.data import corpus, tokenizer as tokenizer_lib
+from scone_jax.fgram.vocab import FgramVocab, save_vocab
+from tests import serving_run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return serving_run.trained_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    return serving_run.eval_text(tmp_path_factory)
+
+
+def overrides(text):
+    return {"data.source": "text", "data.eval_files": text}
+
+
+@pytest.fixture(scope="module")
+def training_graph_eval(run, text):
+    """Held-out loss of the training graph: the f-gram model runs on the fly inside the eval step."""
+    config = run["config"].copy_and_resolve_references()
+    with config.unlocked():
+        config.data.update(dict(source="text", eval_files=text))
+        config.train.eval_batches = 0
+    mesh = sharding.make_mesh(config.mesh)
+    _, batcher = train.fgram_batcher(config, run["tokenizer"], run["workdir"], mesh)
+    spec = state_lib.state_spec(config, mesh)
+    ckpt = checkpoint.Checkpointer(os.path.join(run["workdir"], "checkpoints"))
+    state, _ = ckpt.restore(ckpt.latest_step(), state_lib.abstract_with_shardings(spec))
+    ckpt.close()
+    return train.evaluate(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config,
+                          run["tokenizer"], mesh, batcher)
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 5e-3)])
+def test_offloaded_perplexity_equals_the_training_graph(tmp_path_factory, text, training_graph_eval, dtype, rtol):
+    served = inference.load(serving_run.exported(tmp_path_factory, dtype))
+    data = evaluate.data_config(served, overrides(text)).data
+    result = evaluate.evaluate(served, data)
+    assert result["tokens"] == training_graph_eval["tokens"] > 10_000  # every document once
+    np.testing.assert_allclose(result["perplexity"], training_graph_eval["perplexity"], rtol=rtol)
+    assert 0.3 < result["hit_rate"] < 1.0
+    text_bytes = sum(len(line.encode()) for line in open(text, encoding="utf-8").read().splitlines())
+    assert result["bytes"] == text_bytes
+    np.testing.assert_allclose(result["bits_per_byte"], result["loss"] * result["tokens"] / math.log(2) / text_bytes)
+    if dtype == "float32":  # the table matters: T(token) alone scores differently
+        baseline = evaluate.evaluate(served, data, use_table=False)
+        assert abs(baseline["perplexity"] / result["perplexity"] - 1) > 0.02
+
+
+def test_cli_writes_the_json_result(tmp_path_factory, text, training_graph_eval, tmp_path):
+    path = serving_run.exported(tmp_path_factory, "float32")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "scone_jax.evaluate", f"--table={path}", "--config.data.source=text",
+         f"--config.data.eval_files={text}", f"--result={out}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "perplexity" in result.stdout and "bits/byte" in result.stdout and "hit rate" in result.stdout
+    saved = json.loads(out.read_text())
+    np.testing.assert_allclose(saved["perplexity"], training_graph_eval["perplexity"], rtol=1e-5)
+    assert saved["tokens_per_s"] > 0
+
+
+def test_pieces_of_another_model_vocabulary_or_tokenizer_are_refused(tmp_path_factory, tmp_path):
+    original = serving_run.exported(tmp_path_factory, "float32")
+    served = inference.load(original)
+
+    other_tokenizer = tokenizer_lib.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(tmp_path / "t.model"),
+                                                    400, model_type="bpe")
+    with pytest.raises(ValueError, match="not the tokenizer the export was trained with"):
+        evaluate.data_config(served, {"data.tokenizer_path": other_tokenizer.path})
+    with pytest.raises(ValueError, match="model comes from the export"):
+        evaluate.data_config(served, {"model.num_layers": 3})
+
+    path = str(tmp_path / "swapped_decoder")
+    shutil.copytree(original, path)
+    with ocp.StandardCheckpointer() as saver:
+        saver.save(os.path.join(path, "decoder"), jax.tree.map(lambda x: x * 2, served.params), force=True)
+    with pytest.raises(bundle.BundleError, match="belongs to another model"):
+        inference.load(path)
+
+    path = str(tmp_path / "swapped_vocab")
+    shutil.copytree(original, path)
+    other_vocab = FgramVocab(  # another vocabulary over the same tokenizer
+        tokens=np.array([[4, 5, 0, 0]], np.int32), lengths=np.array([2], np.int32), counts=np.array([9]),
+        max_len=4, min_count=3, tokens_counted=10, vocab_size=served.matcher.vocab_size,
+        tokenizer_fingerprint=served.matcher.tokenizer_fingerprint)
+    save_vocab(other_vocab, os.path.join(path, "fgrams"))
+    with pytest.raises(bundle.BundleError, match="fgram_vocab_fingerprint.*a piece was replaced"):
+        inference.load(path)

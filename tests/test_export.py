@@ -1,0 +1,96 @@
+"""Export: the table holds the f-gram model's outputs; resume skips finished chunks; bad input is refused."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from scone_jax import bundle, export, sharding, state as state_lib
+from scone_jax.table import HostTable
+from tests import serving_run
+from tests.common import small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return serving_run.trained_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def fp32_export(tmp_path_factory):
+    return serving_run.exported(tmp_path_factory, "float32")
+
+
+def reference_rows(run, rows):
+    """F-gram embeddings computed directly from the checkpoint's model (not through the export)."""
+    r = export.Run(run["workdir"])
+    model = r.restore_model(sharding.make_mesh(r.config.mesh))
+    r.close()
+    vocab = run["vocab"]
+    return np.asarray(model.fgram_embeddings(jnp.asarray(vocab.tokens[rows]), jnp.asarray(vocab.lengths[rows])))
+
+
+def test_export_writes_the_fgram_model_outputs_and_a_complete_bundle(run, fp32_export):
+    meta = bundle.open_complete(fp32_export)
+    vocab = run["vocab"]
+    assert (meta["num_fgrams"], meta["d_model"], meta["max_len"], meta["dtype"]) == (vocab.num_fgrams, 64, 4, "float32")
+    assert meta["fgram_vocab_fingerprint"] == vocab.fingerprint
+    assert meta["tokenizer_fingerprint"] == run["tokenizer"].fingerprint
+    table = HostTable.open(fp32_export)
+    rows = np.array([0, 1, 63, 64, 999, vocab.num_fgrams - 1])
+    np.testing.assert_allclose(table.gather(rows), reference_rows(run, rows), rtol=1e-5, atol=1e-6)
+    assert np.abs(table.gather(np.arange(vocab.num_fgrams))).sum(1).min() > 0  # no row left unwritten
+    assert len(os.listdir(os.path.join(fp32_export, "done"))) == -(-vocab.num_fgrams // 64)
+
+
+def test_interrupted_export_is_refused_by_readers_and_resumes_only_missing_chunks(run, fp32_export, tmp_path):
+    path = str(tmp_path / "partial")
+    shutil.copytree(fp32_export, path)
+    os.remove(os.path.join(path, "COMPLETE"))
+    for chunk in (2, 3):  # chunks of the first 512-row batch: lost together with their rows
+        os.remove(os.path.join(path, "done", f"{chunk:09d}"))
+    table = ts.open(bundle.table_spec(path), open=True).result()
+    table[128:256].write(np.zeros((128, 64), np.float32)).result()
+    with pytest.raises(bundle.BundleError, match="unfinished export"):
+        HostTable.open(path)
+
+    figures = export.export(run["workdir"], path, dtype="float32", chunk_rows=64, batch_rows=512)
+    assert figures["rows_computed"] == 512  # one batch recomputed, the other three skipped
+    np.testing.assert_array_equal(HostTable.open(path).gather(np.arange(2000)),
+                                  HostTable.open(fp32_export).gather(np.arange(2000)))
+    assert export.export(run["workdir"], path, dtype="float32", chunk_rows=64, batch_rows=512)["rows_computed"] == 0
+
+
+def test_export_never_overwrites_a_different_export(run, fp32_export, tmp_path):
+    path = str(tmp_path / "copy")
+    shutil.copytree(fp32_export, path)
+    before = open(os.path.join(path, "export.json")).read()
+    with pytest.raises(bundle.BundleError, match=r"differs from this one in \['dtype'\]"):
+        export.export(run["workdir"], path, dtype="bfloat16", chunk_rows=64, batch_rows=512)
+    assert open(os.path.join(path, "export.json")).read() == before
+    assert json.loads(before)["dtype"] == "float32"
+
+
+def test_cli_refuses_a_checkpoint_without_fgram_model(tmp_path):
+    from scone_jax import checkpoint
+
+    config = small_config()
+    spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "plain" / "checkpoints"))
+    ckpt.save(1, state_lib.init_state(config, spec), None, {"config": config.to_dict(), "step": 1})
+    ckpt.wait()
+    ckpt.close()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-m", "scone_jax.export", f"--workdir={tmp_path / 'plain'}",
+                             f"--output={tmp_path / 'out'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "trained without SCONE" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()

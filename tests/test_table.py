@@ -1,0 +1,84 @@
+"""Host table: gathers equal numpy's, the bounded cache stays bounded, the prefetcher keeps order and errors."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from scone_jax import bundle
+from scone_jax.table import HostTable, Prefetcher
+from tests import serving_run
+
+
+@pytest.fixture(scope="module")
+def bf16_export(tmp_path_factory):
+    return serving_run.exported(tmp_path_factory, "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def stored(bf16_export):
+    return ts.open(bundle.table_spec(bf16_export), open=True).result().read().result()
+
+
+def test_in_ram_gather_equals_numpy_and_zeroes_unmatched(bf16_export, stored):
+    table = HostTable.open(bf16_export)
+    assert table.in_ram and str(table.dtype) == "bfloat16"
+    ids = np.random.default_rng(0).integers(-1, 2000, (3, 50_000))  # large enough for the threaded path
+    out = table.gather(ids)
+    assert out.shape == (3, 50_000, 64)
+    np.testing.assert_array_equal(out[ids >= 0], stored[ids[ids >= 0]])
+    assert not out[ids < 0].any()
+    with pytest.raises(ValueError, match="outside the table's 2000 rows"):
+        table.gather(np.array([2000]))
+
+
+def test_bounded_cache_serves_the_same_rows_within_its_budget(bf16_export, stored):
+    chunk_bytes = 64 * 64 * 2
+    table = HostTable.open(bf16_export, max_bytes=3 * chunk_bytes)
+    assert not table.in_ram
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        ids = rng.integers(-1, 2000, (8, 32))  # ~32 chunks per batch: served in rounds of 3
+        np.testing.assert_array_equal(table.gather(ids)[ids >= 0], stored[ids[ids >= 0]])
+        assert table._cache.nbytes <= 3 * chunk_bytes
+    reads = table._cache.reads
+    table.gather(np.array([5, 6, 7]))
+    table.gather(np.array([8, 9]))  # same chunk again: a cache hit
+    assert table._cache.reads <= reads + 1
+
+
+def test_table_of_the_wrong_dtype_or_fingerprint_is_refused(bf16_export, tmp_path):
+    with pytest.raises(bundle.BundleError, match="tokenizer_fingerprint"):
+        HostTable.open(bf16_export, expect={"tokenizer_fingerprint": "0123456789abcdef"})
+    path = str(tmp_path / "altered")
+    shutil.copytree(bf16_export, path)
+    ts.open(bundle.create_table_spec(path, 2000, 64, "float32", 64), create=True, delete_existing=True).result()
+    with pytest.raises(bundle.BundleError, match="float32 \\[2000, 64\\] but export.json says bfloat16"):
+        HostTable.open(path)
+    ts.open(bundle.create_table_spec(path, 2000, 32, "bfloat16", 64), create=True, delete_existing=True).result()
+    with pytest.raises(bundle.BundleError, match="\\[2000, 32\\]"):
+        HostTable.open(path)
+    assert os.path.exists(os.path.join(path, "COMPLETE"))
+
+
+def test_prefetcher_keeps_order_runs_ahead_and_reraises():
+    prepared = []
+
+    def prepare(i):
+        prepared.append(i)
+        return i * 10
+
+    items = Prefetcher(range(6), prepare, depth=2)
+    first = next(iter(items))
+    assert first == 0
+    out = [first] + list(items)
+    assert out == [0, 10, 20, 30, 40, 50] and prepared == list(range(6))
+
+    def broken(i):
+        if i == 2:
+            raise RuntimeError("bad batch 2")
+        return i
+
+    with pytest.raises(RuntimeError, match="bad batch 2"):
+        list(Prefetcher(range(5), broken))

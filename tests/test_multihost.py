@@ -145,3 +145,22 @@ def test_mismatched_process_counts_are_a_clear_error_on_both_sides(tokenizer_pat
         assert r.returncode == 2, r.stderr[-2000:]
         assert "process 0 was started with --num_processes=2 but process 1 with --num_processes=3" in r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_an_unreachable_bucket_workdir_fails_fast(tokenizer_path):
+    """No credentials or network for gs:// here: a clear error within the startup timeout,
+    not a minute of storage-client retries and tracebacks at the first checkpoint."""
+    start = time.monotonic()
+    [r] = run_processes([cli(tokenizer_path, free_port(), 0, 1, "--workdir=gs://scone-jax-no-such-bucket/run",
+                             "--startup_timeout=3")], timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--workdir=gs://scone-jax-no-such-bucket/run" in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_a_mesh_that_does_not_divide_the_devices_is_a_clear_error(tokenizer_path, tmp_path):
+    [r] = run_processes([cli(tokenizer_path, free_port(), 0, 1, f"--workdir={tmp_path}", "--config.mesh.data=3")],
+                        timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Mesh (data, fsdp, tensor) = (3, 1, 1) does not divide the 4 devices" in r.stderr
+    assert "Traceback" not in r.stderr

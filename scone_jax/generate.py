@@ -1,0 +1,166 @@
+"""Sampling with a KV cache and per-token f-gram rows: `python -m scone_jax.generate --table=EXPORT --prompt=...`.
+
+The decoder's blocks are re-run here with a cached attention (keys and values of earlier positions
+kept per layer), reusing the exported decoder's parameters as they are; layers.py stays the one
+definition of the training graph, and a test pins the two paths to the same logits. At each step
+the host matches the newest token's longest f-gram over the last K tokens (the Matcher probes
+n = 2, 3, ... and stops at the first miss, so at most K-1 probes) and sends that one row with the
+token, so the device never holds the f-gram table.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from scone_jax import inference
+from scone_jax.model.layers import rope
+
+
+def _cached_attention(attn, x, positions, cache_k, cache_v, start):
+    """Attention of t new tokens (absolute `positions` [B, t]) over the cache plus themselves."""
+    b, t, _ = x.shape
+    split = lambda y: y.reshape(b, t, attn.num_heads, attn.head_dim)  # noqa: E731
+    q, k, v = split(attn.query(x)), split(attn.key(x)), split(attn.value(x))
+    if attn.use_rope:
+        q, k = rope(q, positions, attn.rope_theta), rope(k, positions, attn.rope_theta)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, start, 0, 0))
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, start, 0, 0))
+    visible = jnp.arange(cache_k.shape[1])[None, None, :] <= positions[:, :, None]  # causal, unwritten slots hidden
+    scores = jnp.einsum("bqnh,bknh->bnqk", q, cache_k).astype(jnp.float32) / jnp.sqrt(attn.head_dim)
+    scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
+    y = jnp.einsum("bnqk,bknh->bqnh", probs, cache_v).reshape(b, t, -1)
+    return attn.out(y), cache_k, cache_v
+
+
+def forward_with_cache(decoder, x, positions, cache, start):
+    """Decoder.decode + logits for input embeddings x [B, t, d] at positions start..start+t-1."""
+    if decoder.pos_embed is not None:
+        x = x + decoder.pos_embed(positions)
+    x = x.astype(decoder.dtype)
+    new_cache = []
+    for block, (ck, cv) in zip(decoder.stack.blocks, cache):
+        dtype = x.dtype
+        a, ck, cv = _cached_attention(block.attn, block.attn_norm(x).astype(dtype), positions, ck, cv, start)
+        x = x + a.astype(dtype)
+        x = x + block.mlp(block.mlp_norm(x).astype(dtype)).astype(dtype)
+        new_cache.append((ck, cv))
+    return decoder.logits(decoder.stack.final_norm(x)), new_cache
+
+
+def sample(logits, key, temperature: float, top_k: int):
+    """Greedy at temperature 0, else a draw from the top_k (0 = all) tokens at `temperature`."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+class Generator:
+    """Compiled prefill and one-token step for a batch of equal-length prompts."""
+
+    def __init__(self, served: inference.Served, *, temperature: float = 0.0, top_k: int = 0, use_table: bool = True):
+        self.served, self.use_table = served, use_table
+        self.max_len = served.matcher.max_len
+        graphdef = served.graphdef
+
+        def run(params, cache, tokens, ids, rows, start, key):
+            decoder = nnx.merge(graphdef, params)
+            x = inference.input_embeddings(decoder, tokens, ids, rows) if use_table else decoder.embed(tokens)
+            positions = start + jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            logits, cache = forward_with_cache(decoder, x, positions, cache, start)
+            last = logits[:, -1]
+            return sample(last, key, temperature, top_k), last, cache
+
+        self._run = jax.jit(run, donate_argnums=1)
+
+    def _call(self, cache, tokens, start, key, context=None):
+        """Run `tokens` [B, t] at positions start..; `context` (ending with them) is what the match sees."""
+        if self.use_table:
+            context = tokens if context is None else context
+            ids = self.served.matcher.match(context, np.ones_like(context))[:, -tokens.shape[1]:]
+            rows = self.served.table.gather(ids)
+        else:
+            ids, rows = np.full(tokens.shape, -1, np.int32), np.zeros((*tokens.shape, 1), np.float32)
+        with jax.set_mesh(self.served.mesh):
+            return self._run(self.served.params, cache, tokens, ids, rows, start, key)
+
+    def empty_cache(self, batch: int, length: int):
+        cfg = self.served.config.model
+        head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
+        shape = (batch, length, cfg.num_heads, head_dim)
+        dtype = jnp.dtype(cfg.dtype)
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+    def generate(self, prompts: np.ndarray, num_tokens: int, seed: int = 0, forced: np.ndarray | None = None) -> dict:
+        """Extend token prompts [B, P] by num_tokens. Returns tokens [B, P+n], the logits that chose each
+        new token [B, n, V], and the per-token latency of the one-token steps (seconds).
+        `forced` [B, n] replaces the samples (teacher forcing: scores a given continuation)."""
+        prompts = np.asarray(prompts, np.int32)
+        b, p = prompts.shape
+        length = p + num_tokens
+        if self.served.config.model.position == "learned" and length > self.served.config.model.max_seq_len:
+            raise ValueError(f"Prompt ({p}) + {num_tokens} new tokens exceed model.max_seq_len="
+                             f"{self.served.config.model.max_seq_len}, the longest sequence the model knows.")
+        keys = jax.random.split(jax.random.key(seed), num_tokens)
+        tokens = np.zeros((b, length), np.int32)
+        tokens[:, :p] = prompts
+        cache = self.empty_cache(b, length)
+        new, last, cache = self._call(cache, prompts, 0, keys[0])
+        logits = [last]
+        start_time = None
+        for i in range(1, num_tokens):
+            tokens[:, p + i - 1] = np.asarray(new) if forced is None else forced[:, i - 1]  # the host needs it for the next match anyway
+            if i == 2:
+                start_time = time.perf_counter()  # step 1 compiled the one-token step
+            window = tokens[:, max(0, p + i - self.max_len):p + i]  # the newest token's longest match fits
+            new, last, cache = self._call(cache, window[:, -1:], p + i - 1, keys[i], context=window)
+            logits.append(last)
+        tokens[:, length - 1] = np.asarray(new) if forced is None else forced[:, -1]
+        latency = (time.perf_counter() - start_time) / (num_tokens - 2) if num_tokens > 2 else None
+        return {"tokens": tokens, "logits": np.stack(jax.device_get(logits), 1), "seconds_per_token": latency}
+
+
+_TABLE = flags.DEFINE_string("table", None, "Export directory written by scone_jax.export (local or gs://).")
+_PROMPT = flags.DEFINE_string("prompt", "", "Text to continue.")
+_NUM_TOKENS = flags.DEFINE_integer("num_tokens", 64, "New tokens per sample.")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples drawn together as one batch.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 40, "Sample among the k most likely tokens (0 = all).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+
+
+def main(argv):
+    del argv
+    if not _TABLE.value:
+        print("scone_jax.generate: error: pass --table=EXPORT_DIR", file=sys.stderr)
+        sys.exit(2)
+    try:
+        served = inference.load(_TABLE.value)
+        tok = served.tokenizer
+        prompt = np.concatenate([[tok.bos_id], tok.encode(_PROMPT.value)]).astype(np.int32)
+        generator = Generator(served, temperature=_TEMPERATURE.value, top_k=_TOP_K.value)
+        out = generator.generate(np.tile(prompt, (_NUM_SAMPLES.value, 1)), _NUM_TOKENS.value, seed=_SEED.value)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"scone_jax.generate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for row in out["tokens"]:
+        new = list(row[len(prompt):])
+        if tok.eos_id in new:
+            new = new[: new.index(tok.eos_id)]
+        print(_PROMPT.value + tok.decode(new))
+    if out["seconds_per_token"] is not None:
+        print(f"{1000 * out['seconds_per_token']:.2f} ms/token", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    app.run(main)

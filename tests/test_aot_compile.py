@@ -44,6 +44,16 @@ def test_compiles_the_train_step_for_a_v5e_slice():
 
 
 @needs_libtpu
+def test_a_batch_too_big_for_hbm_does_not_fit():
+    # 4096 x 128 tokens of fp32 logits over 8,064 pieces alone are 15.8 GiB: over a v5e's 16 GiB.
+    run = aot("--config=configs/tiny.py:baseline", "--topology=v5e-1", "--config.data.global_batch_size=4096")
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "the TPU compiler ran out of HBM" in run.stdout
+    assert results(run.stdout)["hbm_gib_per_chip"] > 16
+    assert run.stdout.rstrip().splitlines()[-1].startswith("DOES NOT FIT on v5e-1; try --config.model.remat=True")
+
+
+@needs_libtpu
 def test_a_mesh_that_does_not_divide_the_chips_is_a_clear_error():
     run = aot(*SMALL, "--topology=v5p-8", "--config.mesh.data=3")
     assert run.returncode == 2

@@ -14,7 +14,9 @@ generated code) against the chip's HBM; FLOPs per step from XLA's cost analysis 
 model formula of scone_jax.model.accounting; and the step time if the chip ran at its bf16
 peak (a lower bound: real steps reach maybe 40-60% of it). The last lines are
 `RESULT name value` for scripts and FITS or DOES NOT FIT; the exit status is 0 if it fits,
-1 if not, 2 for bad input. A v5p-128 compile of 18 layers takes a few minutes on 2 CPU cores.
+1 if not, 2 for bad input. When the compiler itself runs out of HBM there is no program to
+measure: only `RESULT hbm_gib_per_chip` (the compiler's need for temporaries) is printed.
+On 2 CPU cores OLMo-1B (18 layers, remat) for a v5p-128 compiles in about 5 minutes.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-128, v4-6
 
 GIB = 1024**3
 EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 1, 2
+_REMEDY = "try --config.model.remat=True, a larger --config.train.grad_accum_steps, or more chips"
 
 # Slice shapes in chips, as Cloud TPU lays them out (v4/v5p: 3-D torus; v5e/v6e: 2-D).
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
@@ -200,11 +203,13 @@ def report(config, tpu: Slice, devices, compiled, mesh, spec, timings) -> bool:
     print(f"RESULT hbm_gib_per_chip {used / GIB:.3f}")
     print(f"RESULT step_flops {xla_flops:.6g}")
     print(f"RESULT predicted_step_s {step_s:.6g}")
+    if used > 0.9 * tpu.hbm_bytes:
+        print("Note: within 10% of HBM. XLA rematerializes on its own to squeeze a program in (more FLOPs "
+              "than the formula, long compiles); --config.model.remat=True usually leaves room for less work.")
     if fits:
         print(f"FITS: {used / GIB:.2f} GiB of {tpu.hbm_bytes / GIB:.0f} GiB HBM per chip on {tpu.name}")
     else:
-        print(f"DOES NOT FIT: {used / GIB:.2f} GiB > {tpu.hbm_bytes / GIB:.0f} GiB HBM per chip on {tpu.name}; "
-              "try --config.model.remat=True, a larger train.grad_accum_steps, or more chips")
+        print(f"DOES NOT FIT: {used / GIB:.2f} GiB > {tpu.hbm_bytes / GIB:.0f} GiB HBM per chip on {tpu.name}; {_REMEDY}")
     return fits
 
 
@@ -230,8 +235,20 @@ def _config_error(argv) -> str | None:
     return next(filter(None, (config_lib.unknown_key_message(base, key) for key in overrides)), None)
 
 
+def report_out_of_memory(tpu: Slice, error: Exception) -> None:
+    """The TPU compiler refuses programs whose temporaries alone exceed HBM: say so, with its figures."""
+    message = str(error).splitlines()[0]
+    print(f"{tpu.name}: the TPU compiler ran out of HBM: {message}")
+    required = re.search(r"required for HLO temporaries \(([\d.]+)G\)", message)
+    if required:
+        print(f"RESULT hbm_gib_per_chip {float(required[1]):.3f}")
+    print(f"DOES NOT FIT on {tpu.name}; {_REMEDY}")
+
+
 def main(argv):
     del argv
+    from jax.errors import JaxRuntimeError
+
     try:
         if _CONFIG.value is None or not _TOPOLOGY.value:
             raise ValueError("pass --config=configs/<name>.py[:variant] and --topology=<slice>, e.g. v5p-128")
@@ -244,6 +261,11 @@ def main(argv):
     except (ValueError, OSError) as e:  # OSError: config_flags reports a missing config file late
         print(f"aot_compile: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    except JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        report_out_of_memory(tpu, e)
+        sys.exit(EXIT_DOES_NOT_FIT)
     if not report(config, tpu, devices, compiled, mesh, spec, timings):
         sys.exit(EXIT_DOES_NOT_FIT)
 

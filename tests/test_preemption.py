@@ -98,3 +98,30 @@ def test_sigterm_saves_exits_143_and_the_restart_matches_an_uninterrupted_run(to
     assert step_a == step_b == NUM_STEPS
     for x, y in zip(params_a, params_b):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpointed_step(tokenizer_path, tmp_path):
+    """jax's preemption service (not our handler) owns SIGTERM in a multi-process job: the
+    signalled process tells the other, both save the same step and exit 143."""
+    from tests.test_multihost import cli, free_port  # the two-process launch helpers
+
+    workdir, port = str(tmp_path / "two"), free_port()
+    args = [f"--workdir={workdir}", "--config.train.num_steps=1000", "--config.train.log_every=1",
+            "--config.train.checkpoint_every=1000", "--startup_timeout=60"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen(cli(tokenizer_path, port, i, 2, *args), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        wait_for_steps(procs[0], workdir, 2)
+        procs[1].send_signal(signal.SIGTERM)
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errors]
+    stopped_at = max(step_records(workdir))
+    assert all(f"saving a checkpoint at step {stopped_at}" in e for e in errors)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    assert ckpt.latest_step() == stopped_at < 1000
+    ckpt.close()

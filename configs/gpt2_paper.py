@@ -12,7 +12,7 @@ The data and the tokenizer are yours to supply (the paper trains on WebText with
 50,257-token vocabulary). Pre-tokenize into ArrayRecord (records of int32 token ids, see
 scone_jax.data.sources.write_token_arrayrecord) or point source=text at one document per
 line; data.tokenizer_path must name the SentencePiece model with <= 50,257 pieces that
-produced the ids (tools/train_tokenizer.py --vocab_size=50257 makes one). On a v5p-64:
+produced the ids (tools/train_tokenizer.py --vocab_size=50257 makes one). On a v5p-128:
 
   python launch/tpu.py run --name=scone-v5p --zone=us-east5-a --project=my-project \
       --config=configs/gpt2_paper.py:419m --workdir=gs://my-bucket/runs/gpt2-419m \
@@ -22,9 +22,10 @@ produced the ids (tools/train_tokenizer.py --vocab_size=50257 makes one). On a v
 
 (`python -m scone_jax.main` takes the same flags on one host.) data.*_files are globbed on
 each worker's local file system: mount a bucket there (e.g. gcsfuse) to read from GCS.
-Expect the log to report 418.5M parameters for 419m; the first step compiles for a minute
-or two. Check memory and step time before renting a slice with
+Expect the log to report 418,748,928 parameters for 419m; the first step compiles for a few
+minutes. Check memory and step time before renting a slice with
   python tools/aot_compile.py --config=configs/gpt2_paper.py:419m --topology=v5p-128
+which reports 19.8 GiB of HBM per chip without remat and >= 0.049 s per step at peak.
 
 Arguments are `SIZE[,option=value...]`; no options exist yet (SCONE's f-gram settings will
 arrive as options such as `419m,fgram=3x`).

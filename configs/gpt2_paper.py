@@ -27,12 +27,19 @@ minutes. Check memory and step time before renting a slice with
   python tools/aot_compile.py --config=configs/gpt2_paper.py:419m --topology=v5p-128
 which reports 19.8 GiB of HBM per chip without remat and >= 0.049 s per step at peak.
 
-Arguments are `SIZE[,option=value...]`; no options exist yet (SCONE's f-gram settings will
-arrive as options such as `419m,fgram=3x`).
+Arguments are `SIZE[,option=value...]`. SCONE variants add an f-gram model to the main model:
+  fgram=RATIOx     f-gram model with RATIO x the main model's non-embedding size (same width,
+                   RATIO x its layers): the paper uses 0.5x .. 3x, e.g. 419m,fgram=0.5x = 170M
+  fgrams=COUNT     f-grams kept (default 10m; the paper's ablations go from 512k to 100m)
+  capacity=ROWS    f-gram rows per data shard (default 4096: a v5p-128 data shard holds 8 x 1024
+                   tokens, of which ~30% need a row after dedup and prefix sharing)
+e.g. --config=configs/gpt2_paper.py:419m,fgram=3x,fgrams=10m. The f-grams are extracted from
+data.train_files into the workdir on the first run unless --config.scone.vocab_path names a
+vocabulary made by tools/extract_fgrams.py (advised at this scale: it uses all cores).
 """
 import ml_collections
 
-from scone_jax.config import base_config
+from scone_jax.config import base_config, enable_scone, split_variant
 
 # name -> (d_model, num_layers, fsdp). The two smallest keep parameters and optimizer state
 # (16 bytes per parameter, ~3.3 GB at 204M) whole on every chip: plain data parallelism needs
@@ -48,21 +55,8 @@ _SIZES = {
 VARIANTS = tuple(_SIZES)
 
 
-def _parse(arg: str | None) -> tuple[str, dict]:
-    """`SIZE[,key=value...]` -> (SIZE, options); every problem names the valid choices."""
-    name, *options = (arg or "").split(",")
-    if name not in _SIZES:
-        raise ValueError(
-            f"Unknown variant {arg!r} of configs/gpt2_paper.py; valid variants: {', '.join(VARIANTS)}. "
-            "Pass one as --config=configs/gpt2_paper.py:419m."
-        )
-    if options:
-        raise ValueError(f"configs/gpt2_paper.py takes no options yet, got {options} in {arg!r}.")
-    return name, {}
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    name, _ = _parse(arg)
+    name, options = split_variant(arg, VARIANTS, "configs/gpt2_paper.py")
     d_model, num_layers, fsdp = _SIZES[name]
     config = base_config()
     m = config.model
@@ -85,5 +79,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     if fsdp:
         config.mesh.data, config.mesh.fsdp = 1, -1
+    if "fgram" in options:
+        ratio = float(options["fgram"].rstrip("x"))
+        enable_scone(config, fgram_layers=max(1, round(ratio * num_layers)), options=options,
+                     default_fgrams="10m", default_capacity=4096)
     config.lock()
     return config

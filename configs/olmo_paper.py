@@ -35,12 +35,18 @@ each worker's local file system: mount a bucket there (e.g. gcsfuse) to read fro
 Expect the log to report 1,013.7M parameters for 1b. Check memory and step time first with
   python tools/aot_compile.py --config=configs/olmo_paper.py:1b --topology=v5p-128
 
-Arguments are `SIZE[,option=value...]`; no options exist yet (SCONE's f-gram settings will
-arrive as options such as `1b,fgram=1.8b`).
+Arguments are `SIZE[,option=value...]`. SCONE variants add an f-gram model to the main model:
+  fgram=0.6b|1.8b  the paper's f-gram models: 12 or 36 layers of the main block (d 2048),
+                   0.6B / 1.8B parameters without token embeddings (also RATIOx, as for GPT-2)
+  fgrams=COUNT     f-grams kept: the paper's 10m (default) or 1b
+  capacity=ROWS    f-gram rows per data shard (default 8192: a v5p-128 data shard of the
+                   2048 x 2048 batch holds 32 x 2048 tokens)
+e.g. --config=configs/olmo_paper.py:1b,fgram=1.8b,fgrams=10m; check it with
+  python tools/aot_compile.py --config=configs/olmo_paper.py:1b,fgram=1.8b --topology=v5p-128
 """
 import ml_collections
 
-from scone_jax.config import base_config
+from scone_jax.config import base_config, enable_scone, split_variant
 
 _LAYERS = {"0.7b": 12, "1b": 18, "1.3b": 24, "1.9b": 36}
 VARIANTS = tuple(_LAYERS)
@@ -49,21 +55,11 @@ D_MODEL, PAPER_FFW = 2048, 8192
 SWIGLU_HIDDEN = 5504  # 2/3 * PAPER_FFW rounded up to a multiple of 128 (see the docstring)
 
 
-def _parse(arg: str | None) -> tuple[str, dict]:
-    """`SIZE[,key=value...]` -> (SIZE, options); every problem names the valid choices."""
-    name, *options = (arg or "").split(",")
-    if name not in _LAYERS:
-        raise ValueError(
-            f"Unknown variant {arg!r} of configs/olmo_paper.py; valid variants: {', '.join(VARIANTS)}. "
-            "Pass one as --config=configs/olmo_paper.py:1b."
-        )
-    if options:
-        raise ValueError(f"configs/olmo_paper.py takes no options yet, got {options} in {arg!r}.")
-    return name, {}
+_FGRAM_LAYERS = {"0.6b": 12, "1.8b": 36}  # the paper's f-gram models
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    name, _ = _parse(arg)
+    name, options = split_variant(arg, VARIANTS, "configs/olmo_paper.py")
     config = base_config()
     m = config.model
     m.vocab_size = 50304
@@ -85,5 +81,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     t.checkpoint_every, t.keep_checkpoints = 1000, 3
 
     config.mesh.data, config.mesh.fsdp = 1, -1
+    if "fgram" in options:
+        size = options["fgram"]
+        if size.endswith("x"):
+            layers = max(1, round(float(size[:-1]) * _LAYERS[name]))
+        elif size in _FGRAM_LAYERS:
+            layers = _FGRAM_LAYERS[size]
+        else:
+            raise ValueError(f"fgram={size!r}: use one of {sorted(_FGRAM_LAYERS)} or a ratio such as 1x.")
+        enable_scone(config, fgram_layers=layers, options=options, default_fgrams="10m", default_capacity=8192)
     config.lock()
     return config

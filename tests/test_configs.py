@@ -98,10 +98,42 @@ def test_paper_configs_need_a_size(path):
         config_lib.load_config_file(os.path.join(ROOT, path))
 
 
-@pytest.mark.parametrize("spec", ["configs/gpt2_paper.py:419m,fgram=3x", "configs/olmo_paper.py:1b,fgram=1.8b"])
-def test_options_after_the_size_are_rejected_until_they_exist(spec):
-    with pytest.raises(ValueError, match="no options yet"):
+# (config, main model M, f-gram model M without embeddings): the paper's SCONE settings.
+PAPER_SCONE = [
+    ("configs/gpt2_paper.py:419m,fgram=0.5x", 419, 170),
+    ("configs/gpt2_paper.py:419m,fgram=3x", 419, 1020),
+    ("configs/olmo_paper.py:1b,fgram=0.6b", 1014, 604),
+    ("configs/olmo_paper.py:1b,fgram=1.8b,fgrams=1b", 1014, 1812),
+]
+
+
+@pytest.mark.parametrize("spec,main_m,fgram_m", PAPER_SCONE)
+def test_scone_variants_have_the_papers_sizes(spec, main_m, fgram_m):
+    config = config_lib.load_config_file(os.path.join(ROOT, spec))
+    assert config.scone.enabled
+    abstract = nnx.state(nnx.eval_shape(lambda: build_model(config)), nnx.Param)
+    main, fgram = param_counts(abstract["decoder"]), param_counts(abstract["fgram_model"])
+    print(f"{spec}: main {main['total'] / 1e6:.1f}M (paper {main_m}M), "
+          f"f-gram model {fgram['non_embedding'] / 1e6:.1f}M (paper {fgram_m}M)")
+    assert abs(main["total"] / 1e6 / main_m - 1) < 0.02
+    assert abs(fgram["non_embedding"] / 1e6 / fgram_m - 1) < 0.02
+    assert fgram["embedding"] == config.scone.max_len * config.model.d_model  # only its K positions
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("configs/gpt2_paper.py:419m,fgrams=10m", "need fgram="),
+    ("configs/gpt2_paper.py:419m,fgram=1x,colour=red", "Unknown option 'colour=red'"),
+    ("configs/olmo_paper.py:1b,fgram=5b", "use one of"),
+    ("configs/olmo_paper.py:1b,fgram=1x,fgrams=lots", "not a count"),
+])
+def test_bad_options_are_clear_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
         config_lib.load_config_file(os.path.join(ROOT, spec))
+
+
+def test_option_values():
+    config = config_lib.load_config_file(os.path.join(ROOT, "configs/olmo_paper.py:1b,fgram=1.8b,fgrams=1b,capacity=2k"))
+    assert (config.scone.num_layers, config.scone.num_fgrams, config.scone.fgram_capacity) == (36, 10**9, 2000)
 
 
 def test_paper_shapes():

@@ -46,6 +46,7 @@ def base_config() -> ml_collections.ConfigDict:
     s.d_model = 0  # f-gram model width; 0 = the main model's (else projected to it)
     s.num_heads = 0  # 0 = the main model's
     s.d_ff = 0  # 0 = the main model's
+    s.output_scale_init = 0.0  # >0: learned scalar on the f-gram model's output, starting here
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "kjv"  # 'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'
@@ -111,6 +112,19 @@ def unknown_key_message(config: ml_collections.ConfigDict, dotted: str) -> str |
             return f"Unknown config key {dotted!r}: {where} has no field {part!r}. Valid keys there: {valid}"
         node = node[part]
     return None
+
+
+def config_flag_error(argv) -> str | None:
+    """Why `--config=...`/`--config.*` flags in argv failed to parse, in one line (for CLIs)."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None:
+        return None
+    try:
+        base = load_config_file(spec)
+    except (ValueError, FileNotFoundError) as e:
+        return str(e)
+    overrides = [a.split("=", 1)[0][len("--config."):] for a in argv if a.startswith("--config.")]
+    return next(filter(None, (unknown_key_message(base, key) for key in overrides)), None)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

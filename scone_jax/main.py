@@ -37,23 +37,24 @@ EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED = 2, 3, 143
 def parse_flags(argv):
     """absl flag parsing, but a misspelled --config.* key becomes a short error listing valid keys."""
     try:
-        return flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:
-        print(f"scone_jax: error: {_override_error(argv) or e}", file=sys.stderr)
+        parsed = flags.FLAGS(argv)
+    except (AttributeError, KeyError, flags.Error) as e:
+        print(f"scone_jax: error: {config_lib.config_flag_error(argv) or e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    if not flags.FLAGS["config"].present or _config_unloadable():
+        print(f"scone_jax: error: {config_lib.config_flag_error(argv) or 'pass --config=configs/<name>.py'}",
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    return parsed
 
 
-def _override_error(argv) -> str | None:
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if spec is None:
-        return None
-    base = config_lib.load_config_file(spec)
-    for arg in argv:
-        if arg.startswith("--config."):
-            message = config_lib.unknown_key_message(base, arg.split("=")[0][len("--config."):])
-            if message:
-                return message
-    return None
+def _config_unloadable() -> bool:
+    """config_flags defers a missing or broken config file's error to first use; find it now."""
+    try:
+        _CONFIG.value.keys()
+    except OSError:
+        return True
+    return False
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -69,8 +70,8 @@ def main(argv):
         logging.get_absl_handler().addFilter(_QuietLibraries())
     from scone_jax import distributed, preemption, train, workdir  # after flag parsing: imports JAX
 
-    if _CONFIG.value is None or not _WORKDIR.value:
-        print("scone_jax: error: pass --config=configs/<name>.py and --workdir=DIR", file=sys.stderr)
+    if not _WORKDIR.value:
+        print("scone_jax: error: pass --workdir=DIR (checkpoints, logs and the tokenizer go there)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     join = distributed.JoinSpec(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _STARTUP_TIMEOUT.value)
     try:

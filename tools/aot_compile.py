@@ -219,20 +219,8 @@ def parse_flags(argv):
     try:
         return flags.FLAGS(argv)
     except (AttributeError, KeyError, flags.Error) as e:
-        print(f"aot_compile: error: {_config_error(argv) or e}", file=sys.stderr)
+        print(f"aot_compile: error: {config_lib.config_flag_error(argv) or e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-
-
-def _config_error(argv) -> str | None:
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if spec is None:
-        return None
-    try:
-        base = config_lib.load_config_file(spec)
-    except (ValueError, FileNotFoundError) as e:
-        return str(e)
-    overrides = [a.split("=", 1)[0][len("--config."):] for a in argv if a.startswith("--config.")]
-    return next(filter(None, (config_lib.unknown_key_message(base, key) for key in overrides)), None)
 
 
 def report_out_of_memory(tpu: Slice, error: Exception) -> None:

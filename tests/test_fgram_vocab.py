@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from scone_jax.fgram.vocab import build_vocab, load_vocab, save_vocab
+from scone_jax.fgram.vocab import build_vocab, load_vocab, save_vocab, vocab_exists
 
 
 @pytest.fixture
@@ -50,8 +50,11 @@ def test_tokenizer_mismatch(vocab, tmp_path):
 def test_missing_or_unfinished(vocab, tmp_path):
     with pytest.raises(FileNotFoundError, match="No f-gram vocabulary at .*vocab.json is missing"):
         load_vocab(str(tmp_path / "nothing"))
+    assert not vocab_exists(str(tmp_path / "nothing"))
     save_vocab(vocab, str(tmp_path / "v"))
+    assert vocab_exists(str(tmp_path / "v"))
     (tmp_path / "v" / "vocab.json").unlink()  # what a crash before the last write leaves
+    assert not vocab_exists(str(tmp_path / "v"))
     with pytest.raises(FileNotFoundError, match="did not finish"):
         load_vocab(str(tmp_path / "v"))
 

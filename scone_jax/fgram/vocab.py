@@ -154,6 +154,12 @@ def save_vocab(vocab: FgramVocab, path: str) -> None:
     store.write(_META, json.dumps(meta, indent=1).encode()).result()
 
 
+def vocab_exists(path: str) -> bool:
+    """Whether a finished write (its vocab.json) is at `path`, local or remote; checking the
+    arrays is load_vocab's job."""
+    return ts.KvStore.open(_kvstore(path)).result().read(_META).result().state == "value"
+
+
 def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None) -> FgramVocab:
     """Reads a vocabulary written by `save_vocab` and checks it is whole and fits the tokenizer."""
     raw = ts.KvStore.open(_kvstore(path)).result().read(_META).result()

@@ -13,7 +13,7 @@ from absl import logging
 
 from scone_jax.data import sources
 from scone_jax.fgram.extract import extract_fgrams
-from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab
+from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab, vocab_exists
 
 
 def training_token_documents(data_cfg, tokenizer, max_tokens: int):
@@ -34,7 +34,7 @@ def ensure_vocab(scone_cfg, data_cfg, tokenizer, workdir: str, is_chief: bool = 
     """Load the configured vocabulary (checked against the tokenizer), extracting it first if
     the config names none and the workdir has none yet."""
     path = scone_cfg.vocab_path or os.path.join(workdir, "fgrams")
-    if not scone_cfg.vocab_path and is_chief and not os.path.exists(os.path.join(path, "vocab.json")):
+    if not scone_cfg.vocab_path and is_chief and not vocab_exists(path):
         start = time.time()
         docs = training_token_documents(data_cfg, tokenizer, scone_cfg.extract_max_tokens)
         vocab = extract_fgrams(

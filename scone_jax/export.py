@@ -31,6 +31,7 @@ from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
 
 _MAX_PENDING_WRITES = 3
+_VOCAB_DONE, _DECODER_DONE = f"{bundle.DONE}/{bundle.FGRAMS}", f"{bundle.DONE}/{bundle.DECODER}"
 
 
 class Run:
@@ -44,7 +45,7 @@ class Run:
             raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints. Fix: train first "
                                     f"(python -m scone_jax.main --workdir={workdir}).")
         meta = self.checkpointer.read_meta(self.step)
-        self.config = config or ml_collections.ConfigDict(meta["config"])
+        self.config = config or bundle.stored_config(meta["config"])
         if not self.config.scone.enabled:
             raise bundle.BundleError(
                 f"The checkpoint {workdir}/checkpoints/{self.step} was trained without SCONE "
@@ -144,7 +145,8 @@ class TableWriter:
     def _finish_oldest(self):
         chunks, futures = self.pending.popleft()
         futures.commit.result()
-        for f in [self.store.write(f"{bundle.DONE}/{c:09d}", b"") for c in chunks]:
+        # Markers hold a byte: some GCS implementations (the emulator) never finish empty uploads.
+        for f in [self.store.write(f"{bundle.DONE}/{c:09d}", b"1") for c in chunks]:
             f.result()
 
     def flush(self):
@@ -154,8 +156,8 @@ class TableWriter:
 
 def done_chunks(output: str) -> set[int]:
     """Chunks with a done marker, as process 0 sees them (all processes must skip the same batches)."""
-    keys = bundle.open_store(output).list(ts.KvStore.KeyRange(bundle.DONE + "/", bundle.DONE + "0")).result()
-    local = np.array(sorted(int(k.decode().rsplit("/", 1)[1]) for k in keys), np.int64)
+    keys = [k.decode() for k in bundle.open_store(bundle.join(output, bundle.DONE)).list().result()]
+    local = np.array(sorted(int(k) for k in keys if k.isdigit()), np.int64)
     count = int(multihost_utils.broadcast_one_to_all(np.int64(len(local))))
     if count == 0:
         return set()
@@ -199,21 +201,30 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             logging.info("export: %s is already complete", output)
             return {"rows_computed": 0, "seconds": 0.0, "rows_per_s": 0.0, "meta": meta}
         chief = jax.process_index() == 0
+        if chief and bundle.read_bytes(output, _VOCAB_DONE) is None:
+            # First: save_vocab clears its directory, and a GCS server that ignores listing ranges
+            # (the emulator) turns that into clearing the bucket.
+            save_vocab(vocab, bundle.join(output, bundle.FGRAMS))
+            bundle.write_bytes(output, _VOCAB_DONE, b"1")
         if chief:
             bundle.write_bytes(output, bundle.META, json.dumps(meta, indent=1).encode())
             with open(run.tokenizer.path, "rb") as f:
                 bundle.write_bytes(output, bundle.TOKENIZER, f.read())
-            save_vocab(vocab, bundle.join(output, bundle.FGRAMS))
             ts.open(bundle.create_table_spec(output, vocab.num_fgrams, meta["d_model"], dtype, chunk_rows),
                     create=True, open=True).result()
         multihost_utils.sync_global_devices("scone_export_created")
-        saver = ocp.StandardCheckpointer()
-        saver.save(bundle.join(output, bundle.DECODER), decoder_params, force=True)
+        saver = None
+        if bundle.read_bytes(output, _DECODER_DONE) is None:  # saved asynchronously while the table computes
+            saver = bundle.decoder_checkpointer()
+            saver.save(bundle.join(output, bundle.DECODER), args=ocp.args.StandardSave(decoder_params), force=True)
         figures = _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s)
-        saver.wait_until_finished()
-        saver.close()
+        if saver is not None:
+            saver.wait_until_finished()
+            saver.close()
         multihost_utils.sync_global_devices("scone_export_written")
         if chief:
+            if saver is not None:
+                bundle.write_bytes(output, _DECODER_DONE, b"1")
             bundle.write_bytes(output, bundle.COMPLETE, bundle.meta_fingerprint(meta).encode())
         return {**figures, "meta": meta}
     finally:

@@ -49,7 +49,7 @@ def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_
     expect = {} if tokenizer_fingerprint is None else {"tokenizer_fingerprint": tokenizer_fingerprint}
     table = HostTable.open(path, expect=expect, max_bytes=max_table_bytes)
     meta = table.meta
-    config = ml_collections.ConfigDict(meta["config"])
+    config = bundle.stored_config(meta["config"])
     tokenizer = Tokenizer(bundle.read_bytes(path, bundle.TOKENIZER), path=None)
     vocab = load_vocab(bundle.join(path, bundle.FGRAMS), expected_tokenizer_fingerprint=tokenizer.fingerprint)
     for what, have in (("tokenizer_fingerprint", tokenizer.fingerprint), ("fgram_vocab_fingerprint", vocab.fingerprint)):
@@ -74,8 +74,8 @@ def load_decoder(path: str, model_cfg, mesh):
     graphdef, abstract = nnx.eval_shape(lambda: nnx.split(Decoder(model_cfg, nnx.Rngs(0)), nnx.Param))
     shardings = sharding.state_shardings(abstract, mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    with ocp.StandardCheckpointer() as restorer:
-        params = restorer.restore(bundle.join(path, bundle.DECODER), target)
+    with bundle.decoder_checkpointer() as restorer:
+        params = restorer.restore(bundle.join(path, bundle.DECODER), args=ocp.args.StandardRestore(target))
     return graphdef, params
 
 

@@ -94,8 +94,9 @@ def test_pieces_of_another_model_vocabulary_or_tokenizer_are_refused(tmp_path_fa
 
     path = str(tmp_path / "swapped_decoder")
     shutil.copytree(original, path)
-    with ocp.StandardCheckpointer() as saver:
-        saver.save(os.path.join(path, "decoder"), jax.tree.map(lambda x: x * 2, served.params), force=True)
+    with bundle.decoder_checkpointer() as saver:
+        saver.save(os.path.join(path, "decoder"), args=ocp.args.StandardSave(jax.tree.map(lambda x: x * 2, served.params)),
+                   force=True)
     with pytest.raises(bundle.BundleError, match="belongs to another model"):
         inference.load(path)
 

@@ -46,7 +46,6 @@ def base_config() -> ml_collections.ConfigDict:
     s.d_model = 0  # f-gram model width; 0 = the main model's (else projected to it)
     s.num_heads = 0  # 0 = the main model's
     s.d_ff = 0  # 0 = the main model's
-    s.output_scale_init = 0.0  # >0: learned scalar on the f-gram model's output, starting here
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "kjv"  # 'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'

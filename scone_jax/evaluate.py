@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import types
 import time
 
 import jax
@@ -108,35 +109,40 @@ def data_config(served: inference.Served, overrides: dict):
     return config
 
 
-_TABLE = flags.DEFINE_string("table", None, "Export directory written by scone_jax.export (local or gs://).")
-_CONFIG = config_flags.DEFINE_config_dict("config", config_lib.base_config(), "Data overrides: --config.data.*.")
-_RESULT = flags.DEFINE_string("result", "eval_result.json", "Where to write the JSON result ('' = nowhere).")
-_MAX_TABLE_BYTES = flags.DEFINE_integer("max_table_bytes", 0, "Host RAM for the table; 0 = load it whole, "
-                                        "else a bounded chunk cache of this many bytes.")
-_MAX_BATCHES = flags.DEFINE_integer("max_batches", 0, "Stop after this many batches (0 = all; then no bpb).")
+def _define_flags():
+    """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
+    table = flags.DEFINE_string("table", None, "Export directory written by scone_jax.export (local or gs://).")
+    config = config_flags.DEFINE_config_dict("config", config_lib.base_config(), "Data overrides: --config.data.*.")
+    result = flags.DEFINE_string("result", "eval_result.json", "Where to write the JSON result ('' = nowhere).")
+    max_table_bytes = flags.DEFINE_integer("max_table_bytes", 0, "Host RAM for the table; 0 = load it whole, "
+                                            "else a bounded chunk cache of this many bytes.")
+    max_batches = flags.DEFINE_integer("max_batches", 0, "Stop after this many batches (0 = all; then no bpb).")
+    return types.SimpleNamespace(
+        table=table, config=config, result=result, max_table_bytes=max_table_bytes, max_batches=max_batches)
 
 
-def main(argv):
+def main(argv, args):
     del argv
-    if not _TABLE.value:
+    if not args.table.value:
         print("scone_jax.evaluate: error: pass --table=EXPORT_DIR", file=sys.stderr)
         sys.exit(2)
     try:
-        served = inference.load(_TABLE.value, max_table_bytes=_MAX_TABLE_BYTES.value or None)
+        served = inference.load(args.table.value, max_table_bytes=args.max_table_bytes.value or None)
         config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
-        result = evaluate(served, config.data, max_batches=_MAX_BATCHES.value)
+        result = evaluate(served, config.data, max_batches=args.max_batches.value)
     except (ValueError, FileNotFoundError) as e:
         print(f"scone_jax.evaluate: error: {e}", file=sys.stderr)
         sys.exit(2)
-    result |= {"table": _TABLE.value, "data": config.data.to_dict()}
+    result |= {"table": args.table.value, "data": config.data.to_dict()}
     print(f"tokens {result['tokens']:,}  perplexity {result['perplexity']:.4f}  bits/byte "
           f"{result['bits_per_byte'] or float('nan'):.4f}  hit rate {result['hit_rate']:.3f}  "
           f"tokens/s {result['tokens_per_s'] or float('nan'):,.0f}")
-    if _RESULT.value:
-        os.makedirs(os.path.dirname(os.path.abspath(_RESULT.value)), exist_ok=True)
-        with open(_RESULT.value, "w") as f:
+    if args.result.value:
+        os.makedirs(os.path.dirname(os.path.abspath(args.result.value)), exist_ok=True)
+        with open(args.result.value, "w") as f:
             json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _args = _define_flags()
+    app.run(lambda argv: main(argv, _args))

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import types
 import time
 
 import jax
@@ -243,6 +244,8 @@ def _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s) -> d
     writer = TableWriter(table, output, chunk_rows, total)
     embed = embed_fn(model, mesh, meta["dtype"])
     progress = _Progress(total, total - sum(min(batch_rows, total - s) for s in todo), log_every_s)
+    if todo:  # compile before the clock starts, so rows/s and the ETA are the steady rate
+        jax.block_until_ready(embed(*batch_inputs(vocab, todo[0], batch_rows, mesh)))
     start_time, computed, in_flight = time.time(), 0, None
     for start in todo:
         result = embed(*batch_inputs(vocab, start, batch_rows, mesh))  # dispatched; runs while we write
@@ -261,27 +264,32 @@ def _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s) -> d
     return {"rows_computed": computed, "seconds": seconds, "rows_per_s": computed / max(seconds, 1e-9)}
 
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training run directory (checkpoints/, tokenizer, fgrams).")
-_OUTPUT = flags.DEFINE_string("output", None, "Bundle directory: a local path or gs://bucket/path.")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(bundle.DTYPES), "Table dtype.")
-_CHUNK_ROWS = flags.DEFINE_integer("chunk_rows", 1024, "Table rows per stored chunk (the unit of resume).")
-_BATCH_ROWS = flags.DEFINE_integer("batch_rows", 8192, "F-grams per device batch (rounded to whole chunks).")
+def _define_flags():
+    """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
+    workdir = flags.DEFINE_string("workdir", None, "Training run directory (checkpoints/, tokenizer, fgrams).")
+    output = flags.DEFINE_string("output", None, "Bundle directory: a local path or gs://bucket/path.")
+    dtype = flags.DEFINE_enum("dtype", "bfloat16", list(bundle.DTYPES), "Table dtype.")
+    chunk_rows = flags.DEFINE_integer("chunk_rows", 1024, "Table rows per stored chunk (the unit of resume).")
+    batch_rows = flags.DEFINE_integer("batch_rows", 8192, "F-grams per device batch (rounded to whole chunks).")
+    return types.SimpleNamespace(
+        workdir=workdir, output=output, dtype=dtype, chunk_rows=chunk_rows, batch_rows=batch_rows)
 
 
-def main(argv):
+def main(argv, args):
     del argv
-    if not _WORKDIR.value or not _OUTPUT.value:
+    if not args.workdir.value or not args.output.value:
         print("scone_jax.export: error: pass --workdir=RUN and --output=PATH", file=sys.stderr)
         sys.exit(2)
     try:
-        figures = export(_WORKDIR.value, _OUTPUT.value, dtype=_DTYPE.value, chunk_rows=_CHUNK_ROWS.value,
-                         batch_rows=_BATCH_ROWS.value)
+        figures = export(args.workdir.value, args.output.value, dtype=args.dtype.value, chunk_rows=args.chunk_rows.value,
+                         batch_rows=args.batch_rows.value)
     except (ValueError, FileNotFoundError) as e:
         print(f"scone_jax.export: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"exported {figures['meta']['num_fgrams']:,} f-grams to {_OUTPUT.value} "
+    print(f"exported {figures['meta']['num_fgrams']:,} f-grams to {args.output.value} "
           f"({figures['rows_per_s']:.0f} rows/s)")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _args = _define_flags()
+    app.run(lambda argv: main(argv, _args))

@@ -10,6 +10,7 @@ token, so the device never holds the f-gram table.
 from __future__ import annotations
 
 import sys
+import types
 import time
 
 import jax
@@ -130,26 +131,31 @@ class Generator:
         return {"tokens": tokens, "logits": np.stack(jax.device_get(logits), 1), "seconds_per_token": latency}
 
 
-_TABLE = flags.DEFINE_string("table", None, "Export directory written by scone_jax.export (local or gs://).")
-_PROMPT = flags.DEFINE_string("prompt", "", "Text to continue.")
-_NUM_TOKENS = flags.DEFINE_integer("num_tokens", 64, "New tokens per sample.")
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples drawn together as one batch.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 = greedy.")
-_TOP_K = flags.DEFINE_integer("top_k", 40, "Sample among the k most likely tokens (0 = all).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+def _define_flags():
+    """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
+    table = flags.DEFINE_string("table", None, "Export directory written by scone_jax.export (local or gs://).")
+    prompt = flags.DEFINE_string("prompt", "", "Text to continue.")
+    num_tokens = flags.DEFINE_integer("num_tokens", 64, "New tokens per sample.")
+    num_samples = flags.DEFINE_integer("num_samples", 1, "Samples drawn together as one batch.")
+    temperature = flags.DEFINE_float("temperature", 0.8, "0 = greedy.")
+    top_k = flags.DEFINE_integer("top_k", 40, "Sample among the k most likely tokens (0 = all).")
+    seed = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    return types.SimpleNamespace(
+        table=table, prompt=prompt, num_tokens=num_tokens, num_samples=num_samples, temperature=temperature,
+        top_k=top_k, seed=seed)
 
 
-def main(argv):
+def main(argv, args):
     del argv
-    if not _TABLE.value:
+    if not args.table.value:
         print("scone_jax.generate: error: pass --table=EXPORT_DIR", file=sys.stderr)
         sys.exit(2)
     try:
-        served = inference.load(_TABLE.value)
+        served = inference.load(args.table.value)
         tok = served.tokenizer
-        prompt = np.concatenate([[tok.bos_id], tok.encode(_PROMPT.value)]).astype(np.int32)
-        generator = Generator(served, temperature=_TEMPERATURE.value, top_k=_TOP_K.value)
-        out = generator.generate(np.tile(prompt, (_NUM_SAMPLES.value, 1)), _NUM_TOKENS.value, seed=_SEED.value)
+        prompt = np.concatenate([[tok.bos_id], tok.encode(args.prompt.value)]).astype(np.int32)
+        generator = Generator(served, temperature=args.temperature.value, top_k=args.top_k.value)
+        out = generator.generate(np.tile(prompt, (args.num_samples.value, 1)), args.num_tokens.value, seed=args.seed.value)
     except (ValueError, FileNotFoundError) as e:
         print(f"scone_jax.generate: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -157,10 +163,11 @@ def main(argv):
         new = list(row[len(prompt):])
         if tok.eos_id in new:
             new = new[: new.index(tok.eos_id)]
-        print(_PROMPT.value + tok.decode(new))
+        print(args.prompt.value + tok.decode(new))
     if out["seconds_per_token"] is not None:
         print(f"{1000 * out['seconds_per_token']:.2f} ms/token", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _args = _define_flags()
+    app.run(lambda argv: main(argv, _args))

@@ -41,19 +41,20 @@ def test_export_to_gcs_evaluates_like_the_local_export(tmp_path_factory, bucket)
     assert a["tokens"] == b["tokens"] and a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6)
 
 
-def small_state():
+def small_model_state():
+    """Model parameters of a 1-layer model, no optimizer: few files, since each costs emulator round trips."""
     config = small_config(num_layers=1)
     spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
-    return spec, state_lib.init_state(config, spec)
+    return state_lib.abstract_with_shardings(spec)[0], state_lib.init_state(config, spec)[0]
 
 
-def test_train_state_checkpoint_round_trips_through_gcs(bucket):
-    """The checkpoint layout train.py writes (state + JSON meta per step, via CheckpointManager), on gs://.
+def test_model_checkpoint_round_trips_through_gcs(bucket):
+    """The layout train.py writes (state + JSON meta per step, via CheckpointManager), on gs://.
 
     Without OCDBT: with it, tensorstore's manifest reads fail on the emulator now and then
     ('Malformed StorageGeneration'; the emulator ignores generation preconditions). Real GCS is fine."""
     pytest.importorskip("gcsfs", reason="orbax reaches gs:// directories through etils.epath, which needs gcsfs")
-    spec, saved = small_state()
+    target, saved = small_model_state()
     directory = f"{bucket}/run/checkpoints"
     handlers = {"state": ocp.StandardCheckpointHandler(use_ocdbt=False), "meta": ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(directory, item_handlers=handlers) as manager:
@@ -63,7 +64,7 @@ def test_train_state_checkpoint_round_trips_through_gcs(bucket):
     with ocp.CheckpointManager(directory, item_handlers=handlers) as manager:
         assert manager.latest_step() == 5
         restored = manager.restore(5, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(state_lib.abstract_with_shardings(spec)), meta=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     assert restored["meta"] == {"step": 5}
     for a, b in zip(jax.tree.leaves(restored["state"]), jax.tree.leaves(saved)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,142 @@
+"""Serving throughput: export, offloaded evaluation, cached decoding and host gathers, each against
+the path it should cost no more than.
+
+  python tools/bench_serving.py [--quick]
+
+Builds a SCONE run (BPE tokenizer, f-grams from the embedded corpus, an initialised checkpoint: the
+weights' values do not change the timings), exports it, and prints one RESULT line per ratio:
+  export_vs_forward_ratio       export rows/s / f-gram-model forward rows/s alone (writes overlap compute)
+  eval_table_vs_baseline_ratio  evaluate tokens/s with table rows / the same decoder on T(token) only
+  eval_table_vs_onthefly_ratio  evaluate tokens/s with table rows / the training graph (f-gram model live)
+  decode_latency_ratio          per-token decode latency with the table lookup / without
+  gather_vs_numpy_ratio         HostTable.gather rows/s / np.take on the same in-RAM array
+Timings exclude compilation. On a shared 2-core CPU the figures move by +-20% between runs.
+"""
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from scone_jax import checkpoint, evaluate, export, generate, inference, sharding, state as state_lib, steps, train
+from scone_jax.config import base_config
+from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib
+from scone_jax.fgram import workdir_vocab
+
+_QUICK = flags.DEFINE_bool("quick", False, "A tiny model and few batches (under a minute).")
+
+
+def make_run(root: str, quick: bool):
+    """A SCONE run directory with a checkpoint of the initial state."""
+    tokenizer = tokenizer_lib.train_tokenizer(corpus.kjv_documents("train", 0.02)[:3000],
+                                              os.path.join(root, "tokenizer.model"), 1024, model_type="bpe")
+    c = base_config()
+    c.model.update(dict(vocab_size=1024, d_model=64 if quick else 256, num_layers=2 if quick else 4, num_heads=4,
+                        d_ff=256 if quick else 1024, max_seq_len=128, init_std=0.2))
+    c.data.update(dict(tokenizer_path=tokenizer.path, seq_len=64 if quick else 128, global_batch_size=16))
+    c.scone.update(dict(enabled=True, max_len=4, num_fgrams=8000 if quick else 100_000, min_count=3,
+                        fgram_capacity=1024, num_layers=1 if quick else 4,
+                        extract_max_tokens=300_000 if quick else 3_000_000))
+    workdir = os.path.join(root, "run")
+    vocab = workdir_vocab.ensure_vocab(c.scone, c.data, tokenizer, workdir)
+    mesh = sharding.make_mesh(c.mesh)
+    spec = state_lib.state_spec(c, mesh)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    ckpt.save(1, state_lib.init_state(c, spec), None, {"tokenizer_fingerprint": tokenizer.fingerprint,
+                                                       "fgram_vocab_fingerprint": vocab.fingerprint,
+                                                       "config": c.to_dict(), "step": 1})
+    ckpt.wait()
+    ckpt.close()
+    return c, workdir, tokenizer, vocab
+
+
+def forward_rows_per_s(workdir: str, vocab, batch_rows: int) -> float:
+    """The f-gram model over every f-gram in export-sized batches, results fetched, nothing written."""
+    run = export.Run(workdir)
+    mesh = sharding.make_mesh(run.config.mesh)
+    embed = export.embed_fn(run.restore_model(mesh), mesh, "bfloat16")
+    run.close()
+    np.asarray(embed(*export.batch_inputs(vocab, 0, batch_rows, mesh)))
+    start = time.perf_counter()
+    pending = None
+    for s in range(0, vocab.num_fgrams, batch_rows):
+        result = embed(*export.batch_inputs(vocab, s, batch_rows, mesh))
+        if pending is not None:
+            np.asarray(pending)
+        pending = result
+    np.asarray(pending)
+    return vocab.num_fgrams / (time.perf_counter() - start)
+
+
+def onthefly_tokens_per_s(config, workdir, tokenizer, max_batches: int) -> float:
+    """The training graph's eval step (f-gram model run per batch), batches prepared beforehand."""
+    mesh = sharding.make_mesh(config.mesh)
+    _, batcher = train.fgram_batcher(config, tokenizer, workdir, mesh)
+    spec = state_lib.state_spec(config, mesh)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    state, _ = ckpt.restore(1, state_lib.abstract_with_shardings(spec))
+    ckpt.close()
+    step = steps.make_eval_step(spec.graphdef, spec.shardings, mesh)
+    batches = [sharding.global_batch(train.device_batch(batcher(b)), mesh)
+               for _, b in zip(range(max_batches), pipeline.make_eval_batches(config.data, tokenizer))]
+    jax.block_until_ready(step(state, batches[0]))
+    start = time.perf_counter()
+    sums = [step(state, b) for b in batches[1:]]
+    tokens = float(np.sum([float(n) for _, n in jax.device_get(sums)]))
+    return tokens / (time.perf_counter() - start)
+
+
+def gather_ratio(table, batch_ids: int, rounds: int) -> float:
+    ids = np.random.default_rng(0).integers(0, table.num_rows, (rounds, batch_ids))
+    rows = table._rows
+    out = np.empty((batch_ids, table.width), rows.dtype)
+    timings = {}
+    for name, fn in (("numpy", lambda i: np.take(rows, i, axis=0, out=out)), ("table", table.gather)):
+        fn(ids[0])
+        start = time.perf_counter()
+        for i in ids:
+            fn(i)
+        timings[name] = time.perf_counter() - start
+    return timings["numpy"] / timings["table"]
+
+
+def main(argv):
+    del argv
+    quick = _QUICK.value
+    root = tempfile.mkdtemp(prefix="bench_serving_")
+    config, workdir, tokenizer, vocab = make_run(root, quick)
+    batch_rows = 1024 if quick else 8192
+    output = os.path.join(root, "export")
+    figures = export.export(workdir, output, chunk_rows=256 if quick else 1024, batch_rows=batch_rows)
+    forward = forward_rows_per_s(workdir, vocab, batch_rows)
+    print(f"export {figures['rows_per_s']:,.0f} rows/s, forward alone {forward:,.0f} rows/s ({vocab.num_fgrams:,} f-grams)")
+    print(f"RESULT export_vs_forward_ratio {figures['rows_per_s'] / forward:.3f}")
+
+    served = inference.load(output)
+    batches = 12 if quick else 60
+    with_table = evaluate.evaluate(served, config.data, max_batches=batches)
+    baseline = evaluate.evaluate(served, config.data, use_table=False, max_batches=batches)
+    onthefly = onthefly_tokens_per_s(config, workdir, tokenizer, batches)
+    print(f"evaluate tokens/s: table {with_table['tokens_per_s']:,.0f} (hit rate {with_table['hit_rate']:.2f}), "
+          f"T only {baseline['tokens_per_s']:,.0f}, f-gram model on the fly {onthefly:,.0f}")
+    print(f"RESULT eval_table_vs_baseline_ratio {with_table['tokens_per_s'] / baseline['tokens_per_s']:.3f}")
+    print(f"RESULT eval_table_vs_onthefly_ratio {with_table['tokens_per_s'] / onthefly:.3f}")
+
+    prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode("And God said, Let there be light")])[None]
+    new_tokens = 32 if quick else 96
+    latency = {}
+    for use_table in (True, False):
+        gen = generate.Generator(served, use_table=use_table)
+        gen.generate(prompt, new_tokens)  # compile
+        latency[use_table] = min(gen.generate(prompt, new_tokens)["seconds_per_token"] for _ in range(3))
+    print(f"decode: {1000 * latency[True]:.2f} ms/token with table rows, {1000 * latency[False]:.2f} without")
+    print(f"RESULT decode_latency_ratio {latency[True] / latency[False]:.3f}")
+
+    ratio = gather_ratio(served.table, 16 * 1024 if quick else 64 * 1024, 20 if quick else 100)
+    print(f"RESULT gather_vs_numpy_ratio {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -124,9 +124,8 @@ class TableWriter:
         self.chunk_rows, self.num_rows = chunk_rows, num_rows
         self.pending = collections.deque()
 
-    def write(self, start: int, result: jax.Array, skip: set[int]) -> int:
-        """Queue the rows of `result` (batch rows start..) held by this process; returns rows queued."""
-        queued = 0
+    def write(self, start: int, result: jax.Array, skip: set[int]) -> None:
+        """Queue the rows of `result` (batch rows start..) held by this process, skipping done chunks."""
         for shard in result.addressable_shards:
             if shard.replica_id != 0:
                 continue
@@ -138,10 +137,8 @@ class TableWriter:
             rows = np.asarray(shard.data)[: hi - lo]
             futures = self.table[lo:hi].write(rows)
             self.pending.append((chunks, futures))
-            queued += hi - lo
         while len(self.pending) > _MAX_PENDING_WRITES or (self.pending and self.pending[0][1].commit.done()):
             self._finish_oldest()
-        return queued
 
     def _finish_oldest(self):
         chunks, futures = self.pending.popleft()

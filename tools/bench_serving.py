@@ -37,7 +37,7 @@ def make_run(root: str, quick: bool):
                         d_ff=256 if quick else 1024, max_seq_len=128, init_std=0.2))
     c.data.update(dict(tokenizer_path=tokenizer.path, seq_len=64 if quick else 128, global_batch_size=16))
     c.scone.update(dict(enabled=True, max_len=4, num_fgrams=8000 if quick else 100_000, min_count=3,
-                        fgram_capacity=1024, num_layers=1 if quick else 4,
+                        fgram_capacity=1024 if quick else 2048, num_layers=1 if quick else 4,
                         extract_max_tokens=300_000 if quick else 3_000_000))
     workdir = os.path.join(root, "run")
     vocab = workdir_vocab.ensure_vocab(c.scone, c.data, tokenizer, workdir)

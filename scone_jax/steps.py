@@ -66,12 +66,12 @@ def make_train_step(graphdef, state_shardings, mesh, config):
         metrics = {
             "loss": loss_sum / count,
             "tokens": count,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": schedule(opt.step[...]),
         }
         opt.update(model, grads)
         # A finite loss can still leave exploded weights; their norm overflows and is caught too.
-        metrics["param_norm"] = optax.global_norm(nnx.state(model, nnx.Param))
+        metrics["param_norm"] = optax.tree.norm(nnx.state(model, nnx.Param))
         return nnx.state((model, opt)), metrics
 
     return _under_mesh(mesh, jax.jit(

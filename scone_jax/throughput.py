@@ -23,8 +23,8 @@ PEAK_FLOPS = {
 
 def measured_cpu_flops(size: int = 2048, trials: int = 3) -> float:
     """Best FLOP/s of XLA's fp32 matmul on this host (CPUs have no spec-sheet peak to quote)."""
-    matmul = jax.jit(lambda a: a @ a, backend="cpu")
-    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    a = jax.device_put(jnp.ones((size, size), jnp.float32), jax.devices("cpu")[0])
     matmul(a).block_until_ready()
     best = float("inf")
     for _ in range(trials):

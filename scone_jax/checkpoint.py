@@ -12,6 +12,7 @@ came back with another size; re-reading data is the lesser harm.
 from __future__ import annotations
 
 import logging
+import os
 
 import grain
 import jax
@@ -28,9 +29,10 @@ class Checkpointer:
     """Thin wrapper over orbax's CheckpointManager (async saves, keeps the last N)."""
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
-        self.directory = directory
+        # orbax wants absolute paths; `--workdir=workdirs/tiny` is relative to where we run.
+        self.directory = directory if "://" in directory else os.path.abspath(directory)
         self.manager = ocp.CheckpointManager(
-            directory,
+            self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
                 enable_async_checkpointing=async_save,

@@ -38,3 +38,16 @@ def test_mismatched_fingerprint_is_refused(tmp_path):
         ckpt.restore(1, state_lib.abstract_with_shardings(spec), expect={"tokenizer_fingerprint": "xyz"})
     assert ckpt.latest_step() == 1
     ckpt.close()
+
+
+def test_relative_directory_works(tmp_path, monkeypatch):
+    spec, saved = make_state((8, 1, 1), jax.devices())
+    monkeypatch.chdir(tmp_path)
+    ckpt = checkpoint.Checkpointer("workdirs/run/checkpoints", async_save=True)
+    ckpt.save(2, saved, None, {"step": 2})
+    ckpt.wait()
+    restored, _ = ckpt.restore(2, state_lib.abstract_with_shardings(spec))
+    assert (tmp_path / "workdirs/run/checkpoints/2").is_dir()
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ckpt.close()

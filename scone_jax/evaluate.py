@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from scone_jax import config as config_lib, inference
+from scone_jax import config as config_lib, inference, logs
 from scone_jax.data import pipeline, sources
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.table import Prefetcher
@@ -123,6 +123,7 @@ def _define_flags():
 
 def main(argv, args):
     del argv
+    logs.quiet_libraries()
     if not args.table.value:
         print("scone_jax.evaluate: error: pass --table=EXPORT_DIR", file=sys.stderr)
         sys.exit(2)

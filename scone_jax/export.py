@@ -27,7 +27,7 @@ from absl import app, flags, logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from scone_jax import bundle, checkpoint, sharding, state as state_lib
+from scone_jax import bundle, checkpoint, logs, sharding, state as state_lib
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
 
@@ -274,6 +274,7 @@ def _define_flags():
 
 def main(argv, args):
     del argv
+    logs.quiet_libraries()
     if not args.workdir.value or not args.output.value:
         print("scone_jax.export: error: pass --workdir=RUN and --output=PATH", file=sys.stderr)
         sys.exit(2)

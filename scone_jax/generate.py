@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from scone_jax import inference
+from scone_jax import inference, logs
 from scone_jax.model.layers import rope
 
 
@@ -147,6 +147,7 @@ def _define_flags():
 
 def main(argv, args):
     del argv
+    logs.quiet_libraries()
     if not args.table.value:
         print("scone_jax.generate: error: pass --table=EXPORT_DIR", file=sys.stderr)
         sys.exit(2)

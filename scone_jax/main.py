@@ -14,14 +14,13 @@ kept); 143 stopped by SIGTERM after saving a checkpoint at the step reached (rer
 """
 from __future__ import annotations
 
-import logging as std_logging
 import sys
 import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from scone_jax import config as config_lib
+from scone_jax import config as config_lib, logs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py (optionally :variant).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config and tokenizer.")
@@ -57,17 +56,9 @@ def _config_unloadable() -> bool:
     return False
 
 
-class _QuietLibraries(std_logging.Filter):
-    """Keep INFO lines from our code; libraries (orbax, grain, jax) speak only at WARNING+."""
-
-    def filter(self, record):
-        return record.levelno >= std_logging.WARNING or "/scone_jax/" in record.pathname
-
-
 def main(argv):
     del argv
-    if logging.get_verbosity() <= logging.INFO:
-        logging.get_absl_handler().addFilter(_QuietLibraries())
+    logs.quiet_libraries()
     from scone_jax import distributed, preemption, train, workdir  # after flag parsing: imports JAX
 
     if not _WORKDIR.value:

@@ -69,7 +69,6 @@ def test_matches_reference(setup, num_shards):
 
 def test_capacity_overflow_names_the_fix(setup):
     vocab, matcher, batch = setup
-    ids = matcher.match(batch["inputs"], batch["segment_ids"])
     need = max((FgramBatcher(matcher, vocab, num_shards=2, capacity=200)(batch)["fgram_lengths"]
                 .reshape(2, 200) > 0).sum(1))
     FgramBatcher(matcher, vocab, num_shards=2, capacity=need)(batch)  # exactly enough is fine

@@ -1,5 +1,4 @@
 """gs:// for real, against a local GCS emulator: export, evaluate and a train-state checkpoint."""
-import os
 
 import jax
 import numpy as np

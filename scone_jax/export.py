@@ -5,7 +5,12 @@ device of every process, and writes the bundle described in scone_jax/bundle.py 
 gs://). Each process writes the rows its own devices computed, in whole table chunks, so writers
 never overlap. Writing is asynchronous: while tensorstore writes batch g, the devices compute g+1.
 Rerunning an interrupted export skips the batches whose chunks all carry done markers; COMPLETE is
-written last. Exit status: 0 done, 2 bad input (no SCONE checkpoint, a different export at PATH).
+written last. Exit status: 0 done, 2 bad input (no SCONE checkpoint, a different export at PATH,
+peers that never arrived).
+
+On a pod, run the same command on every host (like training: the Cloud TPU environment is detected,
+elsewhere pass --coordinator_address, --num_processes and --process_id); every device computes rows
+and each process writes its own. The table does not depend on the process count.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from absl import app, flags, logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from scone_jax import bundle, checkpoint, logs, sharding, state as state_lib
+from scone_jax import bundle, checkpoint, distributed, join_flags, logs, sharding, state as state_lib
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
 
@@ -268,8 +273,10 @@ def _define_flags():
     dtype = flags.DEFINE_enum("dtype", "bfloat16", list(bundle.DTYPES), "Table dtype.")
     chunk_rows = flags.DEFINE_integer("chunk_rows", 1024, "Table rows per stored chunk (the unit of resume).")
     batch_rows = flags.DEFINE_integer("batch_rows", 8192, "F-grams per device batch (rounded to whole chunks).")
-    return types.SimpleNamespace(
-        workdir=workdir, output=output, dtype=dtype, chunk_rows=chunk_rows, batch_rows=batch_rows)
+    join = join_flags.define()
+    flags.adopt_module_key_flags(join_flags)  # listed by --help
+    return types.SimpleNamespace(workdir=workdir, output=output, dtype=dtype, chunk_rows=chunk_rows,
+                                 batch_rows=batch_rows, join=join)
 
 
 def main(argv, args):
@@ -279,13 +286,15 @@ def main(argv, args):
         print("scone_jax.export: error: pass --workdir=RUN and --output=PATH", file=sys.stderr)
         sys.exit(2)
     try:
+        distributed.initialize(args.join.spec())
         figures = export(args.workdir.value, args.output.value, dtype=args.dtype.value, chunk_rows=args.chunk_rows.value,
                          batch_rows=args.batch_rows.value)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, distributed.DistributedStartError) as e:
         print(f"scone_jax.export: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"exported {figures['meta']['num_fgrams']:,} f-grams to {args.output.value} "
-          f"({figures['rows_per_s']:.0f} rows/s)")
+    if jax.process_index() == 0:
+        print(f"exported {figures['meta']['num_fgrams']:,} f-grams to {args.output.value} "
+              f"({figures['rows_per_s']:.0f} rows/s)")
 
 
 if __name__ == "__main__":

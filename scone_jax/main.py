@@ -20,15 +20,12 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from scone_jax import config as config_lib, logs
+from scone_jax import config as config_lib, join_flags, logs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py (optionally :variant).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config and tokenizer.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0 (not needed on Cloud TPU).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes (not needed on Cloud TPU).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's id in [0, num_processes).")
-_STARTUP_TIMEOUT = flags.DEFINE_integer(
-    "startup_timeout", 300, "Seconds to wait for all processes to join, and for the workdir's storage to answer.")
+_JOIN = join_flags.define("Seconds to wait for all processes to join, and for the workdir's storage to answer.")
+flags.adopt_module_key_flags(join_flags)  # listed by --help
 
 EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED = 2, 3, 143
 
@@ -64,10 +61,9 @@ def main(argv):
     if not _WORKDIR.value:
         print("scone_jax: error: pass --workdir=DIR (checkpoints, logs and the tokenizer go there)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    join = distributed.JoinSpec(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _STARTUP_TIMEOUT.value)
     try:
-        workdir.check_writable(_WORKDIR.value, _STARTUP_TIMEOUT.value)
-        distributed.initialize(join)
+        workdir.check_writable(_WORKDIR.value, _JOIN.startup_timeout.value)
+        distributed.initialize(_JOIN.spec())
         train.run(_CONFIG.value, _WORKDIR.value)
     except train.NonFiniteLossError as e:
         logging.error("%s", e)

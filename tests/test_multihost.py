@@ -1,6 +1,7 @@
 """Two JAX processes on loopback (4 CPU devices each, gloo collectives) against one process
 with 8 devices: the same losses, every held-out token counted once, and checkpoints that
-move between the two worlds. Plus the ways a job can fail to form, each within a deadline.
+move between the two worlds. Then the export CLI on two processes against a one-process export, and the ways a job can
+fail to form, each within a deadline.
 
 The data pipeline gives each process its own documents, so a two-process run does not see
 the one-process run's batches; these tests feed fixed global batches instead (each process
@@ -18,8 +19,10 @@ import jax
 import numpy as np
 import pytest
 
+from scone_jax import bundle, inference
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
-from tests import multihost_worker as worker
+from scone_jax.table import HostTable
+from tests import multihost_worker as worker, serving_run
 from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,3 +167,25 @@ def test_a_mesh_that_does_not_divide_the_devices_is_a_clear_error(tokenizer_path
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Mesh (data, fsdp, tensor) = (3, 1, 1) does not divide the 4 devices" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_export_from_two_processes_equals_the_one_process_export(tmp_path_factory, tmp_path):
+    """The export CLI on 2 processes x 4 devices writes the same bundle, row for row, as
+    export.export in this process (1 x 8 devices): each process wrote only its own rows."""
+    run = serving_run.trained_run(tmp_path_factory)
+    reference = serving_run.exported(tmp_path_factory, "float32")
+    output, port = str(tmp_path / "export"), free_port()
+    argvs = [[sys.executable, "-m", "scone_jax.export", f"--workdir={run['workdir']}", f"--output={output}",
+              "--dtype=float32", "--chunk_rows=64", "--batch_rows=512", f"--coordinator_address=127.0.0.1:{port}",
+              "--num_processes=2", f"--process_id={i}", "--startup_timeout=60"] for i in range(2)]
+    results = run_processes(argvs)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "exported 2,000 f-grams" in results[0].stdout and "exported" not in results[1].stdout
+    got, want = bundle.open_complete(output), bundle.open_complete(reference)
+    assert got == want  # same fingerprints of model, vocabulary and tokenizer; same shape and dtype
+    rows = np.arange(run["vocab"].num_fgrams)
+    np.testing.assert_array_equal(HostTable.open(output).gather(rows), HostTable.open(reference).gather(rows))
+    assert sorted(os.listdir(os.path.join(output, "done"))) == sorted(os.listdir(os.path.join(reference, "done")))
+    # The decoder both processes saved hashes to the fingerprint the table was exported with.
+    assert inference.load(output).meta["model_fingerprint"] == want["model_fingerprint"]

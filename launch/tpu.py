@@ -1,4 +1,4 @@
-"""Train scone_jax on a Cloud TPU pod: create, sync, setup, run, logs, babysit, delete.
+"""Train scone_jax on a Cloud TPU pod: create, sync, setup, run, logs, babysit, export, delete.
 
 Every subcommand turns its flags into gcloud commands and runs them one by one,
 stopping at the first failure. With --dry-run it prints them instead (one per
@@ -35,7 +35,11 @@ From zero, one v5p-64 slice on spot capacity:
   #    training resumes from its latest checkpoint. It stops once the run writes
   #    gs://my-bucket/runs/exp1/DONE, or after --max_restarts recreations.
   python launch/tpu.py babysit $ARGS --accelerator_type=v5p-64 --spot $JOB
-  # 7. Release the slice (and stop paying for it).
+  # 7. Once DONE: export the table and decoder for serving, on every worker at once
+  #    (waits until it has finished; rerun it to resume an interrupted export).
+  python launch/tpu.py export $ARGS --workdir=gs://my-bucket/runs/exp1 \
+      --output=gs://my-bucket/exports/exp1
+  # 8. Release the slice (and stop paying for it).
   python launch/tpu.py delete $ARGS
 
 Two v5e-256 slices (multislice): the same steps with --num_slices=2 in every
@@ -131,6 +135,8 @@ class Settings:
     runtime_version: str | None = None  # None: the generation's default
     workdir: str | None = None  # the run's directory, gs://...
     config: str | None = None
+    output: str | None = None  # for export: the bundle's directory, gs://...
+    dtype: str = "bfloat16"  # for export: the table's dtype
     overrides: tuple[str, ...] = ()  # --config.FIELD=VALUE flags passed on to scone_jax.main
     worker: str = "0"  # for logs: a worker index or "all"
     follow: bool = False
@@ -210,6 +216,14 @@ def run_commands(s: Settings) -> list[Command]:
         _ssh(s, node, f"cd {REMOTE_CHECKOUT} && nohup bash launch/worker.sh {shlex.quote(s.workdir)} {i} {train}"
                       " > /dev/null 2>&1 < /dev/null &")
         for i, node in enumerate(s.nodes)]
+
+
+def export_commands(s: Settings) -> list[Command]:
+    """Runs scone_jax.export on every worker of every slice in the foreground: each process joins
+    the job from the TPU environment, computes rows on its chips and writes its own chunks."""
+    export = f"{REMOTE_VENV}/bin/python -m scone_jax.export " + shlex.join(
+        [f"--workdir={s.workdir}", f"--output={s.output}", f"--dtype={s.dtype}"])
+    return [_ssh(s, node, f"cd {REMOTE_CHECKOUT} && {export}") for node in s.nodes]
 
 
 def logs_commands(s: Settings) -> list[Command]:
@@ -383,6 +397,11 @@ def _parser() -> argparse.ArgumentParser:
                           help="give up after this many recreations (or this many failed commands)")
     babysit_.add_argument("--poll_seconds", type=_checked(int, lambda n: 10 <= n <= 600, "must be 10 to 600"),
                           default=60, help="seconds between state checks")
+    export = commands.add_parser("export", parents=[common],
+                                 help="export a finished run's f-gram table and decoder on every worker")
+    export.add_argument("--workdir", required=True, type=on_gcs, help="the run's directory, gs://BUCKET/runs/RUN_ID")
+    export.add_argument("--output", required=True, type=on_gcs, help="the bundle's directory, gs://BUCKET/exports/...")
+    export.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the table's dtype")
     commands.add_parser("delete", parents=[common], help="delete the queued resource and its nodes")
     return parser
 
@@ -401,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(**{k: v for k, v in vars(args).items() if k in fields}, overrides=tuple(overrides))
 
     builders = {"create": create_commands, "sync": sync_commands, "setup": setup_commands,
-                "run": run_commands, "logs": logs_commands, "delete": delete_commands}
+                "run": run_commands, "logs": logs_commands, "export": export_commands, "delete": delete_commands}
     try:
         if args.command == "babysit":
             _run_babysit(settings, args.dry_run)

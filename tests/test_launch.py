@@ -63,6 +63,17 @@ def test_v5p_64_spot_commands(capsys):
     assert "--force" in delete and "--quiet" in delete
 
 
+def test_export_runs_on_every_worker_of_every_slice_in_the_foreground(capsys):
+    out = ["--workdir=gs://my-bucket/runs/exp1", "--output=gs://my-bucket/exports/exp1"]
+    exports = dry_run(capsys, "export", *V5E, *out, "--dtype=float32")
+    assert [c[5] for c in exports] == ["scone-v5e-0", "scone-v5e-1"]
+    for command in exports:
+        assert "--worker=all" in command
+        assert remote(command) == (
+            "cd $HOME/scone_jax && $HOME/scone_jax_venv/bin/python -m scone_jax.export "
+            "--workdir=gs://my-bucket/runs/exp1 --output=gs://my-bucket/exports/exp1 --dtype=float32")
+
+
 def test_two_v5e_256_slices(capsys):
     [create] = dry_run(capsys, "create", *V5E, "--accelerator_type=v5e-256", "--reserved")
     assert {"--accelerator-type=v5litepod-256", "--runtime-version=v2-alpha-tpuv5-lite", "--node-count=2",
@@ -104,6 +115,7 @@ def test_cli_runs_as_a_script_and_executes_nothing_when_dry(tmp_path):
     (["run", *V5P, "--config=c", "--workdir=/tmp/run"], "--workdir: must be on GCS (gs://BUCKET/...)"),
     (["sync", *V5P, "--config.train.num_steps=1"], "unrecognized arguments: --config.train.num_steps=1"),
     (["run", *V5P, *JOB, "--workers=all"], "unrecognized arguments: --workers=all"),
+    (["export", *V5P, "--workdir=gs://b/run", "--output=exports/run"], "--output: must be on GCS"),
 ])
 def test_bad_input_is_a_usage_error(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from scone_jax import config as config_lib
+from scone_jax import config as config_lib, storage
 
 FORMAT, VERSION = "scone_export", 1
 META, COMPLETE, TOKENIZER = "export.json", "COMPLETE", "tokenizer.model"
@@ -37,31 +36,6 @@ DTYPES = ("bfloat16", "float32")
 
 class BundleError(ValueError):
     """A bundle that is missing, unfinished, or does not match what it is used with."""
-
-
-def join(path: str, *names: str) -> str:
-    """Path join that keeps URLs (gs://bucket/...) intact."""
-    return "/".join([path.rstrip("/"), *names])
-
-
-def kvstore_url(path: str) -> str:
-    """A tensorstore kvstore URL for a directory: URLs pass through, local paths become file://."""
-    if "://" in path:
-        return path.rstrip("/") + "/"
-    return "file://" + os.path.abspath(path) + "/"
-
-
-def open_store(path: str) -> ts.KvStore:
-    return ts.KvStore.open(kvstore_url(path)).result()
-
-
-def read_bytes(path: str, key: str) -> bytes | None:
-    raw = open_store(path).read(key).result()
-    return bytes(raw.value) if raw.state == "value" else None
-
-
-def write_bytes(path: str, key: str, data: bytes) -> None:
-    open_store(path).write(key, data).result()
 
 
 def stored_config(saved: dict) -> ml_collections.ConfigDict:
@@ -115,7 +89,7 @@ def _bit_checksum(x):
 
 
 def table_spec(path: str) -> dict:
-    return {"driver": "zarr3", "kvstore": kvstore_url(join(path, TABLE))}
+    return {"driver": "zarr3", "kvstore": storage.kvstore_url(storage.join(path, TABLE))}
 
 
 def create_table_spec(path: str, rows: int, width: int, dtype: str, chunk_rows: int) -> dict:
@@ -128,7 +102,7 @@ def create_table_spec(path: str, rows: int, width: int, dtype: str, chunk_rows: 
 
 
 def read_meta(path: str) -> dict | None:
-    raw = read_bytes(path, META)
+    raw = storage.read_bytes(path, META)
     return None if raw is None else json.loads(raw)
 
 
@@ -136,7 +110,7 @@ def open_complete(path: str, expect: dict | None = None) -> dict:
     """The metadata of a finished bundle; refuses an unfinished one or one whose fingerprints
     differ from `expect` (keys of export.json, e.g. tokenizer_fingerprint)."""
     meta = read_meta(path)
-    marker = read_bytes(path, COMPLETE)
+    marker = storage.read_bytes(path, COMPLETE)
     if meta is None or marker is None:
         state = "no export" if meta is None else "an unfinished export (no COMPLETE marker)"
         raise BundleError(

@@ -147,12 +147,10 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 
 
 def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Write the resolved config next to the checkpoints, for humans and for restarts."""
-    os.makedirs(workdir, exist_ok=True)
-    tmp = os.path.join(workdir, "config.json.tmp")
-    with open(tmp, "w") as f:
-        f.write(to_json(config))
-    os.replace(tmp, os.path.join(workdir, "config.json"))
+    """Write the resolved config next to the checkpoints (local or gs://), for humans and for restarts."""
+    from scone_jax import storage
+
+    storage.write_bytes(workdir, "config.json", to_json(config).encode())
 
 
 SCONE_OPTIONS = ("fgram", "fgrams", "capacity")

@@ -32,7 +32,7 @@ from absl import app, flags, logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from scone_jax import bundle, checkpoint, distributed, join_flags, logs, sharding, state as state_lib
+from scone_jax import bundle, checkpoint, distributed, join_flags, logs, sharding, state as state_lib, storage
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
 
@@ -125,7 +125,7 @@ class TableWriter:
     """Writes this process's rows of each batch asynchronously; marks chunks done once committed."""
 
     def __init__(self, table: ts.TensorStore, output: str, chunk_rows: int, num_rows: int):
-        self.table, self.store = table, bundle.open_store(output)
+        self.table, self.store = table, storage.open_store(output)
         self.chunk_rows, self.num_rows = chunk_rows, num_rows
         self.pending = collections.deque()
 
@@ -159,7 +159,7 @@ class TableWriter:
 
 def done_chunks(output: str) -> set[int]:
     """Chunks with a done marker, as process 0 sees them (all processes must skip the same batches)."""
-    keys = [k.decode() for k in bundle.open_store(bundle.join(output, bundle.DONE)).list().result()]
+    keys = [k.decode() for k in storage.open_store(storage.join(output, bundle.DONE)).list().result()]
     local = np.array(sorted(int(k) for k in keys if k.isdigit()), np.int64)
     count = int(multihost_utils.broadcast_one_to_all(np.int64(len(local))))
     if count == 0:
@@ -180,7 +180,7 @@ def _prepare_output(output: str, meta: dict) -> bool:
         raise bundle.BundleError(
             f"{output!r} already holds an export that differs from this one in {differ}; nothing was "
             "overwritten. Fix: choose another --output, or delete that one first.")
-    return bundle.read_bytes(output, bundle.COMPLETE) is not None
+    return storage.read_bytes(output, bundle.COMPLETE) is not None
 
 
 def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", chunk_rows: int = 1024,
@@ -204,22 +204,21 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             logging.info("export: %s is already complete", output)
             return {"rows_computed": 0, "seconds": 0.0, "rows_per_s": 0.0, "meta": meta}
         chief = jax.process_index() == 0
-        if chief and bundle.read_bytes(output, _VOCAB_DONE) is None:
+        if chief and storage.read_bytes(output, _VOCAB_DONE) is None:
             # First: save_vocab clears its directory, and a GCS server that ignores listing ranges
             # (the emulator) turns that into clearing the bucket.
-            save_vocab(vocab, bundle.join(output, bundle.FGRAMS))
-            bundle.write_bytes(output, _VOCAB_DONE, b"1")
+            save_vocab(vocab, storage.join(output, bundle.FGRAMS))
+            storage.write_bytes(output, _VOCAB_DONE, b"1")
         if chief:
-            bundle.write_bytes(output, bundle.META, json.dumps(meta, indent=1).encode())
-            with open(run.tokenizer.path, "rb") as f:
-                bundle.write_bytes(output, bundle.TOKENIZER, f.read())
+            storage.write_bytes(output, bundle.META, json.dumps(meta, indent=1).encode())
+            storage.write_bytes(output, bundle.TOKENIZER, run.tokenizer.proto)
             ts.open(bundle.create_table_spec(output, vocab.num_fgrams, meta["d_model"], dtype, chunk_rows),
                     create=True, open=True).result()
         multihost_utils.sync_global_devices("scone_export_created")
         saver = None
-        if bundle.read_bytes(output, _DECODER_DONE) is None:  # saved asynchronously while the table computes
+        if storage.read_bytes(output, _DECODER_DONE) is None:  # saved asynchronously while the table computes
             saver = bundle.decoder_checkpointer()
-            saver.save(bundle.join(output, bundle.DECODER), args=ocp.args.StandardSave(decoder_params), force=True)
+            saver.save(storage.join(output, bundle.DECODER), args=ocp.args.StandardSave(decoder_params), force=True)
         figures = _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s)
         if saver is not None:
             saver.wait_until_finished()
@@ -227,8 +226,8 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
         multihost_utils.sync_global_devices("scone_export_written")
         if chief:
             if saver is not None:
-                bundle.write_bytes(output, _DECODER_DONE, b"1")
-            bundle.write_bytes(output, bundle.COMPLETE, bundle.meta_fingerprint(meta).encode())
+                storage.write_bytes(output, _DECODER_DONE, b"1")
+            storage.write_bytes(output, bundle.COMPLETE, bundle.meta_fingerprint(meta).encode())
         return {**figures, "meta": meta}
     finally:
         run.close()

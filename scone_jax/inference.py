@@ -17,7 +17,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from scone_jax import bundle, sharding
+from scone_jax import bundle, sharding, storage
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
@@ -50,8 +50,8 @@ def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_
     table = HostTable.open(path, expect=expect, max_bytes=max_table_bytes)
     meta = table.meta
     config = bundle.stored_config(meta["config"])
-    tokenizer = Tokenizer(bundle.read_bytes(path, bundle.TOKENIZER), path=None)
-    vocab = load_vocab(bundle.join(path, bundle.FGRAMS), expected_tokenizer_fingerprint=tokenizer.fingerprint)
+    tokenizer = Tokenizer(storage.read_bytes(path, bundle.TOKENIZER), path=None)
+    vocab = load_vocab(storage.join(path, bundle.FGRAMS), expected_tokenizer_fingerprint=tokenizer.fingerprint)
     for what, have in (("tokenizer_fingerprint", tokenizer.fingerprint), ("fgram_vocab_fingerprint", vocab.fingerprint)):
         if have != meta[what]:
             raise bundle.BundleError(f"The export at {path!r} records {what}={meta[what]!r} but its files hash to "
@@ -75,7 +75,7 @@ def load_decoder(path: str, model_cfg, mesh):
     shardings = sharding.state_shardings(abstract, mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     with bundle.decoder_checkpointer() as restorer:
-        params = restorer.restore(bundle.join(path, bundle.DECODER), args=ocp.args.StandardRestore(target))
+        params = restorer.restore(storage.join(path, bundle.DECODER), args=ocp.args.StandardRestore(target))
     return graphdef, params
 
 

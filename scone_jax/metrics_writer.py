@@ -1,24 +1,44 @@
-"""Where metrics go: the log, TensorBoard event files and a JSONL file, from process 0 only."""
+"""Where metrics go: the log, TensorBoard event files and a JSONL file, from process 0 only.
+
+With a gs:// workdir the event files and metrics.jsonl grow in a local staging directory and are
+copied to the workdir every `upload_every_s` seconds and at close (object stores cannot append).
+A resumed run first fetches the workdir's metrics.jsonl, so the file keeps one history.
+"""
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 
+from absl import logging
+
+from scone_jax import storage
+
+METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
     """One `write(step, scalars)` call fans out to all three sinks."""
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    def __init__(self, workdir: str, enabled: bool = True, upload_every_s: float = 60.0):
         self.enabled = enabled
-        self._tb = None
-        self._jsonl = None
-        if enabled:
-            from tensorboardX import SummaryWriter
+        self._tb = self._jsonl = self._mirror = None
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
 
-            os.makedirs(workdir, exist_ok=True)
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        local = workdir
+        if storage.is_remote(workdir):
+            local = tempfile.mkdtemp(prefix="scone_jax_metrics-")
+            previous = storage.read_bytes(workdir, METRICS_FILE)
+            if previous is not None:
+                with open(os.path.join(local, METRICS_FILE), "wb") as f:
+                    f.write(previous)
+            self._mirror = storage.DirectoryMirror(local, workdir, upload_every_s)
+        os.makedirs(local, exist_ok=True)
+        self._tb = SummaryWriter(os.path.join(local, "tensorboard"))
+        self._jsonl = open(os.path.join(local, METRICS_FILE), "a")
 
     def write(self, step: int, scalars: dict, prefix: str = "train") -> None:
         if not self.enabled:
@@ -40,6 +60,12 @@ class MetricsWriter:
         if self.enabled:
             self._tb.close()
             self._jsonl.close()
+            if self._mirror is not None:
+                if self._mirror.close():
+                    shutil.rmtree(self._mirror.local, ignore_errors=True)
+                else:
+                    logging.warning("Metrics are not all in %s; the local copy stays in %s",
+                                    self._mirror.remote, self._mirror.local)
 
 
 def format_line(step: int, total: int, scalars: dict) -> str:

@@ -95,11 +95,6 @@ def test_missing_tokenizer_path_is_a_clear_error(tmp_path):
         tokenizer.ensure_tokenizer(cfg, str(tmp_path))
 
 
-def test_remote_workdir_needs_a_tokenizer_path():
-    with pytest.raises(ValueError, match="gs://bucket/run.*data.tokenizer_path"):
-        tokenizer.ensure_tokenizer(_data_cfg(), "gs://bucket/run")
-
-
 def test_pre_tokenized_corpus_cannot_train_a_tokenizer(tmp_path):
     sources.write_token_arrayrecord(str(tmp_path / "d.arrayrecord"), [[5, 6, 7]])
     cfg = _data_cfg(source="arrayrecord", train_files=str(tmp_path / "*.arrayrecord"))

@@ -1,4 +1,7 @@
-"""gs:// for real, against a local GCS emulator: export, evaluate and a train-state checkpoint."""
+"""gs:// for real, against a local GCS emulator: export, evaluate, a train-state checkpoint, and the
+other files of a gs:// run directory."""
+import os
+import time
 
 import jax
 import numpy as np
@@ -7,7 +10,7 @@ import pytest
 
 pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator (the [test] extra)")
 
-from scone_jax import bundle, evaluate, export, inference, sharding, state as state_lib  # noqa: E402
+from scone_jax import bundle, evaluate, export, inference, sharding, state as state_lib, storage  # noqa: E402
 from scone_jax.table import HostTable  # noqa: E402
 from tests import gcs_emulator, serving_run  # noqa: E402
 from tests.common import small_config  # noqa: E402
@@ -24,7 +27,7 @@ def test_export_to_gcs_evaluates_like_the_local_export(tmp_path_factory, bucket)
     text = serving_run.eval_text(tmp_path_factory)
     output = f"{bucket}/exports/run1"
     export.export(run["workdir"], output, dtype="float32", chunk_rows=64, batch_rows=512)
-    assert bundle.read_bytes(output, bundle.COMPLETE) is not None
+    assert storage.read_bytes(output, bundle.COMPLETE) is not None
     assert export.export(run["workdir"], output, dtype="float32", chunk_rows=64, batch_rows=512)["rows_computed"] == 0
 
     local = inference.load(serving_run.exported(tmp_path_factory, "float32"))
@@ -67,3 +70,40 @@ def test_model_checkpoint_round_trips_through_gcs(bucket):
     assert restored["meta"] == {"step": 5}
     for a, b in zip(jax.tree.leaves(restored["state"]), jax.tree.leaves(saved)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_gcs_workdir_receives_tokenizer_config_and_metrics(bucket, tmp_path):
+    """What train.run writes besides checkpoints, into a gs:// workdir: the tokenizer it trains, config.json,
+    and the metrics (uploaded while training and at close; a resumed run appends to the same history)."""
+    import json
+
+    from scone_jax import config as config_lib, metrics_writer
+    from scone_jax.data import tokenizer as tokenizer_lib
+
+    workdir = f"{bucket}/runs/gcs_workdir"
+    config = small_config()
+    trained = tokenizer_lib.ensure_tokenizer(config.data, workdir, max_chars=200_000)
+    assert storage.read_bytes(workdir, "tokenizer.model") == trained.proto
+    again = tokenizer_lib.ensure_tokenizer(config.data, workdir)  # found, not retrained
+    assert again.fingerprint == trained.fingerprint and again.path == f"{workdir}/tokenizer.model"
+
+    config_lib.write_config(config, workdir)
+    assert json.loads(storage.read_bytes(workdir, "config.json"))["model"]["d_model"] == config.model.d_model
+
+    writer = metrics_writer.MetricsWriter(workdir, upload_every_s=0.2)
+    writer.write(1, {"loss": 5.0})
+    deadline = time.time() + 20
+    while storage.read_bytes(workdir, "metrics.jsonl") is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert storage.read_bytes(workdir, "metrics.jsonl") is not None  # uploaded before close
+    writer.write(2, {"loss": 4.0})
+    staging = writer._mirror.local
+    writer.close()
+    assert not os.path.exists(staging)  # removed once everything is in the bucket
+    resumed = metrics_writer.MetricsWriter(workdir)
+    resumed.write(3, {"loss": 3.0})
+    resumed.close()
+    lines = [json.loads(line) for line in storage.read_bytes(workdir, "metrics.jsonl").decode().splitlines()]
+    assert [(r["step"], r["loss"]) for r in lines] == [(1, 5.0), (2, 4.0), (3, 3.0)]
+    events = [k.decode() for k in storage.open_store(f"{workdir}/tensorboard").list().result()]
+    assert len(events) == 2 and all(k.startswith("events.out.tfevents") for k in events)

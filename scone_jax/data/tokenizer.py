@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from scone_jax import storage
 from scone_jax.data import sources
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -43,10 +44,16 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
-        if not os.path.isfile(path):
+        """From a local .model file or a URL (gs://...)."""
+        proto = _read(path)
+        if proto is None:
             raise FileNotFoundError(f"Tokenizer model {path!r} does not exist.")
-        with open(path, "rb") as f:
-            return cls(f.read(), path=path)
+        return cls(proto, path=path)
+
+    @property
+    def proto(self) -> bytes:
+        """The serialized SentencePiece model (what a .model file holds)."""
+        return self._proto
 
     def __getstate__(self):
         return {"model_proto": self._proto, "path": self.path}
@@ -89,7 +96,19 @@ def _training_pieces(documents: Iterable[str]) -> Iterator[str]:
                 yield line[start : start + _TRAIN_PIECE_CHARS]
 
 
+def _read(path: str) -> bytes | None:
+    if storage.is_remote(path):
+        return storage.read_file(path)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _write_atomically(path: str, data: bytes) -> None:
+    if storage.is_remote(path):  # one kvstore write replaces the object at once
+        storage.write_file(path, data)
+        return
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tokenizer-", suffix=".tmp")
@@ -163,19 +182,15 @@ def ensure_tokenizer(data_cfg, workdir: str, max_chars: int = DEFAULT_MAX_CHARS)
     in a multi-process job call this on process 0 first, then on the others.
     """
     if data_cfg.tokenizer_path:
-        if not os.path.isfile(data_cfg.tokenizer_path):
+        try:
+            return Tokenizer.load(data_cfg.tokenizer_path)
+        except FileNotFoundError:
             raise FileNotFoundError(
                 f"data.tokenizer_path={data_cfg.tokenizer_path!r} does not exist. Fix: point it at a "
                 "SentencePiece .model file, or set it to '' to train one into the workdir."
-            )
-        return Tokenizer.load(data_cfg.tokenizer_path)
-    if "://" in workdir:
-        raise ValueError(
-            f"workdir={workdir!r} is remote; training a tokenizer into it is not supported yet. "
-            "Fix: train one with tools/train_tokenizer.py and set data.tokenizer_path."
-        )
-    path = os.path.join(workdir, "tokenizer.model")
-    if os.path.isfile(path):
+            ) from None
+    path = storage.join(workdir, "tokenizer.model")
+    if _read(path) is not None:
         return Tokenizer.load(path)
     docs = sample_documents(sources.open_source(data_cfg, "train"), max_chars)
     return train_tokenizer(docs, path, data_cfg.vocab_size)

@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 
 import numpy as np
 import tensorstore as ts
+
+from scone_jax import storage
 
 PAD = 0
 FORMAT = "scone_fgram_vocab"
@@ -123,20 +124,13 @@ def build_vocab(
     )
 
 
-def _kvstore(path: str) -> str:
-    """A tensorstore kvstore URL for a directory: URLs pass through, local paths become file://."""
-    if "://" in path:
-        return path.rstrip("/") + "/"
-    return "file://" + os.path.abspath(path) + "/"
-
-
 def _array_spec(path: str, name: str) -> dict:
-    return {"driver": "zarr3", "kvstore": _kvstore(path) + name + "/"}
+    return {"driver": "zarr3", "kvstore": storage.kvstore_url(path) + name + "/"}
 
 
 def save_vocab(vocab: FgramVocab, path: str) -> None:
     """Writes `vocab` to `path` (a directory or a kvstore URL), replacing any vocabulary there."""
-    store = ts.KvStore.open(_kvstore(path)).result()
+    store = ts.KvStore.open(storage.kvstore_url(path)).result()
     store.delete_range(ts.KvStore.KeyRange(_META, _META + "\0")).result()  # a half-rewritten dir reads as unfinished
     for name, array in (("tokens", vocab.tokens), ("lengths", vocab.lengths), ("counts", vocab.counts)):
         chunk = [_ROWS_PER_CHUNK] + list(array.shape[1:])
@@ -157,12 +151,12 @@ def save_vocab(vocab: FgramVocab, path: str) -> None:
 def vocab_exists(path: str) -> bool:
     """Whether a finished write (its vocab.json) is at `path`, local or remote; checking the
     arrays is load_vocab's job."""
-    return ts.KvStore.open(_kvstore(path)).result().read(_META).result().state == "value"
+    return ts.KvStore.open(storage.kvstore_url(path)).result().read(_META).result().state == "value"
 
 
 def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None) -> FgramVocab:
     """Reads a vocabulary written by `save_vocab` and checks it is whole and fits the tokenizer."""
-    raw = ts.KvStore.open(_kvstore(path)).result().read(_META).result()
+    raw = ts.KvStore.open(storage.kvstore_url(path)).result().read(_META).result()
     if raw.state != "value":
         raise FileNotFoundError(
             f"No f-gram vocabulary at {path!r}: {_META} is missing (nothing there, or a write that did not "

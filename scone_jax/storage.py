@@ -1,0 +1,104 @@
+"""Small files on local disk or GCS through one API (tensorstore's kvstore).
+
+The run directory, the export bundle and the tokenizer may all live at gs:// URLs on a pod. The
+objects written here are small (JSON, a tokenizer, markers, metric logs); arrays go through
+tensorstore's array drivers and checkpoints through orbax. A kvstore write of one key replaces
+the whole object at once, so readers never see a half-written file.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import tensorstore as ts
+from absl import logging
+
+
+def is_remote(path: str) -> bool:
+    """True for URLs (gs://..., also memory:// in tests); False for local paths."""
+    return "://" in path
+
+
+def join(path: str, *names: str) -> str:
+    """Path join that keeps URLs (gs://bucket/...) intact."""
+    return "/".join([path.rstrip("/"), *names])
+
+
+def kvstore_url(path: str) -> str:
+    """A tensorstore kvstore URL for a directory: URLs pass through, local paths become file://."""
+    if is_remote(path):
+        return path.rstrip("/") + "/"
+    return "file://" + os.path.abspath(path) + "/"
+
+
+def open_store(path: str) -> ts.KvStore:
+    return ts.KvStore.open(kvstore_url(path)).result()
+
+
+def read_bytes(path: str, key: str) -> bytes | None:
+    """The object `key` under directory `path`, or None if there is none."""
+    raw = open_store(path).read(key).result()
+    return bytes(raw.value) if raw.state == "value" else None
+
+
+def write_bytes(path: str, key: str, data: bytes) -> None:
+    open_store(path).write(key, data).result()
+
+
+def read_file(path: str) -> bytes | None:
+    """A whole file given by its own path or URL, or None if it does not exist."""
+    directory, _, name = path.rstrip("/").rpartition("/")
+    return read_bytes(directory or ".", name)
+
+
+def write_file(path: str, data: bytes) -> None:
+    directory, _, name = path.rstrip("/").rpartition("/")
+    write_bytes(directory or ".", name, data)
+
+
+class DirectoryMirror:
+    """Copies the files of a local directory to `remote` every `every_s` seconds and at close.
+
+    For append-style files (metric logs, TensorBoard events) that a run writes to a gs:// workdir:
+    object stores cannot append, so the files grow on local disk and are uploaded whole when they
+    changed. A failed upload is logged and retried at the next round; training never waits on it.
+    """
+
+    def __init__(self, local: str, remote: str, every_s: float = 60.0):
+        self.local, self.remote, self.every_s = local, remote, every_s
+        self._uploaded: dict[str, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="directory-mirror", daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop.wait(self.every_s):
+            self.sync()
+
+    def sync(self) -> bool:
+        """Upload every file that changed since its last upload; True if all are up to date."""
+        complete = True
+        with self._lock:
+            for root, _, names in os.walk(self.local):
+                for name in names:
+                    path = os.path.join(root, name)
+                    key = os.path.relpath(path, self.local).replace(os.sep, "/")
+                    stat = os.stat(path)
+                    version = (stat.st_size, stat.st_mtime_ns)
+                    if self._uploaded.get(key) == version or stat.st_size == 0:
+                        continue  # unchanged, or nothing in it yet
+                    try:
+                        with open(path, "rb") as f:
+                            write_bytes(self.remote, key, f.read())
+                        self._uploaded[key] = version
+                    except Exception as e:  # storage errors vary by driver; retried next round
+                        logging.warning("Could not copy %s to %s (retrying later): %s", key, self.remote, e)
+                        complete = False
+        return complete
+
+    def close(self) -> bool:
+        """Stop the thread and upload what changed; True if the remote copy is complete."""
+        self._stop.set()
+        self._thread.join()
+        return self.sync()

@@ -3,9 +3,10 @@
 The decoder's blocks are re-run here with a cached attention (keys and values of earlier positions
 kept per layer), reusing the exported decoder's parameters as they are; layers.py stays the one
 definition of the training graph, and a test pins the two paths to the same logits. At each step
-the host matches the newest token's longest f-gram over the last K tokens (the Matcher probes
-n = 2, 3, ... and stops at the first miss, so at most K-1 probes) and sends that one row with the
-token, so the device never holds the f-gram table.
+the host matches the newest token's longest f-gram over the last K tokens and sends that one row
+with the token, so the device never holds the f-gram table. The match is incremental: the host
+keeps the trie slots of the f-grams ending at the newest token (Matcher.match_next), so a new
+token costs one lookup of its K-1 candidate f-grams and one row gather, a few microseconds.
 """
 from __future__ import annotations
 
@@ -84,11 +85,11 @@ class Generator:
 
         self._run = jax.jit(run, donate_argnums=1)
 
-    def _call(self, cache, tokens, start, key, context=None):
-        """Run `tokens` [B, t] at positions start..; `context` (ending with them) is what the match sees."""
+    def _call(self, cache, tokens, start, key, ids=None):
+        """Run `tokens` [B, t] at positions start..; `ids` are their f-gram ids (None: match them here)."""
         if self.use_table:
-            context = tokens if context is None else context
-            ids = self.served.matcher.match(context, np.ones_like(context))[:, -tokens.shape[1]:]
+            if ids is None:
+                ids = self.served.matcher.match(tokens, np.ones_like(tokens))
             rows = self.served.table.gather(ids)
         else:
             ids, rows = np.full(tokens.shape, -1, np.int32), np.zeros((*tokens.shape, 1), np.float32)
@@ -119,12 +120,18 @@ class Generator:
         new, last, cache = self._call(cache, prompts, 0, keys[0])
         logits = [last]
         start_time = None
+        matcher, ids = self.served.matcher, None
+        if self.use_table:  # the trie state after the prompt; each match_next hands on the next one
+            prefix = matcher.prefix_codes(prompts[:, max(0, p - self.max_len + 1):])
         for i in range(1, num_tokens):
-            tokens[:, p + i - 1] = np.asarray(new) if forced is None else forced[:, i - 1]  # the host needs it for the next match anyway
             if i == 2:
                 start_time = time.perf_counter()  # step 1 compiled the one-token step
-            window = tokens[:, max(0, p + i - self.max_len):p + i]  # the newest token's longest match fits
-            new, last, cache = self._call(cache, window[:, -1:], p + i - 1, keys[i], context=window)
+            end = p + i - 1  # position of the token the device is choosing now
+            tokens[:, end] = np.asarray(new) if forced is None else forced[:, i - 1]  # waits for the device
+            if self.use_table:
+                ids, prefix = matcher.match_next(prefix, tokens[:, end])
+                ids = ids[:, None]
+            new, last, cache = self._call(cache, tokens[:, end:end + 1], end, keys[i], ids)
             logits.append(last)
         tokens[:, length - 1] = np.asarray(new) if forced is None else forced[:, -1]
         latency = (time.perf_counter() - start_time) / (num_tokens - 2) if num_tokens > 2 else None

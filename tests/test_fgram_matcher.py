@@ -61,6 +61,36 @@ def test_matches_reference(max_len, vocab_size, num_seeds, batch, length, seed):
 HITS, LONGEST = [], []
 
 
+@settings(max_examples=60, deadline=None)
+@example(max_len=8, vocab_size=6, num_seeds=8, length=40, seed=0)
+@given(max_len=st.integers(2, 8), vocab_size=st.integers(2, 40), num_seeds=st.integers(0, 25),
+       length=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
+def test_match_next_equals_the_reference_at_every_decoding_step(max_len, vocab_size, num_seeds, length, seed):
+    """Decoding's incremental match: match_next chained token by token from an empty context == the
+    reference's match at each position, and the prefix it hands on == prefix_codes of the last K-1 tokens."""
+    rng = np.random.default_rng(seed)
+    seeds = [list(rng.integers(vocab_size, size=int(rng.integers(2, max_len + 1)))) for _ in range(num_seeds)]
+    grams = closure(seeds)
+    matcher = Matcher(make_vocab(grams, max_len, vocab_size))
+    tokens, _ = planted_batch(rng, grams, vocab_size, 3, length)
+    want = reference_match(grams, tokens, np.ones_like(tokens), max_len)
+    prefix = matcher.prefix_codes(tokens[:, :0])
+    for end in range(length):
+        got, prefix = matcher.match_next(prefix, tokens[:, end])
+        np.testing.assert_array_equal(got, want[:, end])
+        codes, valid = matcher.prefix_codes(tokens[:, max(0, end - max_len + 2):end + 1])
+        np.testing.assert_array_equal(prefix[1], valid)
+        np.testing.assert_array_equal(np.where(valid, prefix[0], 0), np.where(valid, codes, 0))
+        NEXT_HITS.append(int((got >= 0).sum()))
+
+
+NEXT_HITS = []
+
+
+def test_match_next_cases_were_not_trivial():
+    assert sum(NEXT_HITS) > len(NEXT_HITS) / 2
+
+
 def test_property_cases_were_not_trivial():
     """Runs after the property test: most cases had matches, and some matched 8 tokens."""
     assert sum(h > 0 for h in HITS) > len(HITS) / 2 and max(LONGEST) == 8

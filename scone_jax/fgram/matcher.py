@@ -17,6 +17,8 @@ import numpy as np
 from scone_jax.fgram import trie
 from scone_jax.fgram.vocab import FgramVocab
 
+_FEW_KEYS = 16  # below this many keys, match_next looks them up one by one in Python (faster)
+
 
 class Matcher:
     """Built once from a vocabulary; `match` is read-only, so one Matcher can serve many threads."""
@@ -86,6 +88,53 @@ class Matcher:
         pair_ok &= segments != 0
         pair_ok[:: tokens.shape[1]] = False  # a row never continues the previous one
         return self.fgram_id[self._longest_slots(flat, pair_ok)].reshape(tokens.shape)
+
+    def prefix_codes(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The half of a match of the token after `context` [B, L] that does not need that token.
+
+        Returns (codes uint64 [B, m], valid bool [B, m]) with m = min(L, K-1): column j stands for the
+        context's last j+1 tokens as the prefix of a (j+2)-gram (trie.py: the token itself for j = 0,
+        else V + the slot of that f-gram; invalid where it is no f-gram). Decoding computes it once
+        for the prompt; match_next then returns the next prefix with each match.
+        The context is one document (no segment boundaries)."""
+        context = np.asarray(context)
+        m = min(context.shape[1], self.max_len - 1)
+        codes = np.zeros((context.shape[0], m), np.uint64)
+        valid = np.zeros((context.shape[0], m), bool)
+        if m == 0:
+            return codes, valid
+        self._check_range(context.ravel(), np.ones(context.size, bool), context.shape)
+        codes[:, 0], valid[:, 0] = context[:, -1], True
+        for n in range(2, m + 1):
+            slots = self._slots_of(context[:, -n:])
+            codes[:, n - 1] = np.maximum(slots, 0).astype(np.uint64) + np.uint64(self.vocab_size)
+            valid[:, n - 1] = slots >= 0
+        return codes, valid
+
+    def match_next(self, prefix: tuple[np.ndarray, np.ndarray], tokens: np.ndarray):
+        """(ids int32 [B], next prefix): the longest f-gram ending at `tokens` [B] right after the context
+        that `prefix` stands for (from prefix_codes or the previous match_next), else -1, equal to
+        match() over context + token at the end; and the prefix codes of context + token, which are
+        the slots just looked up, so decoding walks the trie once per token."""
+        codes, valid = prefix
+        tokens = np.asarray(tokens)
+        self._check_range(tokens, np.ones(tokens.shape, bool), tokens.shape)
+        b, m = codes.shape
+        slots = np.full((b, m), -1, np.int64)
+        if m:
+            keys = (codes * np.uint64(self.vocab_size) + tokens.astype(np.uint64)[:, None]).ravel()
+            lookup = self.table.lookup_few if keys.size <= _FEW_KEYS else self.table.lookup
+            slots = np.where(valid, lookup(keys).reshape(b, m), -1)
+        hit = slots >= 0
+        longest = m - 1 - np.argmax(hit[:, ::-1], axis=1) if m else np.zeros(b, np.int64)  # closure: longest hit
+        ids = self.fgram_id[np.where(hit.any(axis=1), slots[np.arange(b), longest], -1)] if m else \
+            np.full(b, -1, np.int32)
+        width = min(m + 1, self.max_len - 1)
+        next_codes, next_valid = np.empty((b, width), np.uint64), np.ones((b, width), bool)
+        next_codes[:, 0] = tokens
+        next_codes[:, 1:] = np.maximum(slots[:, :width - 1], 0).astype(np.uint64) + np.uint64(self.vocab_size)
+        next_valid[:, 1:] = hit[:, :width - 1]
+        return ids, (next_codes, next_valid)
 
     def _longest_slots(self, flat: np.ndarray, pair_ok: np.ndarray) -> np.ndarray:
         """Slot of the longest f-gram ending at each position (-1: none); pair_ok[e]: e-1, e in one segment."""

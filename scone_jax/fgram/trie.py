@@ -17,6 +17,7 @@ import numpy as np
 
 EMPTY = np.uint64(np.iinfo(np.uint64).max)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio) for multiplicative hashing
+_MIX_INT, _MASK64, _EMPTY_INT = int(_MIX), 2**64 - 1, int(EMPTY)
 WIDTH = 4  # slots per bucket (a row of 4 bools is read as one uint32 below): one 32-byte row, gathered with a single np.take
 LOAD = 0.6  # keys per slot; lower costs memory, higher sends more lookups to a second bucket
 
@@ -94,6 +95,23 @@ class KeyTable:
             slots[pending] = found
             pending, bucket = pending[go_on], bucket[go_on]
         return slots
+
+    def lookup_few(self, keys: np.ndarray) -> np.ndarray:
+        """lookup() for a handful of keys (decoding: K-1 per sequence) in plain Python integers:
+        each numpy call of the vectorized path costs microseconds, ~15 of them per lookup."""
+        table, slots = self.keys, []
+        for key in np.asarray(keys, dtype=np.uint64).tolist():
+            bucket = ((((key * _MIX_INT) & _MASK64) >> 32) * self.num_buckets) >> 32
+            while True:
+                row = table[bucket].tolist()
+                if key in row:
+                    slots.append(bucket * WIDTH + row.index(key))
+                    break
+                if row[-1] == _EMPTY_INT:
+                    slots.append(-1)
+                    break
+                bucket += 1
+        return np.array(slots, dtype=np.int64)
 
     def _probe(self, keys: np.ndarray, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot of each key in its bucket or -1, whether to try the next bucket)."""

@@ -1,0 +1,22 @@
+"""The hash table under the matcher: both lookup paths == a Python dict, overflowing buckets included."""
+import numpy as np
+import pytest
+
+from scone_jax.fgram import trie
+
+
+@pytest.mark.parametrize("load", [0.6, 0.99])  # 0.99: most buckets full, many keys live one or more buckets on
+def test_lookups_equal_a_dict(load):
+    rng = np.random.default_rng(0)
+    keys = np.unique(rng.integers(0, 2**63, size=3000, dtype=np.uint64))
+    table = trie.KeyTable(len(keys), load=load)
+    slots = table.insert(keys)
+    assert len(set(slots.tolist())) == len(keys)
+    overflowed = (slots // trie.WIDTH) != table._home(keys)
+    assert overflowed.mean() > (0.1 if load > 0.9 else 0.0)
+    reference = dict(zip(keys.tolist(), slots.tolist()))
+    absent = rng.integers(0, 2**63, size=3000, dtype=np.uint64)
+    queries = np.concatenate([keys, absent, keys[overflowed]])
+    want = np.array([reference.get(k, -1) for k in queries.tolist()])
+    np.testing.assert_array_equal(table.lookup(queries), want)
+    np.testing.assert_array_equal(table.lookup_few(queries), want)

@@ -21,6 +21,7 @@ import tensorstore as ts
 from scone_jax import bundle
 
 _THREAD_MIN_ROWS = 1 << 14  # below this a single take is faster than handing work to threads
+_FEW_ROWS = 64  # up to this many ids (decoding), indexing with a Python list beats the general path
 
 
 class HostTable:
@@ -55,9 +56,16 @@ class HostTable:
     def gather(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
         flat = ids.reshape(-1)
+        if self._rows is not None and flat.size <= _FEW_ROWS:  # decoding: skip the ~10 numpy calls below
+            few = flat.tolist()
+            if few and max(few) >= self.num_rows:
+                self._out_of_range(max(few))
+            out = self._rows[[max(i, 0) for i in few]]
+            if few and min(few) < 0:
+                out[flat < 0] = 0
+            return out.reshape(*ids.shape, self.width)
         if flat.size and flat.max() >= self.num_rows:
-            raise ValueError(f"F-gram id {int(flat.max())} is outside the table's {self.num_rows} rows; the ids come "
-                             "from another vocabulary than the table's.")
+            self._out_of_range(int(flat.max()))
         out = np.empty((flat.size, self.width), self.dtype)
         if self._cache is not None:
             self._cache.gather(flat, out)
@@ -71,6 +79,10 @@ class HostTable:
                 p.result()
         out[flat < 0] = 0
         return out.reshape(*ids.shape, self.width)
+
+    def _out_of_range(self, row: int):
+        raise ValueError(f"F-gram id {row} is outside the table's {self.num_rows} rows; the ids come "
+                         "from another vocabulary than the table's.")
 
     def close(self):
         if self._pool is not None:

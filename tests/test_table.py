@@ -21,16 +21,20 @@ def stored(bf16_export):
     return ts.open(bundle.table_spec(bf16_export), open=True).result().read().result()
 
 
-def test_in_ram_gather_equals_numpy_and_zeroes_unmatched(bf16_export, stored):
+@pytest.mark.parametrize("shape", [(3, 50_000), (2, 300), (4, 1), (1, 1), (0,)])  # threaded, single take, few ids
+def test_in_ram_gather_equals_numpy_and_zeroes_unmatched(bf16_export, stored, shape):
     table = HostTable.open(bf16_export)
     assert table.in_ram and str(table.dtype) == "bfloat16"
-    ids = np.random.default_rng(0).integers(-1, 2000, (3, 50_000))  # large enough for the threaded path
+    ids = np.random.default_rng(0).integers(-1, 2000, shape)
+    if ids.size > 1:
+        ids.flat[:2] = [-1, 1999]
     out = table.gather(ids)
-    assert out.shape == (3, 50_000, 64)
+    assert out.shape == (*shape, 64) and out.dtype == table.dtype
     np.testing.assert_array_equal(out[ids >= 0], stored[ids[ids >= 0]])
     assert not out[ids < 0].any()
-    with pytest.raises(ValueError, match="outside the table's 2000 rows"):
-        table.gather(np.array([2000]))
+    for bad in (np.array([2000]), np.full(100, 2000)):
+        with pytest.raises(ValueError, match="F-gram id 2000 is outside the table's 2000 rows"):
+            table.gather(bad)
 
 
 def test_bounded_cache_serves_the_same_rows_within_its_budget(bf16_export, stored):

@@ -1,6 +1,6 @@
 """Held-out perplexity of baseline, SCONE and 2x-depth baseline trained on the same tokens.
 
-  python tools/bench_quality.py [--quick] [--num_steps=600]
+  python tools/bench_quality.py [--quick] [--num_steps=600] [--variants=scone --num_fgrams=2000 --max_len=3]
 All three share the tiny config's main model, data order, tokenizer and schedule:
   baseline     the main model alone
   scone        + an f-gram model as large as the main model's blocks (1x non-embedding size)
@@ -18,6 +18,9 @@ from scone_jax.config import load_config_file
 _QUICK = flags.DEFINE_bool("quick", False, "30 steps per model (a smoke run, not a comparison).")
 _STEPS = flags.DEFINE_integer("num_steps", 600, "Training steps per model (same tokens for all).")
 _FGRAM_LAYERS = flags.DEFINE_integer("fgram_layers", 4, "F-gram model depth for the scone run (4 = 1x).")
+_NUM_FGRAMS = flags.DEFINE_integer("num_fgrams", 0, "S for the scone run (0 = the config's 20,000).")
+_MAX_LEN = flags.DEFINE_integer("max_len", 0, "K for the scone run (0 = the config's 5).")
+_VARIANTS = flags.DEFINE_list("variants", "baseline,scone,baseline_2x", "Which models to train.")
 
 
 def config_for(variant: str, num_steps: int, tokenizer_path: str):
@@ -29,6 +32,8 @@ def config_for(variant: str, num_steps: int, tokenizer_path: str):
     config.data.tokenizer_path = tokenizer_path
     if variant == "scone":
         config.scone.num_layers = _FGRAM_LAYERS.value
+        config.scone.num_fgrams = _NUM_FGRAMS.value or config.scone.num_fgrams
+        config.scone.max_len = _MAX_LEN.value or config.scone.max_len
     return config
 
 
@@ -38,11 +43,11 @@ def main(_):
     results = {}
     with tempfile.TemporaryDirectory() as root:
         tokenizer_path = os.path.join(root, "tokenizer.model")
-        for variant in ("baseline", "scone", "baseline_2x"):
+        for variant in _VARIANTS.value:
             config = config_for(variant, num_steps, tokenizer_path if results else "")
             workdir = os.path.join(root, variant)
             summary = train.run(config, workdir)
-            if not results:  # the first run trained the tokenizer; the others reuse it
+            if not results:  # the first run trained the tokenizer (deterministically); the others reuse it
                 os.replace(os.path.join(workdir, "tokenizer.model"), tokenizer_path)
             results[variant] = summary["eval_perplexity"]
             tokens = num_steps * config.data.global_batch_size * config.data.seq_len

@@ -17,7 +17,7 @@ import numpy as np
 from scone_jax.fgram import trie
 from scone_jax.fgram.vocab import FgramVocab
 
-_FEW_KEYS = 16  # below this many keys, match_next looks them up one by one in Python (faster)
+_FEW_KEYS = 32  # up to this many keys, match_next works in plain Python (faster than numpy calls)
 
 
 class Matcher:
@@ -118,23 +118,39 @@ class Matcher:
         the slots just looked up, so decoding walks the trie once per token."""
         codes, valid = prefix
         tokens = np.asarray(tokens)
-        self._check_range(tokens, np.ones(tokens.shape, bool), tokens.shape)
         b, m = codes.shape
-        slots = np.full((b, m), -1, np.int64)
-        if m:
-            keys = (codes * np.uint64(self.vocab_size) + tokens.astype(np.uint64)[:, None]).ravel()
-            lookup = self.table.lookup_few if keys.size <= _FEW_KEYS else self.table.lookup
-            slots = np.where(valid, lookup(keys).reshape(b, m), -1)
+        if b * m <= _FEW_KEYS:
+            return self._match_next_few(codes, valid, tokens)
+        self._check_range(tokens, np.ones(tokens.shape, bool), tokens.shape)
+        keys = (codes * np.uint64(self.vocab_size) + tokens.astype(np.uint64)[:, None]).ravel()
+        slots = np.where(valid, self.table.lookup(keys).reshape(b, m), -1)
         hit = slots >= 0
-        longest = m - 1 - np.argmax(hit[:, ::-1], axis=1) if m else np.zeros(b, np.int64)  # closure: longest hit
-        ids = self.fgram_id[np.where(hit.any(axis=1), slots[np.arange(b), longest], -1)] if m else \
-            np.full(b, -1, np.int32)
+        # Closure: the longest hit is the match; column m (-1) stands for "none".
+        longest = np.where(hit.any(axis=1), m - 1 - np.argmax(hit[:, ::-1], axis=1), m) if m else np.zeros(b, int)
+        ids = self.fgram_id[np.concatenate([slots, np.full((b, 1), -1)], axis=1)[np.arange(b), longest]]
         width = min(m + 1, self.max_len - 1)
         next_codes, next_valid = np.empty((b, width), np.uint64), np.ones((b, width), bool)
         next_codes[:, 0] = tokens
         next_codes[:, 1:] = np.maximum(slots[:, :width - 1], 0).astype(np.uint64) + np.uint64(self.vocab_size)
         next_valid[:, 1:] = hit[:, :width - 1]
         return ids, (next_codes, next_valid)
+
+    def _match_next_few(self, codes, valid, tokens):
+        """match_next for a handful of keys (a few sequences decoding) in plain Python integers: the
+        vectorized path's ~30 numpy calls cost more than the lookups themselves."""
+        v, lookup, fgram_id = self.vocab_size, self.table.lookup_one, self.fgram_id
+        keep = min(codes.shape[1] + 1, self.max_len - 1) - 1  # prefix columns handed on after the token
+        ids, next_codes, next_valid = [], [], []
+        for row_codes, row_valid, token in zip(codes.tolist(), valid.tolist(), tokens.tolist()):
+            if not 0 <= token < v:
+                self._check_range(tokens, np.ones(tokens.shape, bool), tokens.shape)  # raises, naming it
+            slots = [lookup(c * v + token) if ok else -1 for c, ok in zip(row_codes, row_valid)]
+            ids.append(next((int(fgram_id[s]) for s in reversed(slots) if s >= 0), -1))
+            next_codes.append([token] + [s + v if s >= 0 else 0 for s in slots[:keep]])
+            next_valid.append([True] + [s >= 0 for s in slots[:keep]])
+        return (np.array(ids, np.int32),
+                (np.array(next_codes, np.uint64).reshape(len(ids), keep + 1),
+                 np.array(next_valid, bool).reshape(len(ids), keep + 1)))
 
     def _longest_slots(self, flat: np.ndarray, pair_ok: np.ndarray) -> np.ndarray:
         """Slot of the longest f-gram ending at each position (-1: none); pair_ok[e]: e-1, e in one segment."""

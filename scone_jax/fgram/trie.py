@@ -96,22 +96,17 @@ class KeyTable:
             pending, bucket = pending[go_on], bucket[go_on]
         return slots
 
-    def lookup_few(self, keys: np.ndarray) -> np.ndarray:
-        """lookup() for a handful of keys (decoding: K-1 per sequence) in plain Python integers:
-        each numpy call of the vectorized path costs microseconds, ~15 of them per lookup."""
-        table, slots = self.keys, []
-        for key in np.asarray(keys, dtype=np.uint64).tolist():
-            bucket = ((((key * _MIX_INT) & _MASK64) >> 32) * self.num_buckets) >> 32
-            while True:
-                row = table[bucket].tolist()
-                if key in row:
-                    slots.append(bucket * WIDTH + row.index(key))
-                    break
-                if row[-1] == _EMPTY_INT:
-                    slots.append(-1)
-                    break
-                bucket += 1
-        return np.array(slots, dtype=np.int64)
+    def lookup_one(self, key: int) -> int:
+        """lookup() of one key as a Python int (decoding: K-1 keys per token). Plain Python: each numpy
+        call of the vectorized path costs microseconds, ~15 of them per lookup."""
+        bucket = ((((key * _MIX_INT) & _MASK64) >> 32) * self.num_buckets) >> 32
+        while True:
+            row = self.keys[bucket].tolist()
+            if key in row:
+                return bucket * WIDTH + row.index(key)
+            if row[-1] == _EMPTY_INT:
+                return -1
+            bucket += 1
 
     def _probe(self, keys: np.ndarray, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot of each key in its bucket or -1, whether to try the next bucket)."""

@@ -20,6 +20,7 @@ _STEPS = flags.DEFINE_integer("num_steps", 600, "Training steps per model (same 
 _FGRAM_LAYERS = flags.DEFINE_integer("fgram_layers", 4, "F-gram model depth for the scone run (4 = 1x).")
 _NUM_FGRAMS = flags.DEFINE_integer("num_fgrams", 0, "S for the scone run (0 = the config's 20,000).")
 _MAX_LEN = flags.DEFINE_integer("max_len", 0, "K for the scone run (0 = the config's 5).")
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", 0.0, "Peak learning rate of every model (0 = the config's 2e-3).")
 _VARIANTS = flags.DEFINE_list("variants", "baseline,scone,baseline_2x", "Which models to train.")
 
 
@@ -30,6 +31,7 @@ def config_for(variant: str, num_steps: int, tokenizer_path: str):
     t.log_every = max(1, num_steps // 10)
     t.warmup_steps = max(1, num_steps // 10)
     config.data.tokenizer_path = tokenizer_path
+    t.learning_rate = _LEARNING_RATE.value or t.learning_rate
     if variant == "scone":
         config.scone.num_layers = _FGRAM_LAYERS.value
         config.scone.num_fgrams = _NUM_FGRAMS.value or config.scone.num_fgrams

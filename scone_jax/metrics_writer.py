@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 
 from absl import logging
 
@@ -37,7 +38,9 @@ class MetricsWriter:
                     f.write(previous)
             self._mirror = storage.DirectoryMirror(local, workdir, upload_every_s)
         os.makedirs(local, exist_ok=True)
-        self._tb = SummaryWriter(os.path.join(local, "tensorboard"))
+        # Event files are named by host and second only; the suffix keeps a quick restart from replacing
+        # (on GCS: overwriting) the previous run's file.
+        self._tb = SummaryWriter(os.path.join(local, "tensorboard"), filename_suffix=f".{uuid.uuid4().hex[:8]}")
         self._jsonl = open(os.path.join(local, METRICS_FILE), "a")
 
     def write(self, step: int, scalars: dict, prefix: str = "train") -> None:

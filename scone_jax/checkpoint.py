@@ -18,6 +18,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from scone_jax import storage
+
 _STATE, _DATA, _META = "state", "data", "meta"
 
 
@@ -30,7 +32,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
         # orbax wants absolute paths; `--workdir=workdirs/tiny` is relative to where we run.
-        self.directory = directory if "://" in directory else os.path.abspath(directory)
+        self.directory = directory if storage.is_remote(directory) else os.path.abspath(directory)
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(

@@ -11,6 +11,8 @@ import os
 
 import ml_collections
 
+from scone_jax import storage
+
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -148,8 +150,6 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 
 def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Write the resolved config next to the checkpoints (local or gs://), for humans and for restarts."""
-    from scone_jax import storage
-
     storage.write_bytes(workdir, "config.json", to_json(config).encode())
 
 

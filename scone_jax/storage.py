@@ -68,7 +68,6 @@ class DirectoryMirror:
         self.local, self.remote, self.every_s = local, remote, every_s
         self._uploaded: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="directory-mirror", daemon=True)
         self._thread.start()
 
@@ -77,24 +76,24 @@ class DirectoryMirror:
             self.sync()
 
     def sync(self) -> bool:
-        """Upload every file that changed since its last upload; True if all are up to date."""
+        """Upload every file that changed since its last upload; True if all are up to date.
+        Called by the mirror's thread, and once more by close() after that thread has ended."""
         complete = True
-        with self._lock:
-            for root, _, names in os.walk(self.local):
-                for name in names:
-                    path = os.path.join(root, name)
-                    key = os.path.relpath(path, self.local).replace(os.sep, "/")
-                    stat = os.stat(path)
-                    version = (stat.st_size, stat.st_mtime_ns)
-                    if self._uploaded.get(key) == version or stat.st_size == 0:
-                        continue  # unchanged, or nothing in it yet
-                    try:
-                        with open(path, "rb") as f:
-                            write_bytes(self.remote, key, f.read())
-                        self._uploaded[key] = version
-                    except Exception as e:  # storage errors vary by driver; retried next round
-                        logging.warning("Could not copy %s to %s (retrying later): %s", key, self.remote, e)
-                        complete = False
+        for root, _, names in os.walk(self.local):
+            for name in names:
+                path = os.path.join(root, name)
+                key = os.path.relpath(path, self.local).replace(os.sep, "/")
+                stat = os.stat(path)
+                version = (stat.st_size, stat.st_mtime_ns)
+                if self._uploaded.get(key) == version or stat.st_size == 0:
+                    continue  # unchanged, or nothing in it yet
+                try:
+                    with open(path, "rb") as f:
+                        write_bytes(self.remote, key, f.read())
+                    self._uploaded[key] = version
+                except Exception as e:  # storage errors vary by driver; retried next round
+                    logging.warning("Could not copy %s to %s (retrying later): %s", key, self.remote, e)
+                    complete = False
         return complete
 
     def close(self) -> bool:

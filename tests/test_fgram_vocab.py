@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 import tensorstore as ts
+from hypothesis import given, settings, strategies as st
 
 from scone_jax.fgram.vocab import build_vocab, load_vocab, save_vocab, vocab_exists
 
@@ -73,3 +74,26 @@ def test_overwrite_replaces(vocab, tmp_path):
                           tokens_counted=5, vocab_size=10, tokenizer_fingerprint="tokA")
     save_vocab(smaller, str(tmp_path / "v"))
     assert load_vocab(str(tmp_path / "v")).fingerprint == smaller.fingerprint
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_fgrams=st.integers(1, 60), min_count=st.integers(1, 4),
+       shuffle=st.booleans())
+def test_ranking_equals_a_plain_sort(seed, num_fgrams, min_count, shuffle):
+    """build_vocab == sorting all candidates by (count desc, length asc, ids asc) and keeping the top S,
+    whether each length arrives sorted (as extraction hands it) or shuffled (the fast path is skipped);
+    counts in 1..4 make long ties, also across the S-th row."""
+    rng = np.random.default_rng(seed)
+    grams, plain = [], []
+    for n in (2, 3, 4):
+        rows = np.unique(rng.integers(0, 5, size=(int(rng.integers(0, 40)), n)), axis=0).astype(np.int32)
+        counts = rng.integers(1, 5, size=len(rows))
+        if shuffle:
+            order = rng.permutation(len(rows))
+            rows, counts = rows[order], counts[order]
+        grams.append((rows, counts))
+        plain += [(-int(c), n, tuple(r)) for r, c in zip(rows.tolist(), counts) if c >= min_count]
+    want = sorted(plain)[:num_fgrams]
+    vocab = build_vocab(grams, num_fgrams=num_fgrams, max_len=4, min_count=min_count, tokens_counted=0,
+                        vocab_size=5, tokenizer_fingerprint="")
+    assert [(-int(c), int(n), vocab.fgram(r)) for r, (c, n) in enumerate(zip(vocab.counts, vocab.lengths))] == want

@@ -1,8 +1,9 @@
 """Exact counting of uint64 keys with bounded memory: sorted runs spilled to disk, merged per partition.
 
-A worker counts chunk after chunk in memory; once it holds more than `limit`
-distinct keys it writes them out as a run, split into `NUM_PARTITIONS` hash
-partitions. The reduce step then merges one partition of every run at a time.
+A worker counts chunk after chunk in memory (a sort per chunk, then linear
+merges of sorted arrays); once it holds more than `limit` distinct keys it writes
+them out as a run, split into `NUM_PARTITIONS` hash partitions, sorted inside
+each. The reduce step then merges one partition of every run at a time.
 So memory is at most ~`limit` keys per worker while counting and one partition
 of all runs while reducing (partitions are grouped into reduce tasks of about
 `limit` entries), whatever the corpus size; disk holds the runs.
@@ -13,21 +14,53 @@ import os
 
 import numpy as np
 
+from scone_jax.fgram.kernel import kernel
+
 NUM_PARTITIONS = 256
 _PARTITION_SHIFT = np.uint64(64 - 8)  # log2(NUM_PARTITIONS) high bits of the mixed key
 _MIX = np.uint64(0xD6E8FEB86659FD93)  # odd constant, unrelated to the hash-table one
 
 
+@kernel
+def _merge_two(keys_a, counts_a, keys_b, counts_b, keys_out, counts_out):
+    """Merges two sorted key arrays with counts, summing equal keys; returns the length written."""
+    i = j = written = 0
+    while i < len(keys_a) and j < len(keys_b):
+        if keys_a[i] < keys_b[j]:
+            keys_out[written], counts_out[written] = keys_a[i], counts_a[i]
+            i += 1
+        elif keys_b[j] < keys_a[i]:
+            keys_out[written], counts_out[written] = keys_b[j], counts_b[j]
+            j += 1
+        else:
+            keys_out[written], counts_out[written] = keys_a[i], counts_a[i] + counts_b[j]
+            i += 1
+            j += 1
+        written += 1
+    for k in range(i, len(keys_a)):
+        keys_out[written], counts_out[written] = keys_a[k], counts_a[k]
+        written += 1
+    for k in range(j, len(keys_b)):
+        keys_out[written], counts_out[written] = keys_b[k], counts_b[k]
+        written += 1
+    return written
+
+
 def merge_counts(keys: list[np.ndarray], counts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Sums the counts of equal keys across arrays; returns (sorted unique keys, counts int64)."""
-    all_keys = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
-    if not len(all_keys):
-        return all_keys, np.zeros(0, np.int64)
-    order = np.argsort(all_keys)
-    all_keys = all_keys[order]
-    all_counts = np.concatenate(counts).astype(np.int64)[order]
-    starts = np.flatnonzero(np.r_[True, all_keys[1:] != all_keys[:-1]])
-    return all_keys[starts], np.add.reduceat(all_counts, starts)
+    """Sums the counts of equal keys across arrays, each sorted with distinct keys; returns (sorted
+    distinct keys, counts int64). Merges pairwise in rounds (like merge sort): linear per round."""
+    pairs = [(np.ascontiguousarray(k, np.uint64), np.ascontiguousarray(c, np.int64)) for k, c in zip(keys, counts)]
+    if not pairs:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    while len(pairs) > 1:
+        merged = []
+        for (keys_a, counts_a), (keys_b, counts_b) in zip(pairs[::2], pairs[1::2]):
+            keys_out = np.empty(len(keys_a) + len(keys_b), np.uint64)
+            counts_out = np.empty(len(keys_out), np.int64)
+            written = _merge_two(keys_a, counts_a, keys_b, counts_b, keys_out, counts_out)
+            merged.append((keys_out[:written], counts_out[:written]))
+        pairs = merged + pairs[len(merged) * 2:]
+    return pairs[0]
 
 
 def partition_of(keys: np.ndarray) -> np.ndarray:
@@ -84,15 +117,21 @@ def group_partitions(runs: list[str], limit: int) -> list[tuple[int, int]]:
 
 
 def reduce_partitions(runs: list[str], lo: int, hi: int, threshold: int) -> tuple[np.ndarray, np.ndarray]:
-    """Total counts of the keys in partitions [lo, hi) over all runs, keeping counts >= threshold."""
-    keys, counts = [], []
-    for run in runs:
-        start, stop = np.load(run + ".bounds.npy")[[lo, hi]]
-        keys.append(np.load(run + ".keys.npy", mmap_mode="r")[start:stop])
-        counts.append(np.load(run + ".counts.npy", mmap_mode="r")[start:stop])
-    keys, counts = merge_counts(keys, counts)
-    keep = counts >= threshold
-    return keys[keep], counts[keep]
+    """Total counts of the keys in partitions [lo, hi) over all runs, keeping counts >= threshold;
+    returns (sorted keys, counts)."""
+    bounds = [np.load(run + ".bounds.npy") for run in runs]
+    files = [(np.load(run + ".keys.npy", mmap_mode="r"), np.load(run + ".counts.npy", mmap_mode="r")) for run in runs]
+    kept_keys, kept_counts = [], []
+    for p in range(lo, hi):  # a run is sorted inside each partition only
+        keys, counts = merge_counts([k[b[p]:b[p + 1]] for (k, _), b in zip(files, bounds)],
+                                    [c[b[p]:b[p + 1]] for (_, c), b in zip(files, bounds)])
+        keep = counts >= threshold
+        kept_keys.append(keys[keep])
+        kept_counts.append(counts[keep])
+    keys = np.concatenate(kept_keys) if kept_keys else np.zeros(0, np.uint64)
+    counts = np.concatenate(kept_counts) if kept_counts else np.zeros(0, np.int64)
+    order = np.argsort(keys)
+    return keys[order], counts[order]
 
 
 def remove_runs(runs: list[str]) -> None:

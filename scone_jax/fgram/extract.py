@@ -6,7 +6,9 @@ one-shot iterator works. Scan n counts the n-grams whose (n-1)-prefix and
 (n-1)-suffix survived the previous scans: the survivors form a trie in one hash
 table (trie.py). Scan n looks up the (n-1)-grams ending at each position once,
 stores their ids in a per-position state file for scan n+1, and counts the
-n-grams whose two (n-1)-grams (ending at e-1 and at e) were both found.
+n-grams whose two (n-1)-grams (ending at e-1 and at e) were both found. That
+per-position walk is one compiled loop per chunk (kernel.py), which prefetches
+the hash bucket of the position 16 steps ahead so the table's cache misses overlap.
 
 Memory stays bounded: the corpus lives on disk; worker processes count chunks of
 `chunk_tokens` and spill sorted runs once they hold `spill_limit` distinct
@@ -28,9 +30,11 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from scone_jax.fgram import counting, trie
+from scone_jax.fgram.kernel import kernel, prefetch
 from scone_jax.fgram.vocab import FgramVocab, build_vocab
 
 SEPARATOR = -1
+_AHEAD = 16  # positions between prefetching a bucket and probing it
 Progress = Callable[[str, int, "int | None"], None]  # (phase, done tokens, total tokens or None)
 
 
@@ -81,42 +85,73 @@ def _spool(documents: Iterable, vocab_size: int, path: str, progress: Progress |
     return tokens, docs
 
 
+@kernel
+def _chunk_keys(tokens, left, offset, keys, num_buckets, id_of_slot, vocab_size, first, ids, out):
+    """Scan n >= 3 over one chunk (tokens, -1 between documents); returns how many keys it wrote to `out`.
+
+    The (n-1)-gram ending at e is (left[e-1] + offset, tokens[e]) in trie.py's key form: left is the
+    tokens with offset 0 for n = 3, else the previous scan's (n-2)-gram ids with offset V; it can only
+    be a survivor where left[e-1] and left[e] are >= 0. ids[e] = its id (-1: none). out: the keys of
+    the n-grams ending at e >= first whose (n-1)-prefix and (n-1)-suffix both survived.
+    """
+    v, offset = np.uint64(vocab_size), np.uint64(offset)
+    written = 0
+    ids[0] = -1
+    for e in range(1, len(tokens)):
+        a = e + _AHEAD
+        if a < len(tokens) and left[a - 1] >= 0 and left[a] >= 0:
+            key = (np.uint64(left[a - 1]) + offset) * v + np.uint64(tokens[a])
+            prefetch(keys, trie.home(key, num_buckets) * trie.WIDTH)
+        slot = -1
+        if left[e - 1] >= 0 and left[e] >= 0:
+            slot = trie.probe(keys, num_buckets, (np.uint64(left[e - 1]) + offset) * v + np.uint64(tokens[e]))
+        ids[e] = id_of_slot[slot] if slot >= 0 else -1
+        if e >= first and ids[e] >= 0 and ids[e - 1] >= 0:
+            out[written] = (np.uint64(ids[e - 1]) + v) * v + np.uint64(tokens[e])
+            written += 1
+    return written
+
+
+@kernel
+def _pair_keys(tokens, first, vocab_size, out):
+    """Scan 2 over one chunk: the keys of the 2-grams ending at e >= first; returns how many."""
+    v = np.uint64(vocab_size)
+    written = 0
+    for e in range(max(first, 1), len(tokens)):
+        if tokens[e - 1] >= 0 and tokens[e] >= 0:
+            out[written] = np.uint64(tokens[e - 1]) * v + np.uint64(tokens[e])
+            written += 1
+    return written
+
+
 def _count_task(task: dict) -> list[str]:
     """Counts scan n's candidates ending in [start, stop) of the spooled corpus; returns spilled runs.
 
-    For n >= 3 it also looks up the (n-1)-grams found by the previous scan and
-    records their ids per position in the state file that scan n+1 reads, so no
-    scan looks up more than one length.
+    For n >= 3 it also records the ids of the (n-1)-grams found by the previous
+    scan per position in the state file that scan n+1 reads, so no scan looks up
+    more than one length.
     """
-    n, vocab_size, start, stop = task["n"], task["vocab_size"], task["start"], task["stop"]
+    n, start, stop, chunk_tokens, v = task["n"], task["start"], task["stop"], task["chunk_tokens"], task["vocab_size"]
     corpus = np.memmap(task["corpus"], dtype=np.int32, mode="r")
     writer = counting.RunWriter(task["run_prefix"], task["spill_limit"])
-    table = id_of_slot = None
     if n > 2:
-        table = trie.KeyTable.from_buckets(np.load(task["table"], mmap_mode="r"), task["num_buckets"])
+        keys, num_buckets = np.load(task["table"], mmap_mode="r"), task["num_buckets"]
         id_of_slot = np.load(task["id_of_slot"], mmap_mode="r")
-    for chunk in range(start, stop, task["chunk_tokens"]):
+        ids = np.empty(chunk_tokens + 2, np.int32)
+    out = np.empty(chunk_tokens, np.uint64)
+    for chunk in range(start, stop, chunk_tokens):
         # Two tokens of context: the (n-1)-gram ending at chunk-1 needs the state at chunk-2.
-        lo, hi = max(0, chunk - 2), min(stop, chunk + task["chunk_tokens"])
+        lo, hi = max(0, chunk - 2), min(stop, chunk + chunk_tokens)
         tokens = np.asarray(corpus[lo:hi])
         if n == 2:
-            ends = 1 + np.flatnonzero((tokens[1:] >= 0) & (tokens[:-1] >= 0))
-            ends = ends[ends >= chunk - lo]
-            writer.add(trie.pair_keys(tokens[ends - 1], tokens[ends], vocab_size))
-            continue
-        if n == 3:
-            ends = 1 + np.flatnonzero((tokens[1:] >= 0) & (tokens[:-1] >= 0))
-            keys = trie.pair_keys(tokens[ends - 1], tokens[ends], vocab_size)
+            written = _pair_keys(tokens, chunk - lo, v, out)
         else:
-            before = np.asarray(np.memmap(task["state_in"], dtype=np.int32, mode="r")[lo:hi])
-            ends = 1 + np.flatnonzero((before[1:] >= 0) & (before[:-1] >= 0))
-            keys = trie.extend_keys(before[ends - 1], tokens[ends], vocab_size)
-        ids = np.full(len(tokens), -1, dtype=np.int32)  # id of the (n-1)-gram ending at each position
-        ids[ends] = id_of_slot[table.lookup(keys)]
-        np.memmap(task["state_out"], dtype=np.int32, mode="r+")[chunk:hi] = ids[chunk - lo :]
-        ends = 1 + np.flatnonzero((ids[1:] >= 0) & (ids[:-1] >= 0))
-        ends = ends[ends >= chunk - lo]  # earlier ends belong to the previous chunk
-        writer.add(trie.extend_keys(ids[ends - 1], tokens[ends], vocab_size))
+            left, offset = tokens, 0
+            if n > 3:
+                left, offset = np.asarray(np.memmap(task["state_in"], dtype=np.int32, mode="r")[lo:hi]), v
+            written = _chunk_keys(tokens, left, offset, keys, num_buckets, id_of_slot, v, chunk - lo, ids, out)
+            np.memmap(task["state_out"], dtype=np.int32, mode="r+")[chunk:hi] = ids[chunk - lo : hi - lo]
+        writer.add(out[:written])
     return writer.flush()
 
 

@@ -101,17 +101,27 @@ def build_vocab(
     for tokens, gram_counts in grams:
         n = tokens.shape[1]
         keep = gram_counts >= min_count
-        padded = np.full((int(keep.sum()), max_len), PAD, dtype=np.int32)
-        padded[:, :n] = tokens[keep]
+        tokens, gram_counts = tokens[keep], gram_counts[keep].astype(np.int64)
+        if not _rows_ascend(tokens):  # one-machine extraction hands each length sorted already
+            order = np.lexsort(tokens.T[::-1])  # lexsort sorts by its last key first
+            tokens, gram_counts = tokens[order], gram_counts[order]
+        padded = np.full((len(tokens), max_len), PAD, dtype=np.int32)
+        padded[:, :n] = tokens
         rows.append(padded)
         lengths.append(np.full(len(padded), n, dtype=np.int32))
-        counts.append(gram_counts[keep].astype(np.int64))
+        counts.append(gram_counts)
     tokens = np.concatenate(rows) if rows else np.zeros((0, max_len), np.int32)
     lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
     counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
-    # np.lexsort sorts by its last key first: count desc, length asc, then token ids left to right.
-    # Padding can't confuse the token comparison: rows of equal length have padding in the same places.
-    order = np.lexsort([tokens[:, j] for j in reversed(range(max_len))] + [lengths, -counts])[:num_fgrams]
+    # Rows now run by length, then token ids left to right: the tie order. So a stable sort by count
+    # (descending) ranks them; only rows at or above the S-th count need sorting.
+    candidates = np.arange(len(counts))
+    if len(counts) > num_fgrams:
+        cutoff = np.partition(counts, len(counts) - num_fgrams)[len(counts) - num_fgrams]
+        tied = counts == cutoff
+        needed = num_fgrams - int((counts > cutoff).sum())
+        candidates = np.flatnonzero((counts > cutoff) | (tied & (np.cumsum(tied) <= needed)))
+    order = candidates[np.argsort(-counts[candidates], kind="stable")]
     return FgramVocab(
         tokens=tokens[order],
         lengths=lengths[order],
@@ -122,6 +132,17 @@ def build_vocab(
         vocab_size=vocab_size,
         tokenizer_fingerprint=tokenizer_fingerprint,
     )
+
+
+def _rows_ascend(tokens: np.ndarray) -> bool:
+    """Whether the rows of `tokens` [m, n] are strictly ascending, comparing token ids left to right."""
+    if len(tokens) < 2:
+        return True
+    before, after = tokens[:-1], tokens[1:]
+    differ = before != after
+    first = differ.argmax(axis=1)
+    rows = np.arange(len(first))
+    return bool((differ.any(axis=1) & (after[rows, first] > before[rows, first])).all())
 
 
 def _array_spec(path: str, name: str) -> dict:

@@ -60,7 +60,12 @@ def merge_counts(keys: list[np.ndarray], counts: list[np.ndarray]) -> tuple[np.n
             written = _merge_two(keys_a, counts_a, keys_b, counts_b, keys_out, counts_out)
             merged.append((keys_out[:written], counts_out[:written]))
         pairs = merged + pairs[len(merged) * 2:]
-    return pairs[0]
+    merged_keys, merged_counts = pairs[0]
+    if len(keys) > 1 and merged_keys.size < merged_keys.base.size:
+        # A prefix of the last merge buffer (equal keys were summed): copying it frees the rest, or
+        # the counts a RunWriter holds could take up to twice their size.
+        merged_keys, merged_counts = merged_keys.copy(), merged_counts.copy()
+    return merged_keys, merged_counts
 
 
 def partition_of(keys: np.ndarray) -> np.ndarray:

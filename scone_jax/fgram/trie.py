@@ -84,13 +84,6 @@ class KeyTable:
             raise ValueError(f"{expected} keys need {self.num_buckets * WIDTH} slots; the limit is 2^32.")
         self.keys = np.full((self.num_buckets + _TAIL, WIDTH), EMPTY, dtype=np.uint64)
 
-    @classmethod
-    def from_buckets(cls, keys: np.ndarray, num_buckets: int) -> KeyTable:
-        """A table around existing bucket rows (e.g. a memory-mapped copy in a worker process)."""
-        table = cls.__new__(cls)
-        table.keys, table.num_buckets = keys, num_buckets
-        return table
-
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes

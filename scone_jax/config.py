@@ -76,7 +76,8 @@ def base_config() -> ml_collections.ConfigDict:
     t.b2 = 0.95
     t.eps = 1e-8
     t.grad_clip_norm = 1.0  # 0 disables clipping
-    t.grad_accum_steps = 1  # micro-batches per step (global_batch_size must divide)
+    t.grad_accum_steps = 1  # micro-batches per step; must divide the rows per data shard (and, with
+    #                         SCONE, scone.fgram_capacity, which is split evenly across micro-batches)
     t.log_every = 10
     t.eval_every = 100  # 0 disables periodic evaluation
     t.eval_batches = 0  # 0 = the whole held-out set
@@ -135,6 +136,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; set model.head_dim.")
     if m.position == "learned" and d.seq_len > m.max_seq_len:
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len.")
+    if t.grad_accum_steps < 1:
+        raise ValueError(f"train.grad_accum_steps={t.grad_accum_steps} must be at least 1 (1 = no accumulation).")
     if d.global_batch_size % t.grad_accum_steps:
         raise ValueError(
             f"data.global_batch_size={d.global_batch_size} is not divisible by "
@@ -142,6 +145,33 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if t.num_steps <= 0:
         raise ValueError(f"train.num_steps must be positive, got {t.num_steps}.")
+
+
+def validate_batch_split(config: ml_collections.ConfigDict, num_batch_shards: int) -> None:
+    """Checks that need the mesh: the global batch splits into data shards, each shard's rows
+    into train.grad_accum_steps micro-batches and (SCONE) its f-gram capacity likewise."""
+    d, accum = config.data, config.train.grad_accum_steps
+    if d.global_batch_size % num_batch_shards:
+        raise ValueError(
+            f"data.global_batch_size={d.global_batch_size} does not split over the {num_batch_shards} data "
+            f"shards of the mesh (mesh.data x mesh.fsdp). Fix: use a multiple of {num_batch_shards}."
+        )
+    rows = d.global_batch_size // num_batch_shards
+    if rows % accum:
+        works = [a for a in range(1, rows + 1) if rows % a == 0]
+        raise ValueError(
+            f"train.grad_accum_steps={accum} does not divide the {rows} rows per data shard "
+            f"(data.global_batch_size={d.global_batch_size} over {num_batch_shards} shards); micro-batches "
+            f"take equal blocks of every shard. Values that work: {', '.join(map(str, works))}."
+        )
+    capacity = config.scone.fgram_capacity
+    if config.scone.enabled and capacity % accum:
+        lower = capacity // accum * accum
+        choices = f"{lower} or {lower + accum}" if lower else f"{accum}"
+        raise ValueError(
+            f"scone.fgram_capacity={capacity} (f-gram rows per data shard and step) does not split into "
+            f"train.grad_accum_steps={accum} equal micro-batches. Fix: use a multiple of {accum}, e.g. {choices}."
+        )
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

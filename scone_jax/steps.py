@@ -26,17 +26,23 @@ def _loss_sum(params, graph, rest, batch):
     return token_losses(model, batch).sum(), batch["loss_mask"].sum()
 
 
-def _micro_batches(batch: dict, accum: int) -> dict:
-    """[B, ...] -> [accum, B/accum, ...]; micro-batch i takes rows i, i+accum, ... so every
-    device contributes rows to every micro-batch and no data moves between devices."""
+def split_micro_batches(batch: dict, accum: int, num_shards: int) -> dict:
+    """[B, ...] -> [accum, B/accum, ...]: micro-batch a takes the a-th contiguous block of rows
+    of every data shard, so no data moves between devices. The f-gram arrays ([G, C, K] with
+    G = num_shards * accum groups, fgram/dedup.py) split the same way, so micro-batch a gets
+    group a of every shard: exactly the f-gram rows its positions' slots point at."""
     def split(x):
-        x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
+        n, rest = x.shape[0], x.shape[1:]
+        x = x.reshape(num_shards, accum, n // (num_shards * accum), *rest)
+        return jnp.swapaxes(x, 0, 1).reshape(accum, n // accum, *rest)
 
     return jax.tree.map(split, batch)
 
 
-def _grads(params, graph, rest, batch: dict, accum: int):
+def loss_and_grads(model, batch: dict, accum: int = 1, num_shards: int = 1):
+    """(sum of token losses, target tokens, gradients of the sum w.r.t. nnx.Param), accumulated
+    over `accum` micro-batches (split_micro_batches) in a scan: the train step's core."""
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
     grad_fn = jax.value_and_grad(_loss_sum, has_aux=True)
     if accum == 1:
         (loss, count), grads = grad_fn(params, graph, rest, batch)
@@ -44,23 +50,25 @@ def _grads(params, graph, rest, batch: dict, accum: int):
 
     def body(carry, mb):
         loss, count, grads = carry
+        mb = {k: sharding.constrain(v, ("batch",) + (None,) * (v.ndim - 1)) for k, v in mb.items()}
         (l, n), g = grad_fn(params, graph, rest, mb)
         return (loss + l, count + n, jax.tree.map(jnp.add, grads, g)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss, count, grads), _ = jax.lax.scan(body, (0.0, 0.0, zeros), _micro_batches(batch, accum))
+    micro = split_micro_batches(batch, accum, num_shards)
+    (loss, count, grads), _ = jax.lax.scan(body, (0.0, 0.0, zeros), micro)
     return loss, count, grads
 
 
 def make_train_step(graphdef, state_shardings, mesh, config):
     """Return step(state, batch) -> (state, metrics), jitted and donating the old state."""
     accum = config.train.grad_accum_steps
+    num_shards = sharding.num_batch_shards(mesh)
     schedule = learning_rate_schedule(config.train)
 
     def step(state, batch):
         model, opt = nnx.merge(graphdef, state)
-        graph, params, rest = nnx.split(model, nnx.Param, ...)
-        loss_sum, count, grads = _grads(params, graph, rest, batch, accum)
+        loss_sum, count, grads = loss_and_grads(model, batch, accum, num_shards)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         metrics = {

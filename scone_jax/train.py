@@ -42,8 +42,13 @@ def resolve_vocab_size(config, tokenizer) -> None:
 
 
 def batch_fingerprint(batch: dict) -> int:
-    """CRC32 of a host batch's inputs: cheap, and enough to check that resume replays data."""
-    return zlib.crc32(np.ascontiguousarray(batch["inputs"]).tobytes())
+    """CRC32 of every array a host batch sends to the device (inputs, masks and, with SCONE,
+    the f-gram rows and slots), in key order: cheap, and what resume must replay exactly."""
+    crc = 0
+    for key in sorted(device_batch(batch)):
+        crc = zlib.crc32(key.encode(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(batch[key]).tobytes(), crc)
+    return crc
 
 
 def evaluate(eval_step, state, config, tokenizer, mesh, batch_transform=None) -> dict:
@@ -78,7 +83,8 @@ def fgram_batcher(config, tokenizer, workdir: str, mesh):
     vocab = distributed.chief_first("fgram_vocab", lambda: workdir_vocab.ensure_vocab(
         config.scone, config.data, tokenizer, workdir, jax.process_index() == 0))
     local_shards = sharding.num_batch_shards(mesh) // jax.process_count()
-    batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=local_shards, capacity=config.scone.fgram_capacity)
+    batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=local_shards, capacity=config.scone.fgram_capacity,
+                           micro_batches=config.train.grad_accum_steps)
     return vocab, batcher
 
 
@@ -113,6 +119,7 @@ def run(config, workdir: str) -> dict:
     """Train per `config` in `workdir`, resuming if a checkpoint exists. Returns final metrics."""
     config_lib.validate(config)
     mesh = sharding.make_mesh(config.mesh)
+    config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
     is_chief = jax.process_index() == 0
     tokenizer = distributed.chief_first("tokenizer", lambda: tokenizer_lib.ensure_tokenizer(config.data, workdir))
     resolve_vocab_size(config, tokenizer)
@@ -156,7 +163,7 @@ def run(config, workdir: str) -> dict:
             host_batch = next(data_iter)
             host = {"batch_crc": batch_fingerprint(host_batch)}
             if batcher is not None:
-                host.update(fgram_stats.batch_stats(host_batch, batcher.num_shards))
+                host.update(fgram_stats.batch_stats(host_batch))
                 host["fgram/model_tokens"] = host_batch["fgram_tokens"].size * jax.process_count()
             state, metrics = train_step(state, sharding.global_batch(device_batch(host_batch), mesh))
             step += 1

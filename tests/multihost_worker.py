@@ -6,7 +6,10 @@ one-process reference, so both sides run the same code).
 TASK `train`: three train steps on fixed global batches (each process feeds the rows that a
 one-process run places on its devices), a full held-out evaluation, then a checkpoint in
 DIR/ckpt; process 0 writes DIR/train.json. TASK `restore`: restore DIR/ckpt, gather the
-parameters and write them to DIR/restored.npz (process 0).
+parameters and write them to DIR/restored.npz (process 0). TASK `scone`: three SCONE train
+steps with gradient accumulation through the real data pipeline (each process reads its own
+documents and deduplicates f-grams for its own data shards) with the f-gram vocabulary in
+DIR/fgrams; process 0 writes DIR/scone.json.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from scone_jax import checkpoint, distributed, sharding, state as state_lib, steps, train
+from scone_jax import checkpoint, config as config_lib, distributed, sharding, state as state_lib, steps, train
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
 from tests.common import random_batch, small_config
 
@@ -61,6 +64,36 @@ def train_steps(config, workdir: str):
     return state, losses, ev
 
 
+def scone_config(tokenizer_path: str, workdir: str):
+    """SCONE with 2 micro-batches per step; the f-gram vocabulary is extracted into workdir/fgrams
+    by the test before the processes start."""
+    config = make_config(tokenizer_path)
+    config.scone.update(dict(enabled=True, max_len=4, num_fgrams=2000, min_count=3, fgram_capacity=64,
+                             num_layers=1, vocab_path=os.path.join(workdir, "fgrams")))
+    config.train.grad_accum_steps = 2
+    return config
+
+
+def scone_train_steps(config, batches) -> list[float]:
+    """NUM_STEPS SCONE train steps on the given iterator of this process's host batches."""
+    mesh = sharding.make_mesh(config.mesh)
+    config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
+    spec = state_lib.state_spec(config, mesh)
+    state = state_lib.init_state(config, spec)
+    train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    losses = []
+    for _ in range(NUM_STEPS):
+        state, metrics = train_step(state, sharding.global_batch(train.device_batch(next(batches)), mesh))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def scone_pipeline(config, tokenizer, batcher, process_index: int, process_count: int):
+    """The training pipeline of one process, f-gram batcher included (as train.run builds it)."""
+    return iter(pipeline.make_train_dataset(config.data, tokenizer, process_index=process_index,
+                                            process_count=process_count, batch_transform=batcher))
+
+
 def data_iterator(config, tokenizer):
     """This process's training-data iterator, one batch in (so its state is not the start)."""
     it = iter(pipeline.make_train_dataset(config.data, tokenizer, process_index=jax.process_index(),
@@ -95,6 +128,16 @@ def main(task, port, process_id, num_processes, tokenizer_path, workdir):
         if jax.process_index() == 0:
             with open(os.path.join(workdir, "train.json"), "w") as f:
                 json.dump(result, f)
+    elif task == "scone":
+        config = scone_config(tokenizer_path, workdir)
+        tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
+        _, batcher = train.fgram_batcher(config, tokenizer, workdir, sharding.make_mesh(config.mesh))
+        it = scone_pipeline(config, tokenizer, batcher, jax.process_index(), jax.process_count())
+        losses = scone_train_steps(config, it)
+        it.close()
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, "scone.json"), "w") as f:
+                json.dump({"losses": losses, "local_shards": batcher.num_shards}, f)
     elif task == "restore":
         state, _ = restore(config, workdir)
         params = gathered_params(state)

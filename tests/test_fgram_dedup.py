@@ -8,24 +8,25 @@ from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
 
 
-def reference_dedup(ids, vocab, num_shards, capacity):
-    """Plain dicts: per shard, the unique f-grams that are no proper prefix of another one get
-    rows; every matched position reads (row, length-1) of the first row that begins with it."""
+def reference_dedup(ids, vocab, num_groups, capacity):
+    """Plain dicts: per group of contiguous rows, the unique f-grams that are no proper prefix of
+    another one get rows; every matched position reads (row, length-1) of the first row that
+    begins with it."""
     k = vocab.max_len
-    rows = ids.shape[0] // num_shards
-    tokens = np.zeros((num_shards * capacity, k), np.int32)
-    lengths = np.zeros(num_shards * capacity, np.int32)
+    rows = ids.shape[0] // num_groups
+    tokens = np.zeros((num_groups, capacity, k), np.int32)
+    lengths = np.zeros((num_groups, capacity), np.int32)
     index = np.full(ids.shape, -1, np.int32)
     as_tuple = {f: vocab.fgram(f) for f in range(vocab.num_fgrams)}
-    for s in range(num_shards):
+    for s in range(num_groups):
         block = ids[s * rows : (s + 1) * rows]
         unique = sorted(set(block[block >= 0].tolist()))
         grams = {as_tuple[f] for f in unique}
         maximal = [f for f in unique if not any(g != as_tuple[f] and g[: len(as_tuple[f])] == as_tuple[f] for g in grams)]
         slot = {}
         for u, fgram in enumerate(maximal):
-            tokens[s * capacity + u] = vocab.tokens[fgram]
-            lengths[s * capacity + u] = vocab.lengths[fgram]
+            tokens[s, u] = vocab.tokens[fgram]
+            lengths[s, u] = vocab.lengths[fgram]
         for f in unique:
             u = next(u for u, m in enumerate(maximal) if as_tuple[m][: len(as_tuple[f])] == as_tuple[f])
             slot[f] = u * k + len(as_tuple[f]) - 1
@@ -44,45 +45,62 @@ def setup():
     return vocab, Matcher(vocab), {"inputs": tokens, "segment_ids": segments}
 
 
-@pytest.mark.parametrize("num_shards", [1, 2, 4, 8])
-def test_matches_reference(setup, num_shards):
+@pytest.mark.parametrize("num_shards,micro_batches", [(1, 1), (2, 1), (4, 1), (8, 1), (1, 4), (2, 2), (4, 2)])
+def test_matches_reference(setup, num_shards, micro_batches):
+    """Catches a slot pointing at the next row of its group, and groups cut per shard instead of
+    per (shard, micro-batch) (both seen to fail here)."""
     vocab, matcher, batch = setup
-    out = FgramBatcher(matcher, vocab, num_shards=num_shards, capacity=200)(batch)
+    capacity = 200 * micro_batches
+    out = FgramBatcher(matcher, vocab, num_shards=num_shards, capacity=capacity, micro_batches=micro_batches)(batch)
+    groups = num_shards * micro_batches
     ids = matcher.match(batch["inputs"], batch["segment_ids"])
     np.testing.assert_array_equal(out["fgram_ids"], ids)
-    tokens, lengths, index = reference_dedup(ids, vocab, num_shards, 200)
+    tokens, lengths, index = reference_dedup(ids, vocab, groups, 200)
     np.testing.assert_array_equal(out["fgram_tokens"], tokens)
     np.testing.assert_array_equal(out["fgram_lengths"], lengths)
     np.testing.assert_array_equal(out["fgram_index"], index)
     assert out["inputs"] is batch["inputs"] and (out["fgram_ids"] >= 0).mean() > 0.3
     assert (out["fgram_lengths"] > 0).sum() < (tokens_unique := out["fgram_unique"].sum())  # prefixes shared
-    assert tokens_unique == sum(len(set(ids[s * (8 // num_shards):(s + 1) * (8 // num_shards)][
-        ids[s * (8 // num_shards):(s + 1) * (8 // num_shards)] >= 0].tolist())) for s in range(num_shards))
+    per = 8 // groups
+    assert tokens_unique == sum(len(set(ids[g * per:(g + 1) * per][ids[g * per:(g + 1) * per] >= 0].tolist()))
+                                for g in range(groups))
     # What the model will see: each matched position's slot starts the tokens that end there.
-    rows_per_shard = 8 // num_shards
     for (b, t), slot in np.ndenumerate(out["fgram_index"]):
         if slot >= 0:
-            row, n = (b // rows_per_shard) * 200 + slot // 5, slot % 5 + 1
-            assert n <= out["fgram_lengths"][row]
-            assert out["fgram_tokens"][row, :n].tolist() == batch["inputs"][b, t - n + 1 : t + 1].tolist()
+            group, row, n = b // per, slot // 5, slot % 5 + 1
+            assert n <= out["fgram_lengths"][group, row]
+            assert out["fgram_tokens"][group, row, :n].tolist() == batch["inputs"][b, t - n + 1 : t + 1].tolist()
 
 
 def test_capacity_overflow_names_the_fix(setup):
     vocab, matcher, batch = setup
-    need = max((FgramBatcher(matcher, vocab, num_shards=2, capacity=200)(batch)["fgram_lengths"]
-                .reshape(2, 200) > 0).sum(1))
+    need = max((FgramBatcher(matcher, vocab, num_shards=2, capacity=200)(batch)["fgram_lengths"] > 0).sum(1))
     FgramBatcher(matcher, vocab, num_shards=2, capacity=need)(batch)  # exactly enough is fine
     with pytest.raises(ValueError, match=rf"needs {need} f-gram rows.*scone.fgram_capacity={need - 1}.*"
                                          rf"--config.scone.fgram_capacity=128 or more"):
         FgramBatcher(matcher, vocab, num_shards=2, capacity=need - 1)(batch)
 
 
+def test_capacity_overflow_of_a_micro_batch_names_the_per_step_fix(setup):
+    vocab, matcher, batch = setup
+    out = FgramBatcher(matcher, vocab, num_shards=2, capacity=400, micro_batches=2)(batch)
+    need = (out["fgram_lengths"] > 0).sum(1)
+    group = int(np.argmax(need))
+    with pytest.raises(ValueError, match=rf"Data shard {group // 2}, micro-batch {group % 2}, needs {need.max()} "
+                                         rf"f-gram rows.*fgram_capacity={2 * need.max() - 2} / 2 micro-batches"):
+        FgramBatcher(matcher, vocab, num_shards=2, capacity=2 * need.max() - 2, micro_batches=2)(batch)
+
+
 def test_bad_shapes(setup):
     vocab, matcher, batch = setup
     with pytest.raises(ValueError, match="8 rows, which do not split into 3 equal data shards"):
         FgramBatcher(matcher, vocab, num_shards=3, capacity=10)(batch)
-    with pytest.raises(ValueError, match="must both be >= 1"):
+    with pytest.raises(ValueError, match="8 rows, which do not split into 2 equal data shards of 3 micro-batches"):
+        FgramBatcher(matcher, vocab, num_shards=2, capacity=30, micro_batches=3)(batch)
+    with pytest.raises(ValueError, match="must all be >= 1"):
         FgramBatcher(matcher, vocab, num_shards=2, capacity=0)
+    with pytest.raises(ValueError, match="capacity=10 does not split into 4 equal micro-batches"):
+        FgramBatcher(matcher, vocab, num_shards=2, capacity=10, micro_batches=4)
 
 
 def test_stats_by_hand():
@@ -92,7 +110,7 @@ def test_stats_by_hand():
     out = FgramBatcher(Matcher(vocab), vocab, num_shards=2, capacity=4)(batch)
     # Row 0 matches (1 2) and (1 2 3); row 1 matches (1 2): 3 matched of 6 real positions.
     assert out["fgram_ids"].tolist() == [[-1, 0, 2, -1], [-1, 0, -1, -1]]
-    assert stats.batch_stats(out, num_shards=2) == {
+    assert stats.batch_stats(out) == {
         "fgram/hit_rate": 0.5,
         "fgram/mean_matched_length": (2 + 3 + 2) / 3,
         "fgram/unique_ratio": 1.0,  # shard 0: 2 unique of 2 matched; shard 1: 1 of 1

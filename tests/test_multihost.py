@@ -122,6 +122,44 @@ def test_checkpoint_from_one_process_restores_in_two(one_process, tokenizer_path
         np.testing.assert_array_equal(restored[f"arr_{i}"], want)
 
 
+def test_two_processes_train_scone_through_the_real_pipeline_like_one(tokenizer_path, tmp_path):
+    """Two processes, each reading its own documents through the grain pipeline and deduplicating
+    f-grams for its 4 data shards (2 micro-batches each), train like one process fed the same
+    rows (both processes' pipelines side by side, the f-gram arrays of 8 shards concatenated).
+    Catches a process that deduplicates as if it held all 8 shards (seen: the workers stop),
+    and any f-gram group that lands beside rows of another process in the global batch.
+    (Swapping the two processes' blocks wholesale is no bug: groups are self-contained.)"""
+    from scone_jax.fgram import workdir_vocab
+    from scone_jax.fgram.dedup import FgramBatcher
+    from scone_jax.fgram.matcher import Matcher
+
+    workdir = str(tmp_path)
+    config = worker.scone_config(tokenizer_path, workdir)
+    tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
+    with config.unlocked():
+        config.scone.vocab_path = ""
+    vocab = workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer, workdir)  # into workdir/fgrams
+    run_workers("scone", tokenizer_path, workdir)
+    with open(os.path.join(workdir, "scone.json")) as f:
+        result = json.load(f)
+    assert result["local_shards"] == 4
+
+    config = worker.scone_config(tokenizer_path, workdir)
+    batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=4, capacity=64, micro_batches=2)
+    pipelines = [worker.scone_pipeline(config, tokenizer, batcher, p, 2) for p in range(2)]
+
+    def side_by_side():
+        while True:
+            parts = [next(it) for it in pipelines]
+            yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    losses = worker.scone_train_steps(config, side_by_side())
+    for it in pipelines:
+        it.close()
+    assert len(set(losses)) == worker.NUM_STEPS
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+
+
 def cli(tokenizer_path, port, process_id, num_processes, *extra):
     return [sys.executable, "-m", "scone_jax.main", f"--config=tests/small_config.py:{tokenizer_path}",
             f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",

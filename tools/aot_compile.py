@@ -128,9 +128,10 @@ def abstract_batch(config, mesh) -> dict:
 
     rows = (config.data.global_batch_size, config.data.seq_len)
     shapes = dict(inputs=rows, targets=rows, segment_ids=rows, positions=rows, loss_mask=rows)
-    if config.scone.enabled:
-        fgram_rows = sharding.num_batch_shards(mesh) * config.scone.fgram_capacity
-        shapes.update(fgram_tokens=(fgram_rows, config.scone.max_len), fgram_lengths=(fgram_rows,), fgram_index=rows)
+    if config.scone.enabled:  # FgramBatcher's layout: one group per data shard and micro-batch
+        accum = config.train.grad_accum_steps
+        groups = (sharding.num_batch_shards(mesh) * accum, config.scone.fgram_capacity // accum)
+        shapes.update(fgram_tokens=(*groups, config.scone.max_len), fgram_lengths=groups, fgram_index=rows)
     return {
         k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                 sharding=sharding.batch_sharding(mesh, len(shape)))
@@ -143,12 +144,7 @@ def compile_train_step(config, devices):
     from scone_jax import sharding, state as state_lib, steps
 
     mesh = sharding.make_mesh(config.mesh, devices=devices)
-    batch_shards = sharding.num_batch_shards(mesh)
-    if config.data.global_batch_size % batch_shards:
-        raise ValueError(
-            f"data.global_batch_size={config.data.global_batch_size} does not split over the "
-            f"{batch_shards} batch shards of mesh {dict(mesh.shape)}; change the batch or config.mesh."
-        )
+    config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
     spec = state_lib.state_spec(config, mesh)
     step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
     start = time.perf_counter()

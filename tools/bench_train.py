@@ -75,7 +75,7 @@ def dedup_reduction(config, tokenizer, batcher, rows: int, seq_len: int, num_bat
     data.update(dict(global_batch_size=rows, seq_len=seq_len))
     big = FgramBatcher(batcher.matcher, batcher.vocab, num_shards=1, capacity=rows * seq_len)
     it = iter(pipeline.make_train_dataset(data, tokenizer, batch_transform=big))
-    figures = [stats.batch_stats(next(it), 1) for _ in range(num_batches)]
+    figures = [stats.batch_stats(next(it)) for _ in range(num_batches)]
     return float(1.0 / np.mean([f["fgram/row_ratio"] for f in figures]))
 
 
@@ -96,7 +96,7 @@ def main(_):
     tokens = scone.data.global_batch_size * scone.data.seq_len
     base_flops, scone_flops = step_flops(baseline), step_flops(scone)
     peak = peak_flops_per_device(scone.train.peak_flops_per_device) * jax.device_count()
-    figures = [stats.batch_stats(b, batcher.num_shards) for b in batches]
+    figures = [stats.batch_stats(b) for b in batches]
     print(f"devices {jax.device_count()} ({jax.devices()[0].device_kind}); {vocab.num_fgrams:,} f-grams, K={vocab.max_len}")
     for name, sec, flops in (("baseline", base_s, base_flops), ("scone", scone_s, scone_flops)):
         print(f"{name:9s} step {sec * 1e3:7.1f} ms  {tokens / sec:9,.0f} tokens/s  "

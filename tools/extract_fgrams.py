@@ -131,7 +131,7 @@ def report(vocab, docs) -> None:
     per_length = np.bincount(vocab.lengths, minlength=vocab.max_len + 1)[2:]
     print("per length: " + ", ".join(f"{n}: {c}" for n, c in enumerate(per_length, start=2)))
     batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=1, capacity=FLAGS.stats_batch * FLAGS.stats_seq_len)
-    figures = [stats.batch_stats(batcher(b), 1) for b in packed_batches(docs, FLAGS.stats_batch, FLAGS.stats_seq_len)]
+    figures = [stats.batch_stats(batcher(b)) for b in packed_batches(docs, FLAGS.stats_batch, FLAGS.stats_seq_len)]
     if not figures:
         print("corpus statistics: too few tokens for one statistics batch")
         return

@@ -2,11 +2,12 @@
 
 hit rate             matched positions / real positions (segment id != 0)
 mean matched length  average f-gram length over matched positions
-unique ratio         unique f-grams (summed over shards) / matched positions: the f-gram model's work
-                     with per-shard deduplication, relative to running it once per matched position
+unique ratio         unique f-grams (summed over groups) / matched positions: the f-gram model's work
+                     with per-group deduplication, relative to running it once per matched position
 row ratio            f-gram model rows actually run (maximal f-grams, after prefix sharing) / matched
                      positions
-capacity fill        the fullest shard's rows / capacity U: how close a batch came to the limit
+capacity fill        the fullest group's rows / its capacity: how close a batch came to the limit
+(a group is a data shard, or a data shard's micro-batch with gradient accumulation)
 """
 from __future__ import annotations
 
@@ -36,17 +37,18 @@ def row_ratio(fgram_index: np.ndarray, fgram_lengths: np.ndarray) -> float:
     return float((fgram_lengths > 0).sum() / max(1, (fgram_index >= 0).sum()))
 
 
-def capacity_fill(fgram_lengths: np.ndarray, num_shards: int) -> float:
-    return float((fgram_lengths.reshape(num_shards, -1) > 0).sum(axis=1).max() / (len(fgram_lengths) // num_shards))
+def capacity_fill(fgram_lengths: np.ndarray) -> float:
+    """fgram_lengths [groups, capacity] -> the fullest group's share of its capacity."""
+    return float((fgram_lengths > 0).sum(axis=1).max() / fgram_lengths.shape[1])
 
 
-def batch_stats(batch: dict, num_shards: int) -> dict[str, float]:
-    """The figures for a batch that went through FgramBatcher with `num_shards` shards."""
+def batch_stats(batch: dict) -> dict[str, float]:
+    """The figures for a batch that went through FgramBatcher."""
     index, lengths = batch["fgram_index"], batch["fgram_lengths"]
     return {
         "fgram/hit_rate": hit_rate(index, batch["segment_ids"]),
-        "fgram/mean_matched_length": mean_matched_length(index, batch["fgram_tokens"].shape[1]),
+        "fgram/mean_matched_length": mean_matched_length(index, batch["fgram_tokens"].shape[-1]),
         "fgram/unique_ratio": unique_ratio(index, batch["fgram_unique"]),
         "fgram/row_ratio": row_ratio(index, lengths),
-        "fgram/capacity_fill": capacity_fill(lengths, num_shards),
+        "fgram/capacity_fill": capacity_fill(lengths),
     }

@@ -1,11 +1,12 @@
 """SconeModel: the main decoder whose input embedding is replaced at f-gram matches.
 
-Per data shard the batch carries the f-grams to run (`fgram_tokens` [U, K], `fgram_lengths`
-[U]: the shard's maximal unique f-grams, see fgram/dedup.py) and, per position, the slot
-row*K + j whose f-gram-model output is that position's embedding (`fgram_index`, -1 = no
-match). The f-gram model runs once per row and the results are gathered back inside the
-shard: the arrays of shard s sit on the devices holding batch rows of shard s, so nothing
-crosses devices.
+The batch's rows fall into G groups of contiguous rows (one per data shard, or per data shard
+and micro-batch; see fgram/dedup.py). Per group it carries the f-grams to run
+(`fgram_tokens` [G, C, K], `fgram_lengths` [G, C]: the group's maximal unique f-grams) and,
+per position, the slot row*K + j whose f-gram-model output is that position's embedding
+(`fgram_index`, -1 = no match). The f-gram model runs once per row and the results are
+gathered back inside the group: the arrays of group g sit on the device holding its batch
+rows, so nothing crosses devices. The model reads G from the arrays' shapes.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ class SconeModel(nnx.Module):
     def __init__(self, main_cfg, scone_cfg, rngs: nnx.Rngs):
         self.decoder = Decoder(main_cfg, rngs)
         self.fgram_model = FgramModel(main_cfg, scone_cfg, rngs)
-        self.capacity = scone_cfg.fgram_capacity
 
     def fgram_embeddings(self, fgram_tokens: jax.Array, fgram_lengths: jax.Array) -> jax.Array:
         """F-gram model over f-gram rows [N, K] -> [N, d]; shares T with the decoder."""
@@ -30,14 +30,14 @@ class SconeModel(nnx.Module):
     def input_embeddings(self, batch: dict) -> jax.Array:
         """T(token) everywhere, replaced by the f-gram embedding where a match ends."""
         x = self.decoder.embed(batch["inputs"])
-        tokens = batch["fgram_tokens"]
-        slots = self.fgram_model.all_positions(self.decoder.embed(tokens), batch["fgram_lengths"])
+        groups, capacity, k = batch["fgram_tokens"].shape
+        tokens = batch["fgram_tokens"].reshape(groups * capacity, k)
+        slots = self.fgram_model.all_positions(self.decoder.embed(tokens), batch["fgram_lengths"].reshape(-1))
         index = batch["fgram_index"]
-        num_shards = tokens.shape[0] // self.capacity
         b, t = index.shape
-        per_shard = slots.reshape(num_shards, self.capacity * tokens.shape[1], -1)
-        index_per_shard = index.reshape(num_shards, (b // num_shards) * t)
-        gathered = jax.vmap(lambda r, i: jnp.take(r, jnp.maximum(i, 0), axis=0))(per_shard, index_per_shard)
+        per_group = slots.reshape(groups, capacity * k, -1)
+        index_per_group = index.reshape(groups, (b // groups) * t)
+        gathered = jax.vmap(lambda r, i: jnp.take(r, jnp.maximum(i, 0), axis=0))(per_group, index_per_group)
         gathered = gathered.reshape(b, t, -1).astype(x.dtype)
         return jnp.where((index >= 0)[..., None], gathered, x)
 

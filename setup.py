@@ -27,9 +27,12 @@ setup(
     ],
     extras_require={
         # gcsfs: orbax reaches gs:// checkpoint directories through etils.epath -> fsspec -> gcsfs.
-        "test": ["pytest>=8", "hypothesis>=6.100", "gcp-storage-emulator>=2024.8.3", "gcsfs>=2024.2"],
+        # libtpu: the TPU compiler, so CI compiles the train step and the splash kernel for TPU
+        # topologies on its CPU (tests/test_aot_compile.py); the version checked with our jax pin.
+        "test": ["pytest>=8", "hypothesis>=6.100", "gcp-storage-emulator>=2024.8.3", "gcsfs>=2024.2",
+                 "libtpu==0.0.52"],
         "beam": ["apache-beam>=2.60"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11", "gcsfs>=2024.2"],
-        "aot": ["libtpu"],
+        "aot": ["libtpu==0.0.52"],
     },
 )

@@ -21,6 +21,17 @@ def scone_config(tokenizer_path):
     return config
 
 
+def _save_initial_checkpoint(config, tokenizer, vocab, workdir: str) -> None:
+    """A checkpoint of the initial state at step 1, as train.run would leave it."""
+    spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    ckpt.save(1, state_lib.init_state(config, spec), None, {
+        "tokenizer_fingerprint": tokenizer.fingerprint, "fgram_vocab_fingerprint": vocab.fingerprint,
+        "config": config.to_dict(), "step": 1})
+    ckpt.wait()
+    ckpt.close()
+
+
 def trained_run(tmp_path_factory) -> dict:
     """{'workdir', 'config', 'tokenizer', 'vocab'}: a SCONE run directory as train.run leaves it,
     with a checkpoint of the initial state (training steps would only cost compile time here)."""
@@ -31,15 +42,31 @@ def trained_run(tmp_path_factory) -> dict:
         workdir = os.path.join(root, "run")
         train.resolve_vocab_size(config, tokenizer)
         vocab = workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer, workdir)
-        spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
-        ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-        ckpt.save(1, state_lib.init_state(config, spec), None, {
-            "tokenizer_fingerprint": tokenizer.fingerprint, "fgram_vocab_fingerprint": vocab.fingerprint,
-            "config": config.to_dict(), "step": 1})
-        ckpt.wait()
-        ckpt.close()
+        _save_initial_checkpoint(config, tokenizer, vocab, workdir)
         _CACHE["run"] = {"workdir": workdir, "config": config, "tokenizer": tokenizer, "vocab": vocab}
     return _CACHE["run"]
+
+
+def exported_variant(tmp_path_factory, name: str, table_dtype: str = "float32", **model_overrides) -> str:
+    """Another architecture (model_overrides, e.g. position='rope', norm='rmsnorm', mlp='swiglu',
+    dtype='bfloat16') with the shared run's tokenizer and f-gram vocabulary, checkpointed at its
+    initial state and exported (once per `name`). The vocabulary is reused through scone.vocab_path,
+    so only the model's init and the table's computation are paid again."""
+    key = "variant_" + name
+    if key not in _CACHE:
+        run = trained_run(tmp_path_factory)
+        config = scone_config(run["tokenizer"].path)
+        with config.unlocked():
+            config.model.update(model_overrides)
+            config.model.vocab_size = run["config"].model.vocab_size
+            config.scone.vocab_path = os.path.join(run["workdir"], "fgrams")
+        root = tmp_path_factory.mktemp("variant_" + name)
+        workdir = str(root / "run")
+        _save_initial_checkpoint(config, run["tokenizer"], run["vocab"], workdir)
+        path = str(root / "export")
+        export.export(workdir, path, dtype=table_dtype, chunk_rows=64, batch_rows=512)
+        _CACHE[key] = path
+    return _CACHE[key]
 
 
 def eval_text(tmp_path_factory, num_docs: int = 40) -> str:

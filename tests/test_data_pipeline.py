@@ -1,5 +1,6 @@
 """Tests for the grain pipelines: packing invariants, process slices, exact resume, and evaluation."""
 import collections
+import threading
 
 import grain
 import ml_collections
@@ -130,6 +131,29 @@ def test_resume_is_exact_and_batch_transform_applies(tok):
         for k in expected:
             assert expected[k].tobytes() == got[k].tobytes()
     np.testing.assert_array_equal(first[0]["doubled"], first[0]["inputs"] * 2)
+
+
+def test_batches_are_prepared_ahead_on_a_background_thread(tok):
+    """worker_count=0 prefetches on a thread (grain's ThreadPrefetchIterDataset): while the consumer
+    holds batch 0 and asks for nothing, batch 1's batch_transform runs, on another thread.
+    Catches: the prefetch stage dropped (batches made on demand in the consumer's thread; tried: the
+    second transform call never came). An event with a timeout, not a sleep: a correct pipeline
+    sets it in milliseconds, only a broken one waits the timeout out."""
+    calls, second = [], threading.Event()
+
+    def record(batch):
+        calls.append(threading.get_ident())
+        if len(calls) == 2:
+            second.set()
+        return batch
+
+    it = iter(pipeline.make_train_dataset(_data_cfg(prefetch_buffer=2), tok, batch_transform=record))
+    try:
+        next(it)
+        assert second.wait(timeout=20), "batch 1 was not prepared while batch 0 was held"
+        assert threading.get_ident() not in calls
+    finally:
+        it.close()
 
 
 def test_eval_covers_every_held_out_document_once(tok, single_token_docs):

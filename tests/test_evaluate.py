@@ -1,4 +1,5 @@
 """Offloaded evaluation equals the training graph's perplexity; mismatched pieces are refused."""
+import dataclasses
 import json
 import math
 import os
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -50,20 +52,59 @@ def training_graph_eval(run, text):
                           run["tokenizer"], mesh, batcher)
 
 
-@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 5e-3)])
-def test_offloaded_perplexity_equals_the_training_graph(tmp_path_factory, text, training_graph_eval, dtype, rtol):
-    served = inference.load(serving_run.exported(tmp_path_factory, dtype))
-    data = evaluate.data_config(served, overrides(text)).data
-    result = evaluate.evaluate(served, data)
+def check_counts(result, training_graph_eval, text):
     assert result["tokens"] == training_graph_eval["tokens"] > 10_000  # every document once
-    np.testing.assert_allclose(result["perplexity"], training_graph_eval["perplexity"], rtol=rtol)
     assert 0.3 < result["hit_rate"] < 1.0
     text_bytes = sum(len(line.encode()) for line in open(text, encoding="utf-8").read().splitlines())
     assert result["bytes"] == text_bytes
     np.testing.assert_allclose(result["bits_per_byte"], result["loss"] * result["tokens"] / math.log(2) / text_bytes)
-    if dtype == "float32":  # the table matters: T(token) alone scores differently
-        baseline = evaluate.evaluate(served, data, use_table=False)
-        assert abs(baseline["perplexity"] / result["perplexity"] - 1) > 0.02
+
+
+def test_offloaded_perplexity_equals_the_training_graph(tmp_path_factory, text, training_graph_eval):
+    """float32 table: the offloaded path (rows from the export, decoder alone on the device) gives the
+    training graph's perplexity (measured: equal to the last digit). Catches: an f-gram model whose
+    all_positions returns the whole f-gram's output at every position instead of its prefix's (training
+    graph +5.3%; offloaded path fed the longest f-gram's row at each position of a maximal f-gram, +4.4%)."""
+    served = inference.load(serving_run.exported(tmp_path_factory, "float32"))
+    data = evaluate.data_config(served, overrides(text)).data
+    result = evaluate.evaluate(served, data)
+    check_counts(result, training_graph_eval, text)
+    np.testing.assert_allclose(result["perplexity"], training_graph_eval["perplexity"], rtol=1e-5)
+    baseline = evaluate.evaluate(served, data, use_table=False)  # the table matters: T(token) alone scores differently
+    assert abs(baseline["perplexity"] / result["perplexity"] - 1) > 0.02
+
+
+class _RoundedTable:
+    """A table whose rows are another's, rounded to bfloat16 on the host (round to nearest even)."""
+
+    def __init__(self, table):
+        self._table = table
+
+    def gather(self, ids):
+        return np.asarray(self._table.gather(ids)).astype(jnp.bfloat16)
+
+
+def test_bf16_table_evaluates_as_the_float32_table_rounded_to_bf16(tmp_path_factory, text, training_graph_eval):
+    """A bfloat16 table is the float32 one rounded, so evaluating it must give exactly what the float32
+    export gives with its rows rounded to bf16 on the host (measured: bit-equal perplexities), and the
+    float32 export is pinned to the training graph above. Against the training graph directly, the
+    rounding moves the perplexity by 4.7e-4 (relative): a tolerance there must exceed that, and small
+    bugs hide under it: a table truncated to bf16 instead of rounded (tried, in export's cast) moves
+    it by only 6e-5 (the old rtol 5e-3 passed it) but by 4.1e-4 from the rounded reference; rows
+    through float16 instead, 7e-5 (5.4e-4). The broken f-gram model (the whole f-gram's output at
+    every prefix, tried in FgramModel.all_positions) moves it by 5.3%. So: rtol 1e-6 against the
+    rounded reference (catches the truncation), and 2e-3 against the training graph, 4x the measured
+    rounding effect and 20x below that bug (catches it)."""
+    served = inference.load(serving_run.exported(tmp_path_factory, "bfloat16"))
+    assert str(served.table.dtype) == "bfloat16"
+    data = evaluate.data_config(served, overrides(text)).data
+    result = evaluate.evaluate(served, data)
+    check_counts(result, training_graph_eval, text)
+    f32 = inference.load(serving_run.exported(tmp_path_factory, "float32"))
+    rounded = evaluate.evaluate(dataclasses.replace(f32, table=_RoundedTable(f32.table)), data)
+    assert rounded["tokens"] == result["tokens"] and rounded["hit_rate"] == result["hit_rate"]
+    np.testing.assert_allclose(result["perplexity"], rounded["perplexity"], rtol=1e-6)
+    np.testing.assert_allclose(result["perplexity"], training_graph_eval["perplexity"], rtol=2e-3)
 
 
 def test_cli_writes_the_json_result(tmp_path_factory, text, training_graph_eval, tmp_path):

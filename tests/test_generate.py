@@ -1,15 +1,47 @@
 """Cached decoding with per-token table rows gives the logits of a full forward pass."""
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from scone_jax import generate, inference
+from scone_jax.model.transformer import Decoder
 from tests import serving_run
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     return inference.load(serving_run.exported(tmp_path_factory, "float32"))
+
+
+OLMO_BF16 = dict(position="rope", norm="rmsnorm", mlp="swiglu", dtype="bfloat16")
+TEXT = "And God said, Let there be light: and there was light. And God saw the light, that it was good"
+
+
+@pytest.fixture(scope="module")
+def served_olmo_bf16(tmp_path_factory):
+    """An OLMo-style model (RoPE, RMSNorm, SwiGLU) computing in bfloat16, exported with a bf16 table."""
+    return inference.load(serving_run.exported_variant(tmp_path_factory, "olmo_bf16", "bfloat16", **OLMO_BF16))
+
+
+@pytest.fixture(scope="module")
+def served_olmo(served_olmo_bf16):
+    """The same export computing in float32: model.dtype only sets the compute dtype (the parameters
+    are float32 master weights either way), so one export serves both tests."""
+    config = served_olmo_bf16.config.copy_and_resolve_references()
+    with config.unlocked():
+        config.model.dtype = "float32"
+    graphdef, _ = nnx.eval_shape(lambda: nnx.split(Decoder(config.model, nnx.Rngs(0)), nnx.Param))
+    return dataclasses.replace(served_olmo_bf16, config=config, graphdef=graphdef)
+
+
+def real_text_rows(served, length=24):
+    """Two rows of real text (offset by 2 tokens) with a BOS first: f-grams end at most positions."""
+    tok = served.tokenizer
+    ids = np.concatenate([[tok.bos_id], tok.encode(TEXT)]).astype(np.int32)
+    return np.stack([ids[:length], ids[2:length + 2]])
 
 
 def full_forward_logits(served, tokens):
@@ -56,3 +88,39 @@ def test_sampling_is_reproducible_and_respects_top_k(served):
     assert ranks.max() < 5
     with pytest.raises(ValueError, match="max_seq_len=32"):
         gen.generate(prompts, 40)
+
+
+def test_olmo_style_decoding_equals_a_full_forward_pass(served_olmo):
+    """RoPE + RMSNorm + SwiGLU in fp32: the cached path rotates each new token's query and key by its
+    own position, so decode == full forward to fp32 rounding (measured max |diff| 1.9e-5).
+    Catches (each tried): the one-token steps' RoPE positions one ahead of their cache slot (max
+    |diff| 18.7), one behind (17.6), the query rotated one position ahead of the keys (18.3), keys
+    cached without RoPE (23.3); learned positions (the GPT-2 test) cannot show any of these."""
+    assert served_olmo.decoder.pos_embed is None and served_olmo.decoder.dtype == jnp.float32
+    ids = real_text_rows(served_olmo)
+    out = generate.Generator(served_olmo).generate(ids[:, :6], num_tokens=18, forced=ids[:, 6:])
+    np.testing.assert_array_equal(out["tokens"], ids)
+    full, batch = full_forward_logits(served_olmo, ids)
+    assert (batch["fgram_ids"][:, 6:23] >= 0).mean() > 0.3  # the steps carry table rows
+    np.testing.assert_allclose(out["logits"], full[:, 5:23], rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_olmo_decoding_with_a_bf16_cache_equals_a_full_forward_pass(served_olmo_bf16):
+    """model.dtype=bfloat16: activations and the KV cache are bf16, so the cached path (one-token
+    matmuls, a cache longer than the keys written so far) rounds differently from the full pass.
+    Measured on these logits (|logit| <= 16, where one bf16 ulp is 0.0625), max |diff| (mean):
+    decode vs full pass 0.21 (0.021); the full bf16 pass vs the same weights in fp32 1.05 (0.10); the
+    cached path with every RoPE position shifted by one, a no-op in exact arithmetic, 1.38 (0.075).
+    Deliberate bugs in the cached path, each tried: one-token steps' RoPE positions one ahead of
+    their cache slot 18.5 (2.07), one behind 17.4 (2.09), the query rotated one position ahead of
+    the keys 18.1 (2.99), keys cached without RoPE 23.3 (3.69).
+    max < 4: ~3x the largest rounding effect (1.38) and ~4x below the smallest bug (17.4); mean < 0.5:
+    5x the largest rounding effect (0.10), 4x below the smallest bug (2.07)."""
+    generator = generate.Generator(served_olmo_bf16)
+    assert all(k.dtype == v.dtype == jnp.bfloat16 for k, v in generator.empty_cache(2, 24))
+    ids = real_text_rows(served_olmo_bf16)
+    out = generator.generate(ids[:, :6], num_tokens=18, forced=ids[:, 6:])
+    full, _ = full_forward_logits(served_olmo_bf16, ids)
+    diff = np.abs(out["logits"] - full[:, 5:23])
+    assert diff.max() < 4.0 and diff.mean() < 0.5, (diff.max(), diff.mean())
+    assert diff.max() > 0.01  # bf16 did run: in fp32 the two paths agree to 2e-5 (test above)

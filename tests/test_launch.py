@@ -219,7 +219,7 @@ def test_run_command_starts_worker_sh_detached_and_marks_done(capsys, worker_vm)
     [run] = dry_run(capsys, "run", *V5P, *JOB)
     started = time.monotonic()
     subprocess.run(["bash", "-c", remote(run)], env=env, check=True, timeout=10)  # as ssh would run it
-    while not (workdir / "DONE").exists() and time.monotonic() - started < 10:
+    while not (workdir / "DONE").exists() and time.monotonic() - started < 60:  # a hang's bound, not a speed test
         time.sleep(0.05)
     assert (workdir / "DONE").exists()
     assert (workdir / "logs" / "slice-0-worker-0.log").read_text() == (

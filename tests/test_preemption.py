@@ -16,8 +16,36 @@ from scone_jax.data import tokenizer as tokenizer_lib
 from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUM_STEPS = 24  # enough that the signal lands mid-run: it is sent once two steps are logged
+NUM_STEPS = 8
+SIGNAL_AT = 3  # the gated run waits after this step for its SIGTERM
 OVERRIDES = {"num_steps": NUM_STEPS, "log_every": 1, "checkpoint_every": 100}
+
+# `python -c GATED_MAIN ARGS` = `python -m scone_jax.main ARGS`, except that after step
+# $SCONE_TEST_GATE_STEP the loop waits, through the public Watch.reached, until its SIGTERM handler
+# has seen the test's signal, having first created $SCONE_TEST_GATE_FILE to say it is there. So the
+# signal lands at that step however fast the steps run or however late the test sends it: no race
+# with the end of the run (one that ends first exits 0, or dies of the signal in shutdown) and no
+# range of accepted steps.
+GATED_MAIN = """
+import os, runpy, time
+from scone_jax import preemption
+gate_step, gate_file = int(os.environ["SCONE_TEST_GATE_STEP"]), os.environ["SCONE_TEST_GATE_FILE"]
+reached = preemption.Watch.reached
+
+def gated(self, step):
+    if step != gate_step:
+        return reached(self, step)
+    open(gate_file, "w").close()
+    deadline = time.monotonic() + 300
+    while not reached(self, step):
+        if time.monotonic() > deadline:
+            raise SystemExit("no SIGTERM came within 300 s")
+        time.sleep(0.01)
+    return True
+
+preemption.Watch.reached = gated
+runpy.run_module("scone_jax.main", run_name="__main__")
+"""
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +55,16 @@ def tokenizer_path(tmp_path_factory):
     return os.path.join(workdir, "tokenizer.model")
 
 
-def start_cli(tokenizer_path, workdir):
+def start_cli(tokenizer_path, workdir, gate_file=None):
+    """`python -m scone_jax.main` on the small config; with gate_file, gated at SIGNAL_AT (GATED_MAIN)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     args = [f"--config.train.{k}={v}" for k, v in OVERRIDES.items()]
+    program = ["-m", "scone_jax.main"]
+    if gate_file is not None:
+        env.update(SCONE_TEST_GATE_STEP=str(SIGNAL_AT), SCONE_TEST_GATE_FILE=gate_file)
+        program = ["-c", GATED_MAIN]
     return subprocess.Popen(
-        [sys.executable, "-m", "scone_jax.main", f"--config=tests/small_config.py:{tokenizer_path}",
+        [sys.executable, *program, f"--config=tests/small_config.py:{tokenizer_path}",
          f"--workdir={workdir}", *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -46,12 +79,17 @@ def step_records(workdir):
     return {r["step"]: r for r in rows if r["split"] == "step"}
 
 
-def wait_for_steps(proc, workdir, count, timeout=180):
+def wait_until(proc, done, what, timeout=300):
+    """Poll `done()` while `proc` runs; the timeout only bounds a hung run, never judges a healthy one."""
     deadline = time.monotonic() + timeout
-    while len(step_records(workdir)) < count:
+    while not done():
         assert proc.poll() is None, f"training exited early: {proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, "training logged no steps in time"
+        assert time.monotonic() < deadline, f"training did not get to {what} in {timeout} s"
         time.sleep(0.05)
+
+
+def wait_for_steps(proc, workdir, count, timeout=300):
+    wait_until(proc, lambda: len(step_records(workdir)) >= count, f"step {count}", timeout)
 
 
 def latest_params(config, workdir):
@@ -65,30 +103,34 @@ def latest_params(config, workdir):
 
 
 def test_sigterm_saves_exits_143_and_the_restart_matches_an_uninterrupted_run(tokenizer_path, tmp_path):
+    """The signal reaches the run while it waits after step SIGNAL_AT (GATED_MAIN), so exactly that step
+    is saved. Before the gate, the signal went out once 2 of 24 fast steps were logged, racing the end
+    of the run (tried: a 3 s delay before the signal; the old test failed, the run had finished its 24
+    steps and died of the signal in shutdown, returncode -15; the gated test passes)."""
     config = small_config()
     config.data.tokenizer_path = tokenizer_path
     config.train.update(OVERRIDES)
     interrupted, straight = str(tmp_path / "interrupted"), str(tmp_path / "straight")
+    gate = str(tmp_path / "at_gate")
 
-    proc = start_cli(tokenizer_path, interrupted)
+    proc = start_cli(tokenizer_path, interrupted, gate_file=gate)
     try:
-        wait_for_steps(proc, interrupted, 2)
+        wait_until(proc, lambda: os.path.exists(gate), f"step {SIGNAL_AT}")
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143, stderr[-3000:]
-    stopped_at = max(step_records(interrupted))
-    assert 2 <= stopped_at < NUM_STEPS
-    assert f"saving a checkpoint at step {stopped_at}" in stderr
+    assert max(step_records(interrupted)) == SIGNAL_AT
+    assert f"saving a checkpoint at step {SIGNAL_AT}" in stderr
     saved_step, _ = latest_params(config, interrupted)
-    assert saved_step == stopped_at
+    assert saved_step == SIGNAL_AT
 
     proc = start_cli(tokenizer_path, interrupted)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
-    assert f"Resumed from step {stopped_at}" in stderr
+    assert f"Resumed from step {SIGNAL_AT}" in stderr
 
     train.run(config, straight)
     a, b = step_records(straight), step_records(interrupted)

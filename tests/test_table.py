@@ -1,6 +1,7 @@
 """Host table: gathers equal numpy's, the bounded cache stays bounded, the prefetcher keeps order and errors."""
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -66,7 +67,37 @@ def test_table_of_the_wrong_dtype_or_fingerprint_is_refused(bf16_export, tmp_pat
     assert os.path.exists(os.path.join(path, "COMPLETE"))
 
 
-def test_prefetcher_keeps_order_runs_ahead_and_reraises():
+def test_prefetcher_prepares_ahead_on_its_thread_while_the_consumer_holds_an_item():
+    """While the consumer holds item 0 and asks for nothing, items 1..depth get prepared, on another
+    thread, and the run-ahead is bounded (item depth+2 waits: the queue holds depth items and one more
+    waits to enter it). Catches a synchronous Prefetcher (prepare called in __iter__ on demand; it
+    passes the order and error test below; tried: item 1 is never prepared while item 0 is held) and
+    an unbounded one (tried: a queue without maxsize; item 4 was prepared).
+    The waits are on events: a correct Prefetcher sets them in milliseconds; only a broken one waits
+    out the timeout. The bound's check waits 0.3 s for something that a correct one never does."""
+    depth = 2
+    started = [threading.Event() for _ in range(8)]
+    threads = set()
+
+    def prepare(i):
+        threads.add(threading.get_ident())
+        started[i].set()
+        return i * 10
+
+    items = Prefetcher(range(8), prepare, depth=depth)
+    try:
+        consumer = iter(items)
+        assert next(consumer) == 0
+        for i in range(1, depth + 1):
+            assert started[i].wait(timeout=20), f"item {i} was not prepared while item 0 was held"
+        assert not started[depth + 2].wait(timeout=0.3), "ran ahead past its queue"
+        assert threading.get_ident() not in threads
+        assert list(consumer) == [10 * i for i in range(1, 8)]
+    finally:
+        items.close()
+
+
+def test_prefetcher_keeps_order_and_reraises():
     prepared = []
 
     def prepare(i):

@@ -67,7 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     m.max_seq_len = 2048
     m.norm, m.mlp, m.position = "nonparametric_layernorm", "swiglu", "rope"
     m.use_bias, m.tie_embeddings = False, True
-    m.dtype, m.remat = "bfloat16", True
+    m.dtype, m.remat = "bfloat16", "save_dots"
 
     d = config.data
     d.source, d.train_files, d.eval_files, d.tokenizer_path = "arrayrecord", "", "", ""

@@ -53,13 +53,13 @@ def stored_config(saved: dict) -> ml_collections.ConfigDict:
             else:
                 node[key] = value
 
-    merge(config, saved, "")
+    merge(config, config_lib.upgrade_saved(saved), "")
     return config
 
 
 def decoder_checkpointer() -> ocp.AsyncCheckpointer:
     """Orbax for decoder/: one zarr array per parameter, not OCDBT. Written once, so OCDBT's small-file
-    savings do not matter, and OCDBT's manifest reads fail on GCS emulators (tests/test_gcs.py)."""
+    savings do not matter, and plain arrays are readable with tensorstore alone."""
     return ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler(use_ocdbt=False))
 
 

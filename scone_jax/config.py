@@ -34,7 +34,12 @@ def base_config() -> ml_collections.ConfigDict:
     m.init_std = 0.02
     m.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16'
     m.param_dtype = "float32"  # master weights
-    m.remat = False  # recompute block activations in the backward pass
+    m.scan_layers = True  # blocks as one scan over stacked parameters (compiles once); False: a
+    #                       Python loop of separate blocks, for debugging (same math)
+    m.remat = "none"  # what each block keeps for the backward pass; see model/remat.py:
+    #                   'none' (everything) | 'full' (only its input) | 'save_dots' (matmul outputs
+    #                   without batch dims) | 'save_qkv_proj' (q/k/v/attention-output projections)
+    m.attention = "auto"  # 'auto' | 'xla' | 'cudnn' | 'splash' | 'reference'; see model/attention.py
 
     c.scone = s = ml_collections.ConfigDict()
     s.enabled = False  # train the f-gram model jointly and replace embeddings at matches
@@ -172,6 +177,17 @@ def validate_batch_split(config: ml_collections.ConfigDict, num_batch_shards: in
             f"scone.fgram_capacity={capacity} (f-gram rows per data shard and step) does not split into "
             f"train.grad_accum_steps={accum} equal micro-batches. Fix: use a multiple of {accum}, e.g. {choices}."
         )
+
+
+def upgrade_saved(saved: dict) -> dict:
+    """A config dict saved by an older version, with the keys whose meaning changed rewritten so
+    it rebuilds the same model: no model.scan_layers meant the unscanned block layout, and
+    model.remat was a bool (True = recompute whole blocks)."""
+    model = dict(saved.get("model", {}))
+    model.setdefault("scan_layers", False)
+    if isinstance(model.get("remat"), bool):
+        model["remat"] = "full" if model["remat"] else "none"
+    return {**saved, "model": model}
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

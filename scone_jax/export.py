@@ -66,7 +66,7 @@ class Run:
     def restore_model(self, mesh) -> nnx.Module:
         """The SconeModel of the latest checkpoint, its arrays in the run's shardings (optimizer dropped)."""
         spec = state_lib.state_spec(self.config, mesh)
-        state, _ = self.checkpointer.restore(self.step, state_lib.abstract_with_shardings(spec), expect=self.expect)
+        state, _ = state_lib.restore(self.checkpointer, self.step, self.config, spec, mesh, expect=self.expect)
         return state_lib.model_of(spec.graphdef, state)
 
     def close(self):

@@ -47,7 +47,7 @@ def forward_with_cache(decoder, x, positions, cache, start):
         x = x + decoder.pos_embed(positions)
     x = x.astype(decoder.dtype)
     new_cache = []
-    for block, (ck, cv) in zip(decoder.stack.blocks, cache):
+    for block, (ck, cv) in zip(decoder.stack.layers(), cache):
         dtype = x.dtype
         a, ck, cv = _cached_attention(block.attn, block.attn_norm(x).astype(dtype), positions, ck, cv, start)
         x = x + a.astype(dtype)

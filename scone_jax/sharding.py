@@ -18,6 +18,7 @@ LOGICAL_RULES = (
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
+    ("layers", None),  # stacked blocks (scan): every device holds its share of every layer
 )
 
 BATCH_AXES = ("data", "fsdp")
@@ -52,7 +53,10 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
 
 def logical_to_spec(names) -> P:
     rules = dict(LOGICAL_RULES)
-    return P(*(rules.get(n) if n is not None else None for n in names))
+    unknown = [n for n in names if n is not None and n not in rules]
+    if unknown:
+        raise ValueError(f"Logical axis names {unknown} have no rule in sharding.LOGICAL_RULES.")
+    return P(*(rules[n] if n is not None else None for n in names))
 
 
 def constrain(x: jax.Array, logical_names: tuple) -> jax.Array:
@@ -62,6 +66,20 @@ def constrain(x: jax.Array, logical_names: tuple) -> jax.Array:
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_names))
+
+
+def map_batch_shards(fn, *args):
+    """fn applied to each device's block of rows: dimension 0 of every argument and of the
+    result is split over the batch axes (data, fsdp), everything else replicated. Under a mesh
+    with our axes this is a jax.shard_map, so fn's work (e.g. a gather inside a data shard)
+    stays local by construction and the partitioner has nothing to work out; without one,
+    just fn(*args) (unsharded tests and tools)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names) or mesh.manual_axes:
+        return fn(*args)
+    spec = P(BATCH_AXES)
+    return jax.shard_map(fn, in_specs=(spec,) * len(args), out_specs=spec, axis_names=set(MESH_AXES),
+                         check_vma=False)(*args)
 
 
 def _variable_sharding(variable: nnx.Variable, mesh: Mesh) -> nnx.Variable:

@@ -10,7 +10,8 @@ import dataclasses
 import jax
 from flax import nnx
 
-from scone_jax import sharding
+from scone_jax import checkpoint, sharding
+from scone_jax.model import layout
 from scone_jax.model.scone import SconeModel
 from scone_jax.model.transformer import Decoder
 from scone_jax.optimizer import make_optimizer
@@ -55,6 +56,24 @@ def abstract_with_shardings(spec: StateSpec) -> nnx.State:
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), spec.abstract, spec.shardings
     )
+
+
+def restore(ckpt: checkpoint.Checkpointer, step: int, config, spec: StateSpec, mesh, data_iterator=None,
+            expect: dict | None = None):
+    """Restore checkpoint `step` into `spec`'s shardings, whichever block layout it was saved in
+    (model.scan_layers, layout.py): a checkpoint of the other layout is restored as saved and
+    converted. Returns (state, meta)."""
+    meta = ckpt.read_meta(step)
+    saved_scanned = layout.is_scanned(meta.get("config", {}))
+    if saved_scanned == config.model.scan_layers:
+        return ckpt.restore(step, abstract_with_shardings(spec), data_iterator, expect)
+    saved = config.copy_and_resolve_references()
+    with saved.unlocked():
+        saved.model.scan_layers = saved_scanned
+    saved_spec = state_spec(saved, mesh)
+    state, meta = ckpt.restore(step, abstract_with_shardings(saved_spec), data_iterator, expect)
+    converted = layout.convert(state, spec.abstract)
+    return jax.device_put(converted, spec.shardings), meta
 
 
 def model_of(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.Module:

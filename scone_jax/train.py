@@ -144,7 +144,7 @@ def run(config, workdir: str) -> dict:
 
     step = ckpt.latest_step() or 0
     if step:
-        state, _ = ckpt.restore(step, state_lib.abstract_with_shardings(spec), data_iter, expect)
+        state, _ = state_lib.restore(ckpt, step, config, spec, mesh, data_iter, expect)
         logging.info("Resumed from step %d", step)
     else:
         state = state_lib.init_state(config, spec)

@@ -16,11 +16,12 @@ def train_three_steps(mesh_shape, grad_accum_steps=1):
     spec = state_lib.state_spec(config, mesh)
     state = state_lib.init_state(config, spec)
     step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    losses = []
-    for i in range(3):
-        state, metrics = step(state, sharding.global_batch(random_batch(seed=i), mesh))
+    losses, norms = [], []
+    for i in range(3):  # one batch three times: the loss must fall (random tokens have nothing else to learn)
+        state, metrics = step(state, sharding.global_batch(random_batch(seed=0), mesh))
         losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(jax.tree.leaves(state[0]))  # model parameters
+        norms.append(float(metrics["grad_norm"]))
+    return losses, jax.device_get(jax.tree.leaves(state[0])), norms  # model parameters
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +31,25 @@ def reference():
 
 @pytest.mark.parametrize("mesh_shape", [(2, 4, 1), (2, 2, 2)])
 def test_same_loss_on_every_mesh(reference, mesh_shape):
-    ref_losses, ref_leaves = reference
-    losses, leaves = train_three_steps(mesh_shape)
+    """Losses and gradient norms agree tightly; parameters to 1e-4 after 3 Adam steps of lr 3e-3:
+    Adam divides each gradient by its own magnitude, so a gradient that is ~0 in exact
+    arithmetic (e.g. the key bias's: softmax ignores it) moves its parameter by up to lr in a
+    direction set by the summation order, which differs between meshes."""
+    ref_losses, ref_leaves, ref_norms = reference
+    losses, leaves, norms = train_three_steps(mesh_shape)
     assert ref_losses[2] < ref_losses[0]  # it trains
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
     for a, b in zip(leaves, ref_leaves):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_gradient_accumulation_matches_one_big_batch(reference):
-    losses, leaves = train_three_steps((8, 1, 1), grad_accum_steps=2)
+    losses, leaves, norms = train_three_steps((8, 1, 1), grad_accum_steps=2)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    np.testing.assert_allclose(norms, reference[2], rtol=1e-5)
     for a, b in zip(leaves, reference[1]):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_parameters_are_created_sharded():
@@ -52,9 +59,9 @@ def test_parameters_are_created_sharded():
     spec = state_lib.state_spec(config, mesh)
     state = state_lib.init_state(config, spec)
     model_state = state[0]
-    kernel = model_state["stack"]["blocks"][0]["mlp"]["up"]["kernel"]
-    assert kernel.get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
-    assert kernel.get_value().addressable_shards[0].data.shape == (32, 64)
+    kernel = model_state["stack"]["blocks"]["mlp"]["up"]["kernel"]  # [layers, embed, mlp], scanned
+    assert kernel.get_value().sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert kernel.get_value().addressable_shards[0].data.shape == (2, 32, 64)
 
 
 @pytest.mark.parametrize("shape,match", [((3, 1, 1), "does not divide"), ((-1, -1, 1), "At most one"),

@@ -10,13 +10,14 @@ v5e-N (or v5litepod-N) and v6e-N count chips. The step is the one training runs
 (scone_jax.steps.make_train_step over the config's mesh, with the state's shardings and a
 [global_batch, seq_len] batch), so the figures hold for `scone_jax.main` with the same config
 and flags. Prints, per chip: HBM use as XLA plans it (arguments, outputs, temporaries,
-generated code) against the chip's HBM; FLOPs per step from XLA's cost analysis next to the
-model formula of scone_jax.model.accounting; and the step time if the chip ran at its bf16
-peak (a lower bound: real steps reach maybe 40-60% of it). The last lines are
-`RESULT name value` for scripts and FITS or DOES NOT FIT; the exit status is 0 if it fits,
-1 if not, 2 for bad input. When the compiler itself runs out of HBM there is no program to
+generated code) against the chip's HBM; FLOPs per step from the model formula of
+scone_jax.model.accounting (next to XLA's own count with --config.model.scan_layers=False:
+XLA counts a scanned loop's body once); the step time if the chip ran at its bf16 peak (a
+lower bound: real steps reach maybe 40-60% of it); and the compile time, which a pod pays at
+every start. The last lines are `RESULT name value` for scripts (compile_s, hbm_gib_per_chip,
+step_flops, predicted_step_s) and FITS or DOES NOT FIT; the exit status is 0 if it fits, 1 if
+not, 2 for bad input. When the compiler itself runs out of HBM there is no program to
 measure: only `RESULT hbm_gib_per_chip` (the compiler's need for temporaries) is printed.
-On 2 CPU cores OLMo-1B (18 layers, remat) for a v5p-128 compiles in about 5 minutes.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-128, v4-6
 
 GIB = 1024**3
 EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 1, 2
-_REMEDY = "try --config.model.remat=True, a larger --config.train.grad_accum_steps, or more chips"
+_REMEDY = ("try --config.model.remat=save_dots (or full), a larger --config.train.grad_accum_steps, "
+           "or more chips")
 
 # Slice shapes in chips, as Cloud TPU lays them out (v4/v5p: 3-D torus; v5e/v6e: 2-D).
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
@@ -171,19 +173,21 @@ def report(config, tpu: Slice, devices, compiled, mesh, spec, timings) -> bool:
     mem = compiled.memory_analysis()
     used = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
-    xla_flops = compiled.cost_analysis()["flops"]  # of one device's program
     counts = accounting.param_counts(spec.abstract[0])
     tokens = config.data.global_batch_size * config.data.seq_len
     model_flops = accounting.train_step_flops(config, spec.abstract[0], sharding.num_batch_shards(mesh))["total"]
+    step_flops = model_flops / tpu.chips
     peak = PEAK_FLOPS[devices[0].device_kind]
-    step_s = xla_flops / peak
+    step_s = step_flops / peak
     fits = used <= tpu.hbm_bytes
 
     print(f"{tpu.name}: {tpu.chips} chips ({devices[0].device_kind}, topology {tpu.topology_name}), "
           f"mesh {dict(mesh.shape)}; lowered in {timings['lower_s']:.1f} s, compiled in {timings['compile_s']:.1f} s")
     scone = f" (SCONE, f-gram model {config.scone.num_layers} layers)" if config.scone.enabled else ""
+    m = config.model
     print(f"model: {counts['total']:,} parameters{scone}; batch {config.data.global_batch_size} x {config.data.seq_len} "
-          f"= {tokens:,} tokens; remat={config.model.remat}, grad_accum_steps={config.train.grad_accum_steps}")
+          f"= {tokens:,} tokens; scan_layers={m.scan_layers}, remat={m.remat}, attention={m.attention}, "
+          f"grad_accum_steps={config.train.grad_accum_steps}")
     print("HBM per chip (GiB):")
     for label, size in [("arguments (state + batch)", mem.argument_size_in_bytes),
                         ("outputs not aliased to arguments", mem.output_size_in_bytes - mem.alias_size_in_bytes),
@@ -191,17 +195,21 @@ def report(config, tpu: Slice, devices, compiled, mesh, spec, timings) -> bool:
                         ("generated code", mem.generated_code_size_in_bytes)]:
         print(f"  {label:38s} {size / GIB:8.2f}")
     print(f"  {'total':38s} {used / GIB:8.2f} of {tpu.hbm_bytes / GIB:.0f} ({used / tpu.hbm_bytes:.0%})")
-    recompute = "; remat recomputes the forward pass" if config.model.remat else ""
-    print(f"FLOPs per chip and step: XLA {xla_flops:.4g}; model formula {model_flops / tpu.chips:.4g} "
-          f"(XLA/formula {xla_flops * tpu.chips / model_flops:.2f}{recompute})")
+    print(f"FLOPs per chip and step (model formula): {step_flops:.4g}", end="")
+    if not m.scan_layers:  # XLA's cost analysis counts a scanned loop's body once: no use there
+        xla_flops = compiled.cost_analysis()["flops"]
+        print(f"; XLA {xla_flops:.4g} (XLA/formula {xla_flops / step_flops:.2f}"
+              f"{'; remat recomputes' if m.remat != 'none' else ''})", end="")
+    print()
     print(f"Step time at the {peak / 1e12:.0f} TFLOP/s bf16 peak: {step_s:.3g} s "
           f"({tokens / step_s:,.0f} tokens/s over the slice; a lower bound)")
+    print(f"RESULT compile_s {timings['compile_s']:.1f}")
     print(f"RESULT hbm_gib_per_chip {used / GIB:.3f}")
-    print(f"RESULT step_flops {xla_flops:.6g}")
+    print(f"RESULT step_flops {step_flops:.6g}")
     print(f"RESULT predicted_step_s {step_s:.6g}")
     if used > 0.9 * tpu.hbm_bytes:
         print("Note: within 10% of HBM. XLA rematerializes on its own to squeeze a program in (more FLOPs "
-              "than the formula, long compiles); --config.model.remat=True usually leaves room for less work.")
+              "than the formula, long compiles); --config.model.remat=save_dots usually leaves room for less work.")
     if fits:
         print(f"FITS: {used / GIB:.2f} GiB of {tpu.hbm_bytes / GIB:.0f} GiB HBM per chip on {tpu.name}")
     else:

@@ -18,7 +18,8 @@ from scone_jax.model.transformer import BlockStack
 def fgram_block_config(main_cfg, scone_cfg):
     """The main model's block config with the f-gram model's own depth and (optional) width.
 
-    Positions are learned absolute ones (K of them) whatever the main model uses."""
+    Positions are learned absolute ones (K of them) whatever the main model uses; attention is
+    always the XLA path (model/attention.py)."""
     cfg = main_cfg.copy_and_resolve_references()
     with cfg.unlocked():
         cfg.num_layers = scone_cfg.num_layers
@@ -28,6 +29,9 @@ def fgram_block_config(main_cfg, scone_cfg):
         cfg.d_ff = scone_cfg.d_ff or main_cfg.d_ff
         cfg.position = "learned"
         cfg.max_seq_len = scone_cfg.max_len
+        # K <= 8 positions: a fused kernel's 128-wide blocks would be mostly padding; the plain
+        # XLA flash path keeps only outputs and softmax statistics for the backward pass.
+        cfg.attention = "xla"
     return cfg
 
 

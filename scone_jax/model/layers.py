@@ -8,6 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from scone_jax.model import attention
 
 # Variables keep their logical names as metadata; `sharding.py` turns them into
 # NamedShardings and the init function is jitted with those as out_shardings, so the
@@ -69,13 +72,16 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Multi-head causal self-attention restricted to tokens of the same segment (document)."""
+    """Multi-head causal self-attention restricted to tokens of the same segment (document);
+    the scores are computed by model/attention.py's implementation named by cfg.attention."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
         self.use_rope = cfg.position == "rope"
         self.rope_theta = cfg.rope_theta
+        self.implementation = cfg.attention
+        attention.check(cfg.attention)
         inner = self.num_heads * self.head_dim
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.query = dense(cfg.d_model, inner, ("embed", "heads"), cfg, rngs)
@@ -86,17 +92,12 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         b, t, _ = x.shape
         split = lambda y: y.reshape(b, t, self.num_heads, self.head_dim)  # noqa: E731
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        q, k, v = (checkpoint_name(split(proj(x)), name)
+                   for proj, name in ((self.query, "query_proj"), (self.key, "key_proj"), (self.value, "value_proj")))
         if self.use_rope:
             q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask = (causal[None] & same_segment)[:, None]  # [B, 1, T, T]
-        scores = jnp.einsum("bqnh,bknh->bnqk", q, k).astype(jnp.float32) / jnp.sqrt(self.head_dim)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        y = jnp.einsum("bnqk,bknh->bqnh", probs, v).reshape(b, t, -1)
-        return self.out(y)
+        y = attention.attention(q, k, v, segment_ids, implementation=self.implementation)
+        return checkpoint_name(self.out(y.reshape(b, t, -1)), "attention_out")
 
 
 class Mlp(nnx.Module):
@@ -113,10 +114,26 @@ class Mlp(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.swiglu:
-            h = jax.nn.silu(self.gate(x)) * self.up(x)
+            h = _recomputed(lambda g, u: jax.nn.silu(g) * u)(self.gate(x), self.up(x))
         else:
-            h = jax.nn.gelu(self.up(x))
+            h = _recomputed(jax.nn.gelu)(self.up(x))
         return self.down(h)
+
+
+def _recomputed(fn):
+    """fn that keeps only its inputs for the backward pass and recomputes the rest there.
+
+    For cheap elementwise work between matmuls (activations, norms): left alone, autodiff
+    keeps every intermediate (GELU's tanh approximation: five [tokens, d_ff] tensors; a
+    LayerNorm: several fp32 [tokens, d] ones), and under a scan over layers each of them is a
+    stacked [layers, ...] buffer. Recomputing costs a few elementwise passes; on TPU that is
+    free next to the memory traffic it saves."""
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+def _normed(norm: nnx.Module, x: jax.Array) -> jax.Array:
+    """norm(x) in fp32, cast back to x's dtype; only x is kept for the backward pass."""
+    return nnx.remat(lambda n, y: n(y).astype(y.dtype), policy=jax.checkpoint_policies.nothing_saveable)(norm, x)
 
 
 class Block(nnx.Module):
@@ -130,5 +147,5 @@ class Block(nnx.Module):
 
     def __call__(self, x, segment_ids, positions):
         dtype = x.dtype
-        x = x + self.attn(self.attn_norm(x).astype(dtype), segment_ids, positions).astype(dtype)
-        return x + self.mlp(self.mlp_norm(x).astype(dtype)).astype(dtype)
+        x = x + self.attn(_normed(self.attn_norm, x), segment_ids, positions).astype(dtype)
+        return x + self.mlp(_normed(self.mlp_norm, x)).astype(dtype)

@@ -14,8 +14,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from scone_jax import sharding
 from scone_jax.model.fgram_model import FgramModel
 from scone_jax.model.transformer import Decoder
+
+
+def _gather_in_groups(slots: jax.Array, index: jax.Array) -> jax.Array:
+    """slots [g, C*K, d], index [g, n] -> [g, n, d]: each group reads its own slots (-1 reads
+    slot 0, which the caller replaces by T(token))."""
+    return jax.vmap(lambda r, i: jnp.take(r, jnp.maximum(i, 0), axis=0))(slots, index)
 
 
 class SconeModel(nnx.Module):
@@ -37,7 +44,7 @@ class SconeModel(nnx.Module):
         b, t = index.shape
         per_group = slots.reshape(groups, capacity * k, -1)
         index_per_group = index.reshape(groups, (b // groups) * t)
-        gathered = jax.vmap(lambda r, i: jnp.take(r, jnp.maximum(i, 0), axis=0))(per_group, index_per_group)
+        gathered = sharding.map_batch_shards(_gather_in_groups, per_group, index_per_group)
         gathered = gathered.reshape(b, t, -1).astype(x.dtype)
         return jnp.where((index >= 0)[..., None], gathered, x)
 

@@ -9,29 +9,64 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from scone_jax.sharding import constrain
+from scone_jax.model import remat
 from scone_jax.model.layers import Block, dtype_of, make_norm, normal
+from scone_jax.sharding import constrain
 
 
 ACTIVATION_AXES = ("batch", None, None)
+LAYERS_AXIS = "layers"  # logical name of the stacked-layer dimension (sharding.LOGICAL_RULES)
 
 
 class BlockStack(nnx.Module):
-    """`num_layers` blocks followed by a final norm (shared by the decoder and the f-gram model)."""
+    """`num_layers` blocks followed by a final norm (shared by the decoder and the f-gram model).
+
+    With cfg.scan_layers (the default) the blocks' parameters are stacked along a leading
+    'layers' axis and the stack runs as one jax.lax.scan, so XLA compiles one block however deep
+    the model is (compile time independent of depth). Without it, a Python loop over separate
+    blocks: easier to step through, identical math; `layout.py` converts states between the two.
+    Each block runs under the remat policy cfg.remat (remat.py).
+    """
 
     def __init__(self, cfg, num_layers: int, rngs: nnx.Rngs):
+        self.scanned = cfg.scan_layers
         self.remat = cfg.remat
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(num_layers)])
+        remat.check(cfg.remat)
+        if self.scanned:
+            @nnx.split_rngs(splits=num_layers)
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+            def stacked(layer_rngs):
+                return Block(cfg, layer_rngs)
+
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(num_layers)])
         self.final_norm = make_norm(cfg, rngs)
 
     def __call__(self, x, segment_ids, positions):
-        for block in self.blocks:
-            x = constrain(x, ACTIVATION_AXES)
-            if self.remat:
-                x = nnx.remat(lambda blk, y: blk(y, segment_ids, positions))(block, x)
-            else:
-                x = block(x, segment_ids, positions)
+        def layer(x, block_state):
+            block = nnx.merge(graphdef, block_state)
+            return block(constrain(x, ACTIVATION_AXES), segment_ids, positions)
+
+        if self.scanned:
+            graphdef, stacked = nnx.split(self.blocks)
+            layer = remat.apply(layer, self.remat, in_scan=True)
+            x, _ = jax.lax.scan(lambda carry, block_state: (layer(carry, block_state), None), x, stacked)
+        else:
+            layer = remat.apply(layer, self.remat, in_scan=False)
+            for block in self.blocks:
+                graphdef, block_state = nnx.split(block)
+                x = layer(x, block_state)
         return self.final_norm(constrain(x, ACTIVATION_AXES))
+
+    def layers(self) -> list[Block]:
+        """The blocks one by one (views of the stacked parameters when scanned): for code that
+        walks the layers itself, such as cached decoding."""
+        if not self.scanned:
+            return list(self.blocks)
+        graphdef, stacked = nnx.split(self.blocks)
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(depth)]
 
 
 class Decoder(nnx.Module):

@@ -99,7 +99,7 @@ def _other_vocab_data():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--config.model.num_layrs=3"], "Valid keys there: ['d_ff', 'd_model'"),
+    (["--config.model.num_layrs=3"], "Valid keys there: ['attention', 'd_ff', 'd_model'"),
     (["--config.data.source=text", "--config.data.train_files=/nonexistent/*.txt"], "/nonexistent/*.txt"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, args, message):

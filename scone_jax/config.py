@@ -66,8 +66,9 @@ def base_config() -> ml_collections.ConfigDict:
     d.seq_len = 128
     d.global_batch_size = 16
     d.shuffle_seed = 0
-    d.worker_count = 0  # grain worker processes (0 = in the main process)
-    d.prefetch_buffer = 2
+    d.worker_count = -1  # processes building batches: -1 = half the host's cores (1..16); 0 = a thread
+    #                      of the training process. Batches do not depend on it (data/packing.py).
+    d.prefetch_buffer = 2  # batches each worker keeps ready
 
     c.train = t = ml_collections.ConfigDict()
     t.seed = 0

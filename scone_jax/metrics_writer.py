@@ -72,7 +72,7 @@ class MetricsWriter:
 
 
 def format_line(step: int, total: int, scalars: dict) -> str:
-    """Human progress line: step, loss, perplexity, tokens/s, ETA, MFU."""
+    """Human progress line: step, loss, perplexity, tokens/s, ETA, MFU, share of time waiting for input."""
     eta = scalars.get("eta_s", 0.0)
     line = (
         f"step {step}/{total} loss {scalars['loss']:.4f} ppl {scalars['perplexity']:.2f} "
@@ -80,6 +80,8 @@ def format_line(step: int, total: int, scalars: dict) -> str:
         f"grad_norm {scalars['grad_norm']:.3f} lr {scalars['learning_rate']:.2e} "
         f"eta {int(eta // 60)}m{int(eta % 60):02d}s"
     )
+    if "input_wait_fraction" in scalars:
+        line += f" input_wait {100 * scalars['input_wait_fraction']:.0f}%"
     if "fgram/hit_rate" in scalars:
         line += (
             f" | fgram hit {scalars['fgram/hit_rate']:.3f} len {scalars['fgram/mean_matched_length']:.2f} "

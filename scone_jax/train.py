@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import zlib
 
 import jax
@@ -51,12 +52,13 @@ def batch_fingerprint(batch: dict) -> int:
     return crc
 
 
-def evaluate(eval_step, state, config, tokenizer, mesh, batch_transform=None) -> dict:
-    """Held-out loss and perplexity over data.eval (train.eval_batches caps the batch count)."""
+def evaluate(eval_step, state, config, tokenizer, mesh, batch_transform=None, batches=None) -> dict:
+    """Held-out loss and perplexity over data.eval (train.eval_batches caps the batch count).
+    `batches` (pipeline.EvalBatches) is made here if not given; pass it to tokenize only once."""
     loss_sum, count = 0.0, 0.0
-    batches = pipeline.make_eval_batches(
-        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
-    )
+    if batches is None:
+        batches = pipeline.make_eval_batches(
+            config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count())
     for i, batch in enumerate(batches):
         if config.train.eval_batches and i >= config.train.eval_batches:
             break
@@ -131,10 +133,6 @@ def run(config, workdir: str) -> dict:
     spec = state_lib.state_spec(config, mesh)
     logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(spec.abstract[0]).items()})
     flops = accounting.train_step_flops(config, spec.abstract[0], sharding.num_batch_shards(mesh))
-    data_iter = iter(pipeline.make_train_dataset(
-        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
-        batch_transform=batcher,
-    ))
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
     expect = {
         "tokenizer_fingerprint": tokenizer.fingerprint,
@@ -144,10 +142,19 @@ def run(config, workdir: str) -> dict:
 
     step = ckpt.latest_step() or 0
     if step:
-        state, _ = state_lib.restore(ckpt, step, config, spec, mesh, data_iter, expect)
+        state, saved = state_lib.restore(ckpt, step, config, spec, mesh, expect=expect)
         logging.info("Resumed from step %d", step)
+        if saved.get("process_count", jax.process_count()) != jax.process_count():
+            logging.warning("Checkpoint step %d was written by %d processes and this run has %d: the documents "
+                            "are shared out anew, so each process now reads another part of the data.",
+                            step, saved["process_count"], jax.process_count())
     else:
         state = state_lib.init_state(config, spec)
+    # One batch per step: the batch numbers continue where the checkpoint stopped (packing.py).
+    inputs = _Inputs(pipeline.make_train_dataset(
+        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
+        batch_transform=batcher, start_batch=step,
+    ), mesh, batcher, pipeline.worker_count(config.data))
 
     train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
     eval_step = steps.make_eval_step(spec.graphdef, spec.shardings, mesh)
@@ -155,18 +162,17 @@ def run(config, workdir: str) -> dict:
     t = config.train
     peak = peak_flops_per_device(t.peak_flops_per_device) * jax.device_count()
     meter = Throughput(t.num_steps, step, flops["total"], peak)
-    pending, window, summary = _PendingMetrics(), [], {}
+    pending, window, summary, eval_batches = _PendingMetrics(), [], {}, None
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     watch = preemption.Watch()
     try:
+        batch = inputs.next() if step < stop_at else None
         while step < stop_at:
-            host_batch = next(data_iter)
-            host = {"batch_crc": batch_fingerprint(host_batch)}
-            if batcher is not None:
-                host.update(fgram_stats.batch_stats(host_batch))
-                host["fgram/model_tokens"] = host_batch["fgram_tokens"].size * jax.process_count()
-            state, metrics = train_step(state, sharding.global_batch(device_batch(host_batch), mesh))
+            host, device_arrays = batch
+            state, metrics = train_step(state, device_arrays)  # dispatched; the device works on it
             step += 1
+            if step < stop_at:
+                batch = inputs.next()  # the next batch is built and sent meanwhile
             pending.add(step, metrics, host)
             last = step == stop_at
             preempted = watch.reached(step)
@@ -176,24 +182,76 @@ def run(config, workdir: str) -> dict:
                 window += records
             if window and (step % t.log_every == 0 or last):
                 summary = _summarize(window, meter.update(step, sum(r["tokens"] for r in window)))
+                summary["input_wait_fraction"] = inputs.wait_fraction()
                 window = []
                 writer.write(step, summary)
                 logging.info(format_line(step, t.num_steps, summary))
             if t.eval_every and (step % t.eval_every == 0 or last):
-                ev = evaluate(eval_step, state, config, tokenizer, mesh, batcher)
+                if eval_batches is None:  # tokenized once, at the first evaluation
+                    eval_batches = pipeline.make_eval_batches(
+                        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count())
+                ev = evaluate(eval_step, state, config, tokenizer, mesh, batcher, eval_batches)
                 writer.write(step, ev, prefix="eval")
                 logging.info("eval step %d: loss %.4f ppl %.2f over %d tokens", step, ev["loss"], ev["perplexity"], ev["tokens"])
                 summary.update({f"eval_{k}": v for k, v in ev.items()})
             if step % t.checkpoint_every == 0 or last or preempted:
-                ckpt.save(step, state, data_iter, {**meta, "step": step})
+                ckpt.save(step, state, None, {**meta, "step": step})
             if preempted and not last:
                 raise preemption.Preempted(step)
     finally:
+        inputs.close()
         watch.close()
         ckpt.wait()
         ckpt.close()
         writer.close()
     return {"step": step, **summary}
+
+
+class _Inputs:
+    """Host batches -> (host figures, device arrays), timing how long the loop waits for them.
+
+    wait_fraction() is the share of wall time since its last call that the loop spent here
+    (building or waiting for the batch, and starting its transfer); above WAIT_WARNING it
+    logs what to change, the first time and then every WARN_EVERY calls."""
+
+    WAIT_WARNING, WARN_EVERY = 0.10, 50
+
+    def __init__(self, dataset, mesh, batcher, workers: int):
+        self._iter, self._mesh, self._batcher, self._workers = iter(dataset), mesh, batcher, workers
+        self._waited, self._since = 0.0, time.perf_counter()
+        self._calls, self._warned_at = 0, None
+
+    def next(self):
+        start = time.perf_counter()
+        host_batch = next(self._iter)
+        host = {"batch_crc": batch_fingerprint(host_batch)}
+        if self._batcher is not None:
+            host.update(fgram_stats.batch_stats(host_batch))
+            host["fgram/model_tokens"] = host_batch["fgram_tokens"].size * jax.process_count()
+        arrays = sharding.global_batch(device_batch(host_batch), self._mesh)
+        self._waited += time.perf_counter() - start
+        return host, arrays
+
+    def wait_fraction(self) -> float:
+        now = time.perf_counter()
+        fraction = self._waited / max(now - self._since, 1e-9)
+        self._waited, self._since = 0.0, now
+        self._calls += 1
+        # The first interval holds worker start-up and compilation: not a steady-state figure.
+        if fraction > self.WAIT_WARNING and self._calls > 1 and (
+                self._warned_at is None or self._calls - self._warned_at >= self.WARN_EVERY):
+            self._warned_at = self._calls
+            logging.warning(
+                "The training loop waited for input %.0f%% of the time: the host does not build batches as "
+                "fast as the devices use them. Fix: raise data.worker_count (%d worker processes now; -1 = half "
+                "the cores), or pre-tokenize text corpora (tools/pretokenize.py, then data.source=arrayrecord).",
+                100 * fraction, self._workers)
+        return fraction
+
+    def close(self):
+        close = getattr(self._iter, "close", None)
+        if close is not None:
+            close()
 
 
 def _summarize(records: list[dict], rates: dict) -> dict:

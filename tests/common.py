@@ -9,7 +9,7 @@ def small_config(**model_overrides):
     c = base_config()
     c.model.update(dict(vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=128, max_seq_len=32))
     c.model.update(model_overrides)
-    c.data.update(dict(seq_len=32, global_batch_size=16, vocab_size=512))
+    c.data.update(dict(seq_len=32, global_batch_size=16, vocab_size=512, worker_count=0))  # tests pick workers
     c.train.update(dict(num_steps=6, warmup_steps=2, learning_rate=3e-3, log_every=2, eval_every=0,
                         checkpoint_every=3, eval_batches=2))
     c.mesh.data = -1

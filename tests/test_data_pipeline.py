@@ -1,13 +1,13 @@
-"""Tests for the grain pipelines: packing invariants, process slices, exact resume, and evaluation."""
+"""Tests for the input pipelines: packing invariants end to end, process shares, resume by batch
+number, worker processes, evaluation."""
 import collections
 import threading
 
-import grain
 import ml_collections
 import numpy as np
 import pytest
 
-from scone_jax.data import corpus, pipeline, sources, tokenizer
+from scone_jax.data import corpus, documents, pipeline, sources, tokenizer
 
 KEYS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
         "loss_mask": np.float32}
@@ -27,13 +27,10 @@ def _data_cfg(**overrides):
     return ml_collections.ConfigDict(cfg)
 
 
-def _take(ds, n, state=None):
+def _take(ds, n):
     it = iter(ds)
-    if state is not None:
-        it.set_state(state)
     try:
-        batches = [next(it) for _ in range(n)]
-        return batches, it.get_state()
+        return [next(it) for _ in range(n)]
     finally:
         it.close()
 
@@ -68,7 +65,7 @@ def _check_packing_invariants(batch, tok):
 
 
 def test_train_batches_shapes_dtypes_and_packing(tok):
-    batches, _ = _take(pipeline.make_train_dataset(_data_cfg(), tok), 4)
+    batches = _take(pipeline.make_train_dataset(_data_cfg(), tok), 4)
     for batch in batches:
         assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {k: ((4, 32), d) for k, d in KEYS.items()}
         _check_packing_invariants(batch, tok)
@@ -76,38 +73,31 @@ def test_train_batches_shapes_dtypes_and_packing(tok):
 
 
 def test_rows_unpack_to_the_shuffled_tokenized_documents(tok, tmp_path):
+    """The pipeline end to end on a text file: process 1 of 2 reads its share of the documents
+    (documents.process_share), in epoch order permutation((shuffle_seed, epoch)), as
+    [bos] + ids / ids + [eos] back to back."""
     docs = sorted(corpus.kjv_documents("eval", 0.02), key=len)[:12]  # short ones: several fit in a row
     (tmp_path / "docs.txt").write_text("\n".join(docs) + "\n")
     cfg = _data_cfg(source="text", train_files=str(tmp_path / "docs.txt"), seq_len=256, global_batch_size=6)
-    batches, _ = _take(pipeline.make_train_dataset(cfg, tok, process_index=1, process_count=2), 2)
-    order = grain.MapDataset.range(len(docs)).shuffle(seed=cfg.shuffle_seed)[1::2].repeat(4)  # 6 per epoch
+    batches = _take(pipeline.make_train_dataset(cfg, tok, process_index=1, process_count=2), 2)
+    mine = documents.process_share(len(docs), cfg.shuffle_seed, 1, 2)  # 6 documents
+    order = np.concatenate([mine[np.random.default_rng([cfg.shuffle_seed, e]).permutation(6)] for e in range(4)])
     expected = [docs[i] for i in order]
-    # Rows are filled back to back: inputs = [bos] + ids and targets = ids + [eos] of each document in turn.
     for key, stream in [
         ("inputs", np.concatenate([np.append(tok.bos_id, tok.encode(d)) for d in expected])),
         ("targets", np.concatenate([np.append(tok.encode(d), tok.eos_id) for d in expected])),
     ]:
         rows = np.concatenate([b[key] for b in batches]).reshape(-1)  # 6 rows of 256
         np.testing.assert_array_equal(rows, stream[: rows.size])
-    complete = []  # documents whose whole piece lies in one row: [bos] + ids as inputs, eos as last target
     for batch in batches:
-        for inputs, targets, seg, pos in zip(batch["inputs"], batch["targets"], batch["segment_ids"],
-                                             batch["positions"]):
-            for s in np.unique(seg[seg > 0]):
-                piece = seg == s
-                assert pos[piece][0] == 0  # also for the continued piece at the start of a row
-                if inputs[piece][0] == tok.bos_id and targets[piece][-1] == tok.eos_id:
-                    complete.append(tok.decode(inputs[piece][1:]))
-    assert len(complete) >= 12
-    remaining = iter(expected)
-    assert all(doc in remaining for doc in complete)  # in the shuffled order
+        _check_packing_invariants(batch, tok)
 
 
 def test_process_slices_are_disjoint_and_cover_each_epoch(tok, single_token_docs):
     epochs = collections.defaultdict(list)  # epoch -> document ids read by all processes
     for p in range(4):
         ds = pipeline.make_train_dataset(single_token_docs, tok, process_index=p, process_count=4)
-        batches, _ = _take(ds, 6)  # 12 documents x 2 tokens = 3 rows of 8 per epoch; local batch 1
+        batches = _take(ds, 6)  # 12 documents x 2 tokens = 3 rows of 8 per epoch; local batch 1
         assert batches[0]["inputs"].shape == (1, 8)
         ids = _doc_ids(batches)
         assert len(ids) == 24
@@ -118,19 +108,20 @@ def test_process_slices_are_disjoint_and_cover_each_epoch(tok, single_token_docs
     assert epochs[0] != epochs[1]  # a new order every epoch
 
 
-def test_resume_is_exact_and_batch_transform_applies(tok):
+def test_starting_at_a_batch_number_resumes_exactly_and_the_transform_applies(tok):
+    """Batch b is a function of b alone: a dataset started at batch 5 continues an uninterrupted
+    one exactly (what resume relies on), and batch_transform runs on every batch."""
     def add_doubled(batch):
         return {**batch, "doubled": batch["inputs"] * 2}
 
-    ds = pipeline.make_train_dataset(_data_cfg(), tok, batch_transform=add_doubled)
-    first, state = _take(ds, 5)
-    more, _ = _take(ds, 10)
-    resumed, _ = _take(ds, 5, state=state)
-    for expected, got in zip(more[5:], resumed):
+    straight = _take(pipeline.make_train_dataset(_data_cfg(), tok, batch_transform=add_doubled), 10)
+    resumed = _take(pipeline.make_train_dataset(_data_cfg(), tok, batch_transform=add_doubled, start_batch=5), 5)
+    for expected, got in zip(straight[5:], resumed):
         assert expected.keys() == got.keys()
         for k in expected:
             assert expected[k].tobytes() == got[k].tobytes()
-    np.testing.assert_array_equal(first[0]["doubled"], first[0]["inputs"] * 2)
+    np.testing.assert_array_equal(straight[0]["doubled"], straight[0]["inputs"] * 2)
+    assert len({b["inputs"].tobytes() for b in straight}) == 10
 
 
 def test_batches_are_prepared_ahead_on_a_background_thread(tok):
@@ -220,16 +211,32 @@ def test_pre_tokenized_ids_outside_the_vocabulary_are_rejected(tok, tmp_path):
         _take(pipeline.make_train_dataset(cfg, tok), 1)
 
 
-def test_resume_is_exact_with_worker_processes(tok):
-    ds = pipeline.make_train_dataset(_data_cfg(worker_count=2, prefetch_buffer=1), tok)
-    it = iter(ds)
-    try:
-        [next(it) for _ in range(3)]
-        state = it.get_state()
-        more = [next(it) for _ in range(3)]
-    finally:
-        it.close()
-    resumed, _ = _take(ds, 3, state=state)  # a fresh iterator, as after a restart
-    for expected, got in zip(more, resumed):
-        for k in expected:
-            assert expected[k].tobytes() == got[k].tobytes()
+def _add_row_sums(batch):
+    """A batch transform that runs in the workers (module level: workers unpickle it by name)."""
+    return {**batch, "row_sums": batch["inputs"].sum(axis=1)}
+
+
+def test_batches_do_not_depend_on_the_number_of_worker_processes(tok):
+    """0 (a thread), 1 and 2 worker processes give the same batches, transform included, also
+    when started mid-stream. Catches a pipeline that packs per worker (grain's mp_prefetch
+    slices its input: each worker would pack every other document)."""
+    want = _take(pipeline.make_train_dataset(_data_cfg(worker_count=0), tok, batch_transform=_add_row_sums), 6)
+    for workers, start in ((1, 0), (2, 2)):
+        got = _take(pipeline.make_train_dataset(_data_cfg(worker_count=workers, prefetch_buffer=1), tok,
+                                                batch_transform=_add_row_sums, start_batch=start), 6 - start)
+        for expected, batch in zip(want[start:], got):
+            assert expected.keys() == batch.keys()
+            for k in expected:
+                assert expected[k].tobytes() == batch[k].tobytes(), (workers, k)
+
+
+def test_worker_count_minus_one_is_half_the_cores(monkeypatch):
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    assert pipeline.worker_count(_data_cfg(worker_count=-1)) == 4
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda _: {0}, raising=False)
+    assert pipeline.worker_count(_data_cfg(worker_count=-1)) == 1
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda _: set(range(224)), raising=False)
+    assert pipeline.worker_count(_data_cfg(worker_count=-1)) == pipeline.MAX_AUTO_WORKERS
+    assert pipeline.worker_count(_data_cfg(worker_count=3)) == 3
+    with pytest.raises(ValueError, match=r"data.worker_count=-2 is not valid: use -1"):
+        pipeline.worker_count(_data_cfg(worker_count=-2))

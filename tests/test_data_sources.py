@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from scone_jax.data import sources
+from scone_jax.data import shards, sources
 
 
 def _data_cfg(**overrides):
@@ -115,3 +115,108 @@ def test_bad_config_is_named(overrides, message, tmp_path, monkeypatch):
     (tmp_path / "x.txt").write_text("a document\n")
     with pytest.raises(ValueError, match=re.escape(message)):
         sources.open_source(_data_cfg(**overrides), "train")
+
+
+def _write_shards(directory, docs_per_shard, fingerprint="f00d", sidecars=True):
+    """Shards shard-<i>.arrayrecord of the given token lists; with sidecars, as tools/pretokenize.py writes them."""
+    paths = []
+    for i, docs in enumerate(docs_per_shard):
+        path = str(directory / f"shard-{i}.arrayrecord")
+        if sidecars:
+            shards.write_shard(path, [np.array(d, np.int32) for d in docs],
+                               {"tokenizer_fingerprint": fingerprint, "tokenizer_vocab_size": 512, "source": "test"})
+        else:
+            sources.write_token_arrayrecord(path, docs)
+        paths.append(path)
+    return paths
+
+
+SHARD_DOCS = [[[5, 6, 7], [], [9] * 40], [[1], [2, 3]]]
+
+
+def test_globs_skip_sidecars_of_matched_files_only(tmp_path):
+    paths = _write_shards(tmp_path, SHARD_DOCS)
+    (tmp_path / "other.json").write_text("{}")  # describes no matched file: kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "other.json", "shard-0.arrayrecord", "shard-0.arrayrecord.json", "shard-0.arrayrecord.lengths.npy",
+        "shard-1.arrayrecord", "shard-1.arrayrecord.json", "shard-1.arrayrecord.lengths.npy"]
+    assert sources.expand_files(f"{tmp_path}/*") == [str(tmp_path / "other.json")] + paths
+    assert sources.expand_files(f"{tmp_path}/*.json") == sorted(str(p) for p in tmp_path.glob("*.json"))
+    source = sources.open_source(_data_cfg(source="arrayrecord", train_files=f"{tmp_path}/shard-*"), "train")
+    assert [d.tolist() for d in _docs(source)] == [d for shard in SHARD_DOCS for d in shard]
+    assert [d.tolist() for d in source.read_many([4, 0, 2])] == [[2, 3], [5, 6, 7], [9] * 40]
+
+
+def test_document_lengths_come_from_the_sidecars(tmp_path, monkeypatch):
+    paths = _write_shards(tmp_path, SHARD_DOCS)
+    np.testing.assert_array_equal(np.load(paths[0] + ".lengths.npy"), np.array([3, 0, 40], np.int32))
+    meta = json.loads((tmp_path / "shard-1.arrayrecord.json").read_text())
+    assert meta == {"format": "scone_jax.tokens.v1", "tokenizer_fingerprint": "f00d", "tokenizer_vocab_size": 512,
+                    "num_documents": 2, "num_tokens": 3, "source": "test"}
+    source = pickle.loads(pickle.dumps(sources.TokenArrayRecordSource(paths)))
+    monkeypatch.setattr(sources, "_record_lengths", lambda *a: pytest.fail("read records despite the sidecars"))
+    lengths = source.document_lengths()
+    assert lengths.dtype == np.int64 and lengths.tolist() == [3, 0, 40, 1, 2]
+    assert len(pickle.dumps(source)) < 1500  # file names and counts only; nothing cached
+
+
+def test_document_lengths_read_the_records_of_shards_without_sidecars(tmp_path, caplog):
+    with_sidecars = _write_shards(tmp_path, SHARD_DOCS[:1])
+    (tmp_path / "bare").mkdir()
+    bare = _write_shards(tmp_path / "bare", SHARD_DOCS[1:], sidecars=False)
+    source = sources.TokenArrayRecordSource(with_sidecars + bare)
+    assert source.document_lengths().tolist() == [3, 0, 40, 1, 2]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert f"1 of 2 ArrayRecord shard(s) have no .lengths.npy sidecar ({bare[0]})" in warnings[0]
+    assert "tools/pretokenize.py" in warnings[0]
+
+
+def test_sidecar_that_disagrees_with_its_shard_is_an_error(tmp_path):
+    paths = _write_shards(tmp_path, SHARD_DOCS)
+    np.save(paths[1] + ".lengths.npy", np.array([1, 2, 3], np.int32))
+    with pytest.raises(ValueError, match=re.escape(f"{paths[1]}.lengths.npy lists (3,) int32 lengths but "
+                                                   f"{paths[1]} holds 2 records. Fix: re-run tools/pretokenize.py")):
+        sources.TokenArrayRecordSource(paths).document_lengths()
+    meta = json.loads(open(paths[0] + ".json").read())
+    open(paths[0] + ".json", "w").write(json.dumps({**meta, "num_documents": 4}))
+    with pytest.raises(ValueError, match=re.escape(f"{paths[0]}.json says 4 documents but {paths[0]} holds 3")):
+        sources.TokenArrayRecordSource(paths).check_tokenizer("f00d")
+
+
+def test_check_tokenizer_refuses_another_tokenizer(tmp_path):
+    _write_shards(tmp_path, SHARD_DOCS, fingerprint="f00d")
+    cfg = _data_cfg(source="arrayrecord", train_files=f"{tmp_path}/*")
+    assert len(sources.open_source(cfg, "train", tokenizer_fingerprint="f00d")) == 5
+    message = (f"{tmp_path}/shard-0.arrayrecord was tokenized with tokenizer f00d but this run uses beef. Fix: set "
+               "data.tokenizer_path to the tokenizer that made the data, or re-run tools/pretokenize.py")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sources.open_source(cfg, "train", tokenizer_fingerprint="beef")
+    assert len(sources.open_source(cfg, "train")) == 5  # no fingerprint given: nothing checked
+
+
+def test_shards_without_sidecars_are_accepted_with_one_warning(tmp_path, caplog):
+    paths = _write_shards(tmp_path, SHARD_DOCS, sidecars=False)
+    source = sources.open_source(_data_cfg(source="arrayrecord", train_files=f"{tmp_path}/*"), "train",
+                                 tokenizer_fingerprint="f00d")
+    source.check_tokenizer("f00d")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"2 of 2 ArrayRecord shard(s) have no .json sidecar ({paths[0]}, {paths[1]}), so their "
+                        "tokenizer cannot be checked. Fix: write the data with tools/pretokenize.py."]
+
+
+def test_an_interrupted_shard_write_leaves_the_old_shard_and_no_temporaries(tmp_path):
+    (path,) = _write_shards(tmp_path, SHARD_DOCS[:1])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def failing_docs():
+        yield np.array([1, 2], np.int32)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        shards.write_shard(path, failing_docs(), {"tokenizer_fingerprint": "beef"})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert shards.write_shard(path, [np.array([4], np.int32)], {"tokenizer_fingerprint": "beef"}) == (1, 1)
+    assert [d.tolist() for d in _docs(sources.TokenArrayRecordSource([path]))] == [[4]]
+    assert json.loads(open(path + ".json").read())["tokenizer_fingerprint"] == "beef"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)

@@ -121,3 +121,14 @@ def test_stats_by_hand():
     out = FgramBatcher(Matcher(vocab), vocab, num_shards=1, capacity=4)(batch)
     assert stats.unique_ratio(out["fgram_index"], out["fgram_unique"]) == 2 / 3
     assert stats.row_ratio(out["fgram_index"], out["fgram_lengths"]) == 1 / 3
+
+
+def test_a_batch_without_matches_has_no_rows_and_no_slots():
+    """A batch in which no f-gram occurs (the old code crashed here: an empty prefix lookup)."""
+    vocab = make_vocab([(1, 2), (2, 3), (1, 2, 3)], 3, 5)
+    batch = {"inputs": np.array([[4, 4, 4, 4], [0, 0, 0, 0]], np.int32),
+             "segment_ids": np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.int32)}
+    out = FgramBatcher(Matcher(vocab), vocab, num_shards=2, capacity=4)(batch)
+    assert (out["fgram_ids"] == -1).all() and (out["fgram_index"] == -1).all()
+    assert out["fgram_tokens"].shape == (2, 4, 3) and not out["fgram_lengths"].any()
+    assert out["fgram_unique"].tolist() == [0, 0]

@@ -54,12 +54,17 @@ def final_params(config, workdir):
 
 
 def test_resume_in_new_process_replays_the_same_batches_and_parameters(tokenizer_path, tmp_path):
+    """Two grain worker processes build the batches; interrupted after 3 steps and resumed in a
+    new process (where the workers start again at batch 3) == uninterrupted."""
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     config = config_with(tokenizer_path)
+    config.data.worker_count = 2
     train.run(config, straight)
-    train.run(config_with(tokenizer_path, max_steps_per_run=3), split)
+    config = config_with(tokenizer_path, max_steps_per_run=3)
+    config.data.worker_count = 2
+    train.run(config, split)
     assert checkpoint.Checkpointer(os.path.join(split, "checkpoints")).latest_step() == 3
-    result = run_cli(split, f"--config=tests/small_config.py:{tokenizer_path}")
+    result = run_cli(split, "--config.data.worker_count=2", config=f"tests/small_config.py:{tokenizer_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Resumed from step 3" in result.stderr
 

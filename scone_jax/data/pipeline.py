@@ -1,33 +1,43 @@
-"""Grain input pipelines: packed training batches forever, and every held-out document once.
+"""Input pipelines: packed training batches forever, and every held-out document once.
 
 A batch is a dict of numpy arrays of shape [local_batch, seq_len]:
   inputs, targets  int32    token ids; targets are inputs shifted by one inside a document
   segment_ids      int32    1, 2, ... per document piece in the row; 0 = padding
   positions        int32    position inside the document piece, restarting at 0
   loss_mask        float32  1 where the target is a real token of the same document
-Documents become [bos] + ids + [eos]; rows are filled by concatenating documents and
-splitting at seq_len (grain's ConcatThenSplit), so only a stream's last row has padding.
+packing.py defines the layout: documents become [bos] + ids + [eos], rows are cut from their
+concatenation, and batch b is a pure function of b. Training batches are built by grain:
+a MapDataset over batch numbers, mapped by `_BuildBatch` (which also runs the batch
+transform, e.g. f-gram matching), in `data.worker_count` processes. Batch b is the same
+whichever worker builds it, so the batches do not depend on the worker count, and a run
+resumes exactly by starting at the batch number it stopped at (the train step).
 """
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import grain
 import numpy as np
+from absl import logging
 
-from scone_jax.data import sources
+from scone_jax.data import documents, packing
+from scone_jax.data.packing import DTYPES
 from scone_jax.data.tokenizer import Tokenizer
 
 Batch = dict[str, np.ndarray]
-DTYPES = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
-          "loss_mask": np.float32}
+# grain's MapDataset wants a length; the stream is endless, so batch numbers just stop here.
+_ENDLESS = 1 << 48
+MAX_AUTO_WORKERS = 16
 
 
 def _local_batch_size(data_cfg, process_index: int, process_count: int) -> int:
     """Rows per batch on one JAX process: the global batch split evenly across processes."""
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} is not in [0, process_count={process_count}).")
+    if data_cfg.global_batch_size <= 0:
+        raise ValueError(f"data.global_batch_size={data_cfg.global_batch_size} must be positive.")
     if data_cfg.global_batch_size % process_count:
         raise ValueError(
             f"data.global_batch_size={data_cfg.global_batch_size} is not divisible by the "
@@ -36,52 +46,60 @@ def _local_batch_size(data_cfg, process_index: int, process_count: int) -> int:
     return data_cfg.global_batch_size // process_count
 
 
-class _ToExample:
-    """Document (text or token ids) -> {'inputs': ids[:-1], 'targets': ids[1:]} of [bos] + ids + [eos]."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer = tokenizer
-
-    def __call__(self, doc: str | np.ndarray) -> Batch:
-        tok = self._tokenizer
-        if isinstance(doc, str):
-            ids = tok.encode(doc)
-        else:
-            ids = np.asarray(doc, dtype=np.int32)
-            outside = ids[(ids < 0) | (ids >= tok.vocab_size)]
-            if outside.size:
-                raise ValueError(
-                    f"A pre-tokenized document holds token id {int(outside[0])}, outside the tokenizer's "
-                    f"vocabulary [0, {tok.vocab_size}) (fingerprint {tok.fingerprint}). "
-                    "Fix: set data.tokenizer_path to the tokenizer that made the data."
-                )
-        ids = np.concatenate([[tok.bos_id], ids, [tok.eos_id]]).astype(np.int32)
-        return {"inputs": ids[:-1], "targets": ids[1:]}
+def worker_count(data_cfg) -> int:
+    """data.worker_count, with -1 resolved: half of this host's cores (at least 1, at most
+    MAX_AUTO_WORKERS). The other half stays with the training process (dispatch, transfers,
+    checkpoints); one worker builds ~2M tokens/s of batches with f-grams, so 16 feed even a
+    small model on a large host."""
+    count = data_cfg.worker_count
+    if count < -1:
+        raise ValueError(f"data.worker_count={count} is not valid: use -1 (one per two cores), 0 (build "
+                         "batches on a thread of the training process) or a number of worker processes.")
+    if count == -1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        count = max(1, min(MAX_AUTO_WORKERS, cores // 2))
+    return count
 
 
-class _ToRow:
-    """Renames ConcatThenSplit's features to the batch keys and fills padding with pad_id."""
+class _BuildBatch:
+    """Batch number -> host batch (packing, then the batch transform). Runs in grain workers."""
 
-    def __init__(self, pad_id: int):
-        self._pad_id = pad_id
+    def __init__(self, docs, stream: packing.Stream, rows: int, seq_len: int, tokenizer: Tokenizer,
+                 transform: Callable[[Batch], Batch] | None):
+        self._docs, self._stream, self._rows, self._seq_len = docs, stream, rows, seq_len
+        self._bos, self._eos, self._pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+        self._transform = transform
 
-    def __call__(self, packed: Batch) -> Batch:
-        segment_ids = packed["inputs_segment_ids"]
-        real = segment_ids > 0
-        return {
-            "inputs": np.where(real, packed["inputs"], self._pad_id).astype(np.int32),
-            "targets": np.where(real, packed["targets"], self._pad_id).astype(np.int32),
-            "segment_ids": segment_ids,
-            "positions": packed["inputs_positions"],
-            "loss_mask": (packed["targets_segment_ids"] > 0).astype(np.float32),
-        }
+    def __call__(self, index: int) -> Batch:
+        size = self._rows * self._seq_len
+        batch = window(self._docs, self._stream, int(index) * size, size, self._rows, self._seq_len,
+                       self._bos, self._eos, self._pad)
+        return self._transform(batch) if self._transform is not None else batch
 
 
-def _packed_rows(examples: grain.IterDataset, seq_len: int, pad_id: int) -> grain.IterDataset:
-    packed = grain.experimental.ConcatThenSplitIterDataset(
-        examples, length_struct={"inputs": seq_len, "targets": seq_len}
-    )
-    return packed.map(_ToRow(pad_id))
+def window(docs, stream: packing.Stream, start: int, size: int, rows: int, seq_len: int,
+           bos: int, eos: int, pad: int, stream_end: int | None = None) -> Batch:
+    """Stream positions [start, start + size) (cut at stream_end, if finite) as batch arrays."""
+    stop = start + size if stream_end is None else min(start + size, stream_end)
+    if stop <= start:
+        return packing.rows(*(np.zeros(0, t) for t in (np.int32, np.int32, bool)), rows, seq_len, pad)
+    pieces = stream.pieces(start, stop)
+    ids, lengths = docs.gather(pieces.docs)
+    inputs, targets, starts = packing.examples(ids, lengths, bos, eos)
+    cut = slice(pieces.first_offset, pieces.first_offset + stop - start)
+    return packing.rows(inputs[cut], targets[cut], starts[cut], rows, seq_len, pad)
+
+
+def batch_builder(data_cfg, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1,
+                  batch_transform: Callable[[Batch], Batch] | None = None) -> _BuildBatch:
+    """batch number -> this process's training batch: its documents loaded (text tokenized
+    here, once, with all cores) and the packing stream set up."""
+    batch_size = _local_batch_size(data_cfg, process_index, process_count)
+    docs = documents.load(
+        data_cfg, "train", tokenizer,
+        lambda n: documents.process_share(n, data_cfg.shuffle_seed, process_index, process_count))
+    stream = packing.Stream(docs.lengths + 1, seed=data_cfg.shuffle_seed)
+    return _BuildBatch(docs, stream, batch_size, data_cfg.seq_len, tokenizer, batch_transform)
 
 
 def make_train_dataset(
@@ -91,84 +109,79 @@ def make_train_dataset(
     process_index: int = 0,
     process_count: int = 1,
     batch_transform: Callable[[Batch], Batch] | None = None,
+    start_batch: int = 0,
 ) -> grain.IterDataset:
-    """Endless packed training batches for one JAX process; its iterator checkpoints exactly.
+    """Endless packed training batches of one JAX process, from batch number `start_batch`.
 
-    All processes shuffle the documents with the same seed (a new order each epoch)
-    and take every process_count-th one, so each process reads only its own documents.
-    `batch_transform` runs on every batch before prefetching (in the workers if any).
-    Close iterators (`it.close()`) when done: it stops prefetch threads and worker processes.
+    All processes split the documents the same way (documents.process_share) and each reads
+    only its own; each process shuffles its documents anew every epoch (data.shuffle_seed).
+    `batch_transform` runs on every batch inside the workers (data.worker_count; 0 = on a
+    prefetch thread of this process). Close iterators (`it.close()`) when done: it stops the
+    prefetch thread and worker processes.
     """
-    batch_size = _local_batch_size(data_cfg, process_index, process_count)
-    source = sources.open_source(data_cfg, "train")
-    docs = grain.MapDataset.source(source).shuffle(seed=data_cfg.shuffle_seed)
-    docs = docs[process_index::process_count]
-    if len(docs) == 0:
-        raise ValueError(
-            f"The training data has {len(source)} documents, fewer than the {process_count} "
-            "processes that each need at least one. Fix: add data or use fewer processes."
-        )
-    examples = docs.repeat().map(_ToExample(tokenizer)).to_iter_dataset()
-    ds = _packed_rows(examples, data_cfg.seq_len, tokenizer.pad_id)
-    ds = ds.batch(batch_size, drop_remainder=True)
-    if batch_transform is not None:
-        ds = ds.map(batch_transform)
-    if data_cfg.worker_count > 0:
-        options = grain.MultiprocessingOptions(
-            num_workers=data_cfg.worker_count, per_worker_buffer_size=data_cfg.prefetch_buffer
-        )
+    workers = worker_count(data_cfg)
+    build = batch_builder(data_cfg, tokenizer, process_index=process_index, process_count=process_count,
+                          batch_transform=batch_transform)
+    # One builder thread per process: a batch is numpy and numba work that holds the GIL for
+    # most of its time, so grain's default (16 threads, 500 batches read ahead) only adds
+    # contention with the thread that hands batches on, and memory.
+    read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=data_cfg.prefetch_buffer)
+    ds = grain.MapDataset.range(start_batch, _ENDLESS).map(build).to_iter_dataset(read)
+    if workers > 0:
+        logging.info("Input pipeline: %d worker processes build the batches", workers)
+        options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=data_cfg.prefetch_buffer)
         return ds.mp_prefetch(options)
     return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=data_cfg.prefetch_buffer)
-
-
-def _pad_batch(batch: Batch, batch_size: int) -> Batch:
-    """Appends all-zero rows (segment_ids 0, loss_mask 0) up to batch_size rows."""
-    missing = batch_size - len(batch["inputs"])
-    return {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
 
 
 class EvalBatches:
     """Every held-out document exactly once, as fixed-shape batches; iterable any number of times.
 
-    Every process yields `num_batches` batches (padding with empty ones), since
-    evaluation runs a collective step per batch. To know that number without
-    talking to other processes, each process tokenizes the whole held-out set
-    once and keeps only its own documents (every process_count-th).
-    Attributes: num_batches; num_tokens (loss_mask ones over all processes);
-    local_num_tokens (this process's share).
+    Every process yields `num_batches` batches (padding with empty ones), since evaluation runs
+    a collective step per batch. Each process tokenizes the held-out set once, here, and keeps
+    its own documents (every process_count-th); the document lengths of all processes give
+    the common batch count. Attributes: num_batches; num_tokens (loss_mask ones over all
+    processes); local_num_tokens (this process's share).
     """
 
     def __init__(self, data_cfg, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1):
-        self._batch_size = _local_batch_size(data_cfg, process_index, process_count)
+        self._rows = _local_batch_size(data_cfg, process_index, process_count)
         self._seq_len = data_cfg.seq_len
-        self._pad_id = tokenizer.pad_id
-        source = sources.open_source(data_cfg, "eval")
-        to_example = _ToExample(tokenizer)
-        lengths = np.zeros(len(source), dtype=np.int64)
-        self._examples = []
-        for i in range(len(source)):
-            example = to_example(source[i])
-            lengths[i] = len(example["targets"])
-            if i % process_count == process_index:
-                self._examples.append(example)
-        # Concat-then-split fills every row but the last, so a process needs ceil(tokens / seq_len) rows.
-        rows = [math.ceil(lengths[p::process_count].sum() / self._seq_len) for p in range(process_count)]
-        self.num_batches = max(math.ceil(r / self._batch_size) for r in rows)
-        self.num_tokens = int(lengths.sum())
-        self.local_num_tokens = int(lengths[process_index::process_count].sum())
+        self._tokens = (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+        everything = documents.load(data_cfg, "eval", tokenizer, np.arange)
+        positions = everything.lengths.astype(np.int64) + 1
+        # Concat-then-split fills every row but the last, so a process needs ceil(positions / seq_len) rows.
+        rows = [math.ceil(positions[p::process_count].sum() / self._seq_len) for p in range(process_count)]
+        self.num_batches = max(math.ceil(r / self._rows) for r in rows)
+        self.num_tokens = int(positions.sum())
+        self.local_num_tokens = int(positions[process_index::process_count].sum())
+        mine = np.arange(process_index, len(positions), process_count)
+        self._docs = _Slice(everything, mine) if len(mine) else None
+        self._stream = packing.Stream(positions[mine], seed=None) if len(mine) else None
 
     def __len__(self) -> int:
         return self.num_batches
 
     def __iter__(self) -> Iterator[Batch]:
-        count = 0
-        if self._examples:
-            examples = grain.MapDataset.source(self._examples).to_iter_dataset()
-            rows = _packed_rows(examples, self._seq_len, self._pad_id)
-            for count, batch in enumerate(rows.batch(self._batch_size), 1):
-                yield _pad_batch(batch, self._batch_size)
-        for _ in range(count, self.num_batches):
-            yield {k: np.zeros((self._batch_size, self._seq_len), dtype) for k, dtype in DTYPES.items()}
+        size = self._rows * self._seq_len
+        end = self._stream.epoch_positions if self._stream is not None else 0
+        for b in range(self.num_batches):
+            if b * size < end:
+                yield window(self._docs, self._stream, b * size, size, self._rows, self._seq_len, *self._tokens,
+                             stream_end=end)
+            else:
+                yield {k: np.zeros((self._rows, self._seq_len), dtype) for k, dtype in DTYPES.items()}
+
+
+class _Slice:
+    """Documents ids[0], ids[1], ... of a document store."""
+
+    def __init__(self, docs, ids: np.ndarray):
+        self._docs, self._ids = docs, ids
+        self.lengths = docs.lengths[ids]
+
+    def gather(self, local: np.ndarray):
+        return self._docs.gather(self._ids[local])
 
 
 def make_eval_batches(

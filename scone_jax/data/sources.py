@@ -6,22 +6,28 @@ no text), so grain worker processes can read any document by index. Items are
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 
-import grain
 import numpy as np
+from absl import logging
 from array_record.python import array_record_module
+from array_record.python.array_record_data_source import ArrayRecordDataSource
 
-from scone_jax.data import corpus
+from scone_jax.data import corpus, shards
 
 SOURCES = ("kjv", "text", "jsonl", "arrayrecord")
 _SCAN_BYTES = 1 << 24
 
 
 def expand_files(patterns: str) -> list[str]:
-    """Sorted files matching comma-separated glob patterns; each pattern must match something."""
+    """Sorted files matching comma-separated glob patterns; each pattern must match something.
+
+    Sidecars are left out: `<f>.lengths.npy` and `<f>.json` when `<f>` matched too (shards.py),
+    so `dir/*` over pre-tokenized shards lists the shards alone.
+    """
     files = set()
     for pattern in (p.strip() for p in patterns.split(",")):
         if not pattern:
@@ -32,7 +38,7 @@ def expand_files(patterns: str) -> list[str]:
         files.update(matches)
     if not files:
         raise ValueError(f"No file pattern given ({patterns!r}). Fix: set data.train_files / data.eval_files.")
-    return sorted(files)
+    return sorted(f for f in files if shards.described_shard(f) not in files)
 
 
 def _line_starts(path: str) -> np.ndarray:
@@ -151,17 +157,96 @@ class JsonlSource:
         return text
 
 
+@dataclasses.dataclass(frozen=True)
+class _WholeFile:
+    """A file instruction for ArrayRecordDataSource: all `take` records of `filename`."""
+
+    filename: str
+    take: int
+    skip: int = 0
+
+    @property
+    def examples_in_shard(self) -> int:
+        return self.take
+
+
 class TokenArrayRecordSource:
-    """Pre-tokenized documents: each ArrayRecord record is raw little-endian int32 token ids."""
+    """Pre-tokenized documents: each ArrayRecord record is raw little-endian int32 token ids.
+
+    Shards written by tools/pretokenize.py carry sidecars (shards.py) with every record's length
+    and the tokenizer fingerprint; shards without them still work, at the cost of one read.
+    """
 
     def __init__(self, files: list[str]):
-        self._records = grain.sources.ArrayRecordDataSource(files)
+        self._files = list(files)
+        self._counts = [shards.num_records(f) for f in self._files]
+        self._records = ArrayRecordDataSource([_WholeFile(f, n) for f, n in zip(self._files, self._counts)])
+        self._warned_unchecked = False
 
     def __len__(self) -> int:
         return len(self._records)
 
     def __getitem__(self, index: int) -> np.ndarray:
         return np.frombuffer(self._records[index], dtype="<i4").astype(np.int32)
+
+    def read_many(self, indices) -> list[np.ndarray]:
+        """Documents `indices` (any order), one batched read per shard."""
+        records = self._records.__getitems__([int(i) for i in indices])
+        return [np.frombuffer(r, dtype="<i4").astype(np.int32) for r in records]
+
+    def document_lengths(self) -> np.ndarray:
+        """int64 token count of every document, from the lengths sidecars where shards have them."""
+        per_shard, unindexed = [], []
+        for path, count in zip(self._files, self._counts):
+            lengths = shards.read_lengths(path, count)
+            if lengths is None:
+                unindexed.append(path)
+                lengths = _record_lengths(path, count)
+            per_shard.append(lengths)
+        if unindexed:
+            logging.warning(
+                "%d of %d ArrayRecord shard(s) have no %s sidecar (%s); read every record once to learn the "
+                "document lengths. Fix: write the data with tools/pretokenize.py.",
+                len(unindexed), len(self._files), shards.LENGTHS_SUFFIX, _some(unindexed))
+        return np.concatenate(per_shard) if per_shard else np.zeros(0, np.int64)
+
+    def check_tokenizer(self, fingerprint: str) -> None:
+        """Refuses shards whose sidecar names another tokenizer; warns once about shards without one."""
+        unchecked = []
+        for path, count in zip(self._files, self._counts):
+            meta = shards.read_meta(path, count)
+            if meta is None:
+                unchecked.append(path)
+            elif meta.get("tokenizer_fingerprint") != fingerprint:
+                raise ValueError(
+                    f"{path} was tokenized with tokenizer {meta.get('tokenizer_fingerprint')} but this run uses "
+                    f"{fingerprint}. Fix: set data.tokenizer_path to the tokenizer that made the data, or re-run "
+                    "tools/pretokenize.py with this one."
+                )
+        if unchecked and not self._warned_unchecked:
+            self._warned_unchecked = True
+            logging.warning(
+                "%d of %d ArrayRecord shard(s) have no %s sidecar (%s), so their tokenizer cannot be checked. "
+                "Fix: write the data with tools/pretokenize.py.",
+                len(unchecked), len(self._files), shards.META_SUFFIX, _some(unchecked))
+
+
+def _record_lengths(path: str, count: int, batch: int = 4096) -> np.ndarray:
+    """Token count of every record of one shard, read in batches (bounded memory)."""
+    reader = array_record_module.ArrayRecordReader(path)
+    try:
+        lengths = np.zeros(count, np.int64)
+        for start in range(0, count, batch):
+            stop = min(start + batch, count)
+            lengths[start:stop] = [len(r) // 4 for r in reader.read(start, stop)]
+        return lengths
+    finally:
+        reader.close()
+
+
+def _some(paths: list[str], shown: int = 3) -> str:
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(paths[:shown]) + more
 
 
 def write_token_arrayrecord(path: str, docs) -> None:
@@ -188,8 +273,11 @@ class KjvSource:
         return corpus.kjv_documents(self._split, self._fraction)[index]
 
 
-def open_source(data_cfg, split: str):
-    """The document source that data_cfg names for `split` ('train' or 'eval')."""
+def open_source(data_cfg, split: str, tokenizer_fingerprint: str | None = None):
+    """The document source that data_cfg names for `split` ('train' or 'eval').
+
+    With `tokenizer_fingerprint`, pre-tokenized shards made by another tokenizer are refused.
+    """
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r} is not valid; use 'train' or 'eval'.")
     kind = data_cfg.source
@@ -222,4 +310,6 @@ def open_source(data_cfg, split: str):
         raise ValueError(f"The {where} hold zero documents (data.source={kind!r}). Fix: point at non-empty data.")
     if kind == "jsonl":
         source[0]  # fail now, not inside a worker, when data.text_field is wrong
+    if kind == "arrayrecord" and tokenizer_fingerprint is not None:
+        source.check_tokenizer(tokenizer_fingerprint)
     return source

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from scone_jax.fgram.kernel import kernel
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import PAD, FgramVocab
 
@@ -72,39 +73,27 @@ class FgramBatcher:
                 + (" times train.grad_accum_steps." if self.micro_batches > 1 else ".")
             )
         ids = self.matcher.match(tokens, segment_ids)
-        s_count, k = self.vocab.num_fgrams, self.vocab.max_len
-        groups, capacity = self.num_groups, self.group_capacity
-        group = np.repeat(np.arange(groups), rows // groups * length)
-        flat = ids.ravel()
-        matched = flat >= 0
-        # One sort for all groups: unique (group, id) keys come out grouped by group, ids ascending.
-        keys, inverse = np.unique(group[matched].astype(np.int64) * s_count + flat[matched], return_inverse=True)
-        key_group, key_id = np.divmod(keys, s_count)
-        lengths = self.vocab.lengths[key_id]
-        # prefix[p, j] = id of the length-(j+1) prefix of f-gram p (closure: every prefix is an f-gram).
-        prefix = self.matcher.match(self.vocab.tokens[key_id], (np.arange(k) < lengths[:, None]).astype(np.int32))
-        j = np.arange(k)[None]
-        proper = (j >= 1) & (j < lengths[:, None] - 1)
-        covered_keys = np.unique(np.broadcast_to(key_group[:, None], prefix.shape)[proper] * s_count + prefix[proper])
-        maximal = ~np.isin(keys, covered_keys)
-        first = np.searchsorted(key_group[maximal], np.arange(groups + 1))
-        self._check_capacity(np.diff(first))
-        row = np.arange(maximal.sum()) - first[key_group[maximal]]  # row within its group
+        k, groups, capacity = self.vocab.max_len, self.num_groups, self.group_capacity
+        # Compiled pass 1: each group's unique f-grams (ascending) and each position's entry among them.
+        unique, group_start, entry = _unique_per_group(ids.ravel(), groups)
+        lengths = self.vocab.lengths[unique]
+        # prefix[u, j] = id of the length-(j+1) prefix of unique f-gram u (closure: every prefix is an f-gram).
+        prefix = self.matcher.match(self.vocab.tokens[unique], (np.arange(k) < lengths[:, None]).astype(np.int32))
+        # Compiled pass 2: rows for the maximal ones, a (row, position) slot for every one.
+        row, slot, rows_per_group = _rows_and_slots(unique, group_start, lengths, prefix, k)
+        self._check_capacity(rows_per_group)
+        maximal = row >= 0
+        group = np.repeat(np.arange(groups), np.diff(group_start))[maximal]
         fgram_tokens = np.full((groups, capacity, k), PAD, dtype=np.int32)
-        fgram_tokens[key_group[maximal], row] = self.vocab.tokens[key_id[maximal]]
+        fgram_tokens[group, row[maximal]] = self.vocab.tokens[unique[maximal]]
         fgram_lengths = np.zeros((groups, capacity), dtype=np.int32)
-        fgram_lengths[key_group[maximal], row] = lengths[maximal]
-        # Every unique f-gram is read at (row, position) of a maximal f-gram it begins.
-        in_row = (j >= 1) & (j < lengths[maximal][:, None])
-        slot_keys = (np.broadcast_to(key_group[maximal][:, None], in_row.shape) * s_count + prefix[maximal])[in_row]
-        slot_vals = (row[:, None] * k + j)[in_row]
-        slot_keys, pick = np.unique(slot_keys, return_index=True)
-        slot_of_key = slot_vals[pick][np.searchsorted(slot_keys, keys)]
-        index = np.full(flat.shape, -1, dtype=np.int32)
-        index[matched] = slot_of_key[inverse]
-        unique = np.bincount(key_group, minlength=groups).astype(np.int32)
+        fgram_lengths[group, row[maximal]] = lengths[maximal]
+        index = np.full(entry.shape, -1, np.int32)
+        matched = entry >= 0
+        index[matched] = slot[entry[matched]]
         return batch | {"fgram_ids": ids, "fgram_tokens": fgram_tokens, "fgram_lengths": fgram_lengths,
-                        "fgram_index": index.reshape(ids.shape), "fgram_unique": unique}
+                        "fgram_index": index.reshape(ids.shape),
+                        "fgram_unique": np.diff(group_start).astype(np.int32)}
 
     def _check_capacity(self, rows_per_group: np.ndarray) -> None:
         need = int(rows_per_group.max(initial=0))
@@ -119,6 +108,69 @@ class FgramBatcher:
                 f"Fix: set --config.{CAPACITY_KEY}={_round_up(need * a, 128 * a)} or more (it is per data "
                 "shard and step)."
             )
+
+
+@kernel
+def _unique_per_group(flat, groups):
+    """flat [N]: f-gram id per position (-1 none), N/groups positions per group. Returns
+    (unique ids, each group's ascending; group_start [groups+1] into them; entry [N]: the
+    position's index into unique, -1 where unmatched)."""
+    per = len(flat) // groups
+    unique = np.empty(len(flat), np.int32)
+    entry = np.full(len(flat), -1, np.int32)
+    group_start = np.zeros(groups + 1, np.int64)
+    count = 0
+    for g in range(groups):
+        block = flat[g * per:(g + 1) * per]
+        previous = -1
+        for i in np.argsort(block):
+            if block[i] < 0:
+                continue
+            if block[i] != previous:
+                previous = block[i]
+                unique[count] = previous
+                count += 1
+            entry[g * per + i] = count - 1
+        group_start[g + 1] = count
+    return unique[:count].copy(), group_start, entry
+
+
+@kernel
+def _find(unique, start, stop, value):
+    """Index of value in the ascending unique[start:stop], or -1."""
+    at = start + np.searchsorted(unique[start:stop], value)
+    return at if at < stop and unique[at] == value else -1
+
+
+@kernel
+def _rows_and_slots(unique, group_start, lengths, prefix, max_len):
+    """Per group: the unique f-grams that are no proper prefix of another unique f-gram of the
+    group (maximal) get rows 0, 1, ... in ascending id order; every unique f-gram's slot is
+    row*K + length-1 of the first row whose f-gram begins with it. Returns (row within the group
+    per unique f-gram, -1 if not maximal; slot per unique f-gram; rows per group)."""
+    covered = np.zeros(len(unique), np.bool_)
+    row = np.full(len(unique), -1, np.int32)
+    slot = np.full(len(unique), -1, np.int32)
+    rows_per_group = np.zeros(len(group_start) - 1, np.int64)
+    for g in range(len(group_start) - 1):
+        start, stop = group_start[g], group_start[g + 1]
+        for u in range(start, stop):
+            for j in range(1, lengths[u] - 1):  # proper prefixes of length 2 .. length-1
+                at = _find(unique, start, stop, prefix[u, j])
+                if at >= 0:
+                    covered[at] = True
+        rows = 0
+        for u in range(start, stop):
+            if covered[u]:
+                continue
+            row[u] = rows
+            for j in range(1, lengths[u]):  # its prefixes of length 2 .. length (itself)
+                at = _find(unique, start, stop, prefix[u, j])
+                if at >= 0 and slot[at] < 0:
+                    slot[at] = rows * max_len + j
+            rows += 1
+        rows_per_group[g] = rows
+    return row, slot, rows_per_group
 
 
 def _round_up(n: int, multiple: int = 128) -> int:

@@ -111,6 +111,8 @@ class Matcher:
         tokens, segment_ids = np.asarray(tokens), np.asarray(segment_ids)
         if tokens.ndim != 2 or tokens.shape != segment_ids.shape:
             raise ValueError(f"tokens {tokens.shape} and segment_ids {segment_ids.shape} must both be [B, T].")
+        if tokens.size == 0:
+            return np.full(tokens.shape, -1, np.int32)
         flat, segments = tokens.ravel(), segment_ids.ravel()
         self._check_range(flat, segments != 0, tokens.shape)
         pair_ok = np.empty(flat.shape, dtype=bool)

@@ -1,0 +1,115 @@
+"""Input pipeline throughput: tokens/s of finished batches (packed, f-grams matched and deduplicated).
+
+  python tools/bench_pipeline.py [--quick]
+
+The embedded corpus (KJV, an 8000-piece tokenizer trained on it) as text and pre-tokenized into
+ArrayRecord shards by tools/pretokenize.py; 32 x 1024-token batches as one host of a 4-chip slice
+makes them: f-grams (S = 100,000, K = 5) matched and deduplicated for 4 data shards. Timed in
+the training process as it receives batches from data.worker_count worker processes, after the
+first batches (worker start-up) are out of the way. Prints `RESULT` lines:
+  pipeline_tokens_per_s_per_process       ArrayRecord + f-grams, one worker process
+  pipeline_text_tokens_per_s_per_process  the same from the text corpus (tokenized once at start-up,
+                                          which is timed separately: pipeline_text_startup_s)
+  pipeline_worker_scaling                 tokens/s with 2 workers over 1 worker (ArrayRecord)
+  pipeline_host_us_per_token              the batch work alone in this process (no workers),
+                                          microseconds per token: packing + match + dedup
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import ml_collections
+import numpy as np
+from absl import app, flags
+
+from scone_jax.config import base_config
+from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib
+from scone_jax.fgram import workdir_vocab
+from scone_jax.fgram.dedup import FgramBatcher
+from scone_jax.fgram.matcher import Matcher
+
+_QUICK = flags.DEFINE_bool("quick", False, "Fewer batches (about a minute here).")
+
+ROWS, SEQ_LEN, SHARDS, CAPACITY = 32, 1024, 4, 4096
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def data_config(**overrides) -> ml_collections.ConfigDict:
+    d = base_config().data
+    d.update(dict(seq_len=SEQ_LEN, global_batch_size=ROWS, vocab_size=8000, prefetch_buffer=4, **overrides))
+    return d
+
+
+def tokens_per_s(data_cfg, tokenizer, batcher, num_batches: int, warmup: int = 3) -> float:
+    """Finished batches per second x tokens per batch, after `warmup` batches."""
+    it = iter(pipeline.make_train_dataset(data_cfg, tokenizer, batch_transform=batcher))
+    try:
+        for _ in range(warmup):
+            next(it)
+        start = time.perf_counter()
+        for _ in range(num_batches):
+            next(it)
+        return num_batches * ROWS * SEQ_LEN / (time.perf_counter() - start)
+    finally:
+        it.close()
+
+
+def main(_):
+    num_batches = 20 if _QUICK.value else 100
+    with tempfile.TemporaryDirectory() as work:
+        text_cfg = data_config(source="kjv", worker_count=1)
+        tokenizer = tokenizer_lib.ensure_tokenizer(text_cfg, work)
+        scone = base_config().scone
+        scone.update(dict(num_fgrams=100_000, max_len=5, min_count=2))
+        vocab = workdir_vocab.ensure_vocab(scone, text_cfg, tokenizer, work)
+        batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=SHARDS, capacity=CAPACITY)
+        print(f"{vocab.num_fgrams:,} f-grams (K={vocab.max_len}); batches of {ROWS} x {SEQ_LEN} tokens "
+              f"deduplicated for {SHARDS} data shards")
+
+        text = os.path.join(work, "kjv.txt")
+        with open(text, "w", encoding="utf-8") as f:
+            f.write("\n".join(corpus.kjv_documents("train", text_cfg.eval_fraction)) + "\n")
+        shards = os.path.join(work, "shards")
+        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "pretokenize.py"), f"--input={text}",
+                        "--format=text", f"--tokenizer={os.path.join(work, 'tokenizer.model')}",
+                        f"--output={shards}", "--num_shards=4"], check=True, capture_output=True)
+        records = data_config(source="arrayrecord", train_files=os.path.join(shards, "*.arrayrecord"))
+
+        start = time.perf_counter()
+        pipeline.batch_builder(data_config(source="kjv", worker_count=0), tokenizer)
+        startup = time.perf_counter() - start
+        host_us = host_microseconds_per_token(with_workers(records, 0), tokenizer, batcher, num_batches)
+        one = tokens_per_s(with_workers(records, 1), tokenizer, batcher, num_batches)
+        two = tokens_per_s(with_workers(records, 2), tokenizer, batcher, num_batches)
+        text_rate = tokens_per_s(text_cfg, tokenizer, batcher, num_batches)
+
+    print(f"ArrayRecord + f-grams: 1 worker {one:,.0f} tokens/s, 2 workers {two:,.0f} tokens/s "
+          f"({os.cpu_count()} cores); text: 1 worker {text_rate:,.0f} tokens/s after {startup:.1f} s of "
+          f"tokenizing the corpus; batch work {host_us:.3f} us/token in one process")
+    print(f"RESULT pipeline_tokens_per_s_per_process {one:.0f}")
+    print(f"RESULT pipeline_text_tokens_per_s_per_process {text_rate:.0f}")
+    print(f"RESULT pipeline_text_startup_s {startup:.2f}")
+    print(f"RESULT pipeline_worker_scaling {two / one:.3f}")
+    print(f"RESULT pipeline_host_us_per_token {host_us:.4f}")
+
+
+def with_workers(data_cfg, workers: int) -> ml_collections.ConfigDict:
+    out = data_cfg.copy_and_resolve_references()
+    out.worker_count = workers
+    return out
+
+
+def host_microseconds_per_token(data_cfg, tokenizer, batcher, num_batches: int) -> float:
+    """Building batches (read, pack, match, dedup) in this process, one after another."""
+    build = pipeline.batch_builder(data_cfg, tokenizer, batch_transform=batcher)
+    build(0)
+    start = time.perf_counter()
+    for b in range(1, num_batches + 1):
+        build(b)
+    return (time.perf_counter() - start) / (num_batches * ROWS * SEQ_LEN) * 1e6
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,230 @@
+"""Tokenize a text or JSONL corpus once, into ArrayRecord shards that training reads directly.
+
+  python tools/pretokenize.py --input='corpus/*.txt' --tokenizer=tok.model --output=/data/tok
+  python tools/pretokenize.py --format=jsonl --text_field=text --input='a/*.jsonl,b/*.jsonl' \
+      --tokenizer=gs://bucket/tok.model --output=/data/tok --workers=16
+  # then train with: --config.data.source=arrayrecord \
+  #   --config.data.train_files='/data/tok/tokens-*.arrayrecord' --config.data.tokenizer_path=tok.model
+
+Writes tokens-00000-of-0000N.arrayrecord ... (one record per document: its little-endian int32
+token ids, no bos/eos; shard i holds a contiguous range of documents in input order), each
+with the sidecars <shard>.lengths.npy and <shard>.json (scone_jax/data/shards.py). Every worker
+process writes whole shards, streaming them (memory stays bounded by one chunk of documents);
+the output is the same for any --workers. A shard appears under its final name only once it
+is complete, and a rerun replaces the shards. Progress (documents, tokens, tokens/s, ETA) goes
+to stderr; the last line is `RESULT pretokenize_tokens_per_s <v>`. Bad input stops with a
+one-line error and exit status 2.
+"""
+import glob
+import math
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+
+import ml_collections
+from absl import app, flags
+
+from scone_jax import storage
+from scone_jax.data import shards, sources, tokenize
+from scone_jax.data.tokenizer import Tokenizer
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("input", "", "Comma-separated globs of the corpus files.")
+flags.DEFINE_string("format", "text", "text (one document per line or per file) or jsonl.")
+flags.DEFINE_enum("document_unit", "line", ["line", "file"], "--format=text: one document per line or per file.")
+flags.DEFINE_string("text_field", "text", "--format=jsonl: the field holding each document's text.")
+flags.DEFINE_string("tokenizer", "", "SentencePiece .model (local or gs://); training must use the same one.")
+flags.DEFINE_string("output", "", "Local directory for the shards (created if missing).")
+flags.DEFINE_integer("num_shards", 0, "Shards to write (0: ~256 MB each, at least one per worker).")
+flags.DEFINE_integer("workers", -1, "Processes (-1: every core this process may use).")
+flags.DEFINE_float("progress_seconds", 5.0, "Seconds between progress lines.")
+
+FORMATS = ("text", "jsonl")
+SHARD_PREFIX = "tokens"
+# int32 ids take about as many bytes as the text they came from (~4 characters per token).
+TARGET_SHARD_BYTES = 256 << 20
+_REPORT_DOCS = 256  # documents between updates of the shared progress counters
+_SHARD_NAME = re.compile(rf"{SHARD_PREFIX}-\d{{5,}}-of-(\d{{5,}})\.arrayrecord")
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"{SHARD_PREFIX}-{index:05d}-of-{count:05d}.arrayrecord"
+
+
+def open_corpus():
+    """(document source, input bytes, JSON description of the input) from the flags."""
+    if FLAGS.format not in FORMATS:
+        raise ValueError(f"--format={FLAGS.format!r} is unknown; use one of {', '.join(FORMATS)}.")
+    if not FLAGS.input:
+        raise ValueError("--input is empty. Fix: pass comma-separated globs of the corpus files.")
+    data = ml_collections.ConfigDict(dict(
+        source=FLAGS.format, train_files=FLAGS.input, eval_files="", text_field=FLAGS.text_field,
+        document_unit=FLAGS.document_unit, eval_fraction=0.0))
+    source = sources.open_source(data, "train")
+    size = sum(os.path.getsize(f) for f in sources.expand_files(FLAGS.input))
+    unit = {"document_unit": FLAGS.document_unit} if FLAGS.format == "text" else {"text_field": FLAGS.text_field}
+    return source, size, {"input": FLAGS.input, "format": FLAGS.format, **unit}
+
+
+def load_tokenizer() -> Tokenizer:
+    if not FLAGS.tokenizer:
+        raise ValueError("--tokenizer is empty. Fix: pass a SentencePiece .model (tools/train_tokenizer.py makes one).")
+    try:
+        return Tokenizer.load(FLAGS.tokenizer)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--tokenizer={FLAGS.tokenizer!r} does not exist. Fix: point it at a "
+                                "SentencePiece .model file (tools/train_tokenizer.py makes one).") from None
+
+
+def prepare_output(directory: str, num_shards: int) -> None:
+    """Creates the directory, checks it is writable, refuses other runs' shards, drops stale temporaries."""
+    if not directory:
+        raise ValueError("--output is empty. Fix: pass a local directory for the shards.")
+    if storage.is_remote(directory):
+        raise ValueError(f"--output={directory!r} is remote; shards are written locally. Fix: write to a "
+                         "local directory, then copy it (gsutil -m cp -r).")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(f"--output={directory!r} is not writable ({e.strerror}). Fix: choose a directory you "
+                      "can write to.") from None
+    others = sorted(name for name in os.listdir(directory)
+                    if (m := _SHARD_NAME.fullmatch(name)) and int(m.group(1)) != num_shards)
+    if others:
+        raise ValueError(f"--output={directory!r} holds shards of another run ({others[0]}, {len(others)} in all) "
+                         f"that a glob would mix with these {num_shards}. Fix: delete them or choose another --output.")
+    for stale in glob.glob(os.path.join(glob.escape(directory), f".{SHARD_PREFIX}-*.tmp")):
+        os.unlink(stale)  # left by a killed run (shards.write_shard's temporary names)
+
+
+def plan_shards(num_docs: int, input_bytes: int, workers: int) -> int:
+    if FLAGS.num_shards < 0 or FLAGS.num_shards > num_docs:
+        raise ValueError(f"--num_shards={FLAGS.num_shards} is not in [0, {num_docs}] (the corpus has {num_docs} "
+                         "documents). Fix: use 0 (automatic) or fewer shards.")
+    if FLAGS.num_shards:
+        return FLAGS.num_shards
+    return min(num_docs, max(workers, math.ceil(input_bytes / TARGET_SHARD_BYTES)))
+
+
+class Counters:
+    """Documents and tokens done, shared by all worker processes."""
+
+    def __init__(self, context):
+        self.docs, self.tokens = context.Value("q", 0), context.Value("q", 0)
+
+    def add(self, docs: int, tokens: int) -> None:
+        with self.docs.get_lock():
+            self.docs.value += docs
+        with self.tokens.get_lock():
+            self.tokens.value += tokens
+
+
+class ProgressPrinter(threading.Thread):
+    """Prints documents, tokens, tokens/s and ETA to stderr every `every` seconds until stopped."""
+
+    def __init__(self, counters: Counters, total_docs: int, every: float):
+        super().__init__(daemon=True)
+        self.counters, self.total, self.every = counters, total_docs, every
+        self.start_time, self.stopped = time.time(), threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every):
+            self.print_line()
+
+    def print_line(self) -> None:
+        docs, tokens = self.counters.docs.value, self.counters.tokens.value
+        elapsed = max(time.time() - self.start_time, 1e-9)
+        eta = f"{(self.total - docs) * elapsed / docs:.0f} s" if docs else "unknown"
+        print(f"pretokenize: {docs:,}/{self.total:,} documents ({100 * docs / self.total:.1f}%), "
+              f"{tokens / 1e6:.2f}M tokens, {tokens / elapsed / 1e6:.2f}M tokens/s, ETA {eta}",
+              file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        self.stopped.set()
+        self.join()
+        self.print_line()
+
+
+_state = None
+
+
+def _init_worker(source, tok, counters) -> None:
+    global _state
+    _state = (source, tok, counters)
+
+
+def _write_shard(task) -> tuple[int, int]:
+    """Runs in a worker: tokenizes documents start..stop-1 one by one into one shard."""
+    path, start, stop, meta = task
+    source, tok, counters = _state
+
+    def documents():
+        docs = tokens = 0
+        for ids in tokenize.iter_encoded(source, tok, start, stop):
+            yield ids
+            docs, tokens = docs + 1, tokens + len(ids)
+            if docs == _REPORT_DOCS:
+                counters.add(docs, tokens)
+                docs = tokens = 0
+        counters.add(docs, tokens)
+
+    return shards.write_shard(path, documents(), meta)
+
+
+def run() -> None:
+    start = time.time()
+    source, input_bytes, description = open_corpus()
+    tok = load_tokenizer()
+    workers = tokenize.resolve_workers(FLAGS.workers, "--workers")
+    if FLAGS.progress_seconds <= 0:
+        raise ValueError(f"--progress_seconds={FLAGS.progress_seconds} must be positive.")
+    num_docs = len(source)
+    num_shards = plan_shards(num_docs, input_bytes, workers)
+    prepare_output(FLAGS.output, num_shards)
+    meta = {"tokenizer_fingerprint": tok.fingerprint, "tokenizer_vocab_size": tok.vocab_size, "source": description}
+    bounds = [num_docs * i // num_shards for i in range(num_shards + 1)]
+    tasks = [(os.path.join(FLAGS.output, shard_name(i, num_shards)), bounds[i], bounds[i + 1],
+              {**meta, "first_document": bounds[i]}) for i in range(num_shards)]
+    processes = min(workers, num_shards)
+    print(f"pretokenize: {num_docs:,} documents ({input_bytes / 1e6:.1f} MB) -> {num_shards} shard(s) in "
+          f"{FLAGS.output} with {processes} process(es); tokenizer {tok.fingerprint}", file=sys.stderr, flush=True)
+
+    context = multiprocessing.get_context("spawn")
+    counters = Counters(context)
+    printer = ProgressPrinter(counters, num_docs, FLAGS.progress_seconds)
+    printer.start()
+    try:
+        if processes == 1:
+            _init_worker(source, tok, counters)
+            results = [_write_shard(task) for task in tasks]
+        else:
+            results = list(tokenize.run_pool(_write_shard, tasks, processes, _init_worker, (source, tok, counters)))
+    finally:
+        printer.finish()
+    tokens = sum(t for _, t in results)
+    seconds = time.time() - printer.start_time
+    print(f"wrote {num_shards} shard(s): {num_docs:,} documents, {tokens:,} tokens "
+          f"({tokens / num_docs:.1f} per document) to {FLAGS.output} in {seconds:.1f} s "
+          f"({time.time() - start:.1f} s in all) with {processes} process(es)")
+    print(f"RESULT pretokenize_tokens_per_s {tokens / seconds:.0f}")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    try:
+        run()
+    except (ValueError, OSError) as e:  # bad input: say what, without a traceback
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -29,6 +29,11 @@ class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/inf loss; the last good checkpoint is kept as the latest."""
 
 
+class InputPipelineError(ValueError):
+    """Building a batch failed (bad data, a worker process that died); the run saved a
+    checkpoint at the step it had reached, so a rerun after the fix loses nothing."""
+
+
 def resolve_vocab_size(config, tokenizer) -> None:
     """model.vocab_size 0 -> the tokenizer's size rounded up to 128 (TPU-friendly)."""
     have = config.model.vocab_size
@@ -165,15 +170,17 @@ def run(config, workdir: str) -> dict:
     pending, window, summary, eval_batches = _PendingMetrics(), [], {}, None
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     watch = preemption.Watch()
+    start_step = step
     try:
-        batch = inputs.next() if step < stop_at else None
+        batch = _next_batch(inputs, step, None) if step < stop_at else None
         while step < stop_at:
             host, device_arrays = batch
             state, metrics = train_step(state, device_arrays)  # dispatched; the device works on it
             step += 1
-            if step < stop_at:
-                batch = inputs.next()  # the next batch is built and sent meanwhile
             pending.add(step, metrics, host)
+            if step < stop_at:  # the next batch is built and sent meanwhile
+                batch = _next_batch(inputs, step, None if step == start_step else (
+                    lambda: _save_after_input_failure(ckpt, step, state, meta, pending, writer)))
             last = step == stop_at
             preempted = watch.reached(step)
             if step % t.log_every == 0 or step % t.checkpoint_every == 0 or last or preempted:
@@ -205,6 +212,28 @@ def run(config, workdir: str) -> dict:
         ckpt.close()
         writer.close()
     return {"step": step, **summary}
+
+
+def _next_batch(inputs, step: int, save):
+    """inputs.next(), with a failure turned into InputPipelineError after `save()` (if given)."""
+    try:
+        return inputs.next()
+    except Exception as e:  # a worker's exception comes back as itself; a dead worker as RuntimeError
+        saved = ""
+        if save is not None:
+            save()
+            saved = f" A checkpoint was saved at step {step}: rerun the same command after the fix to resume there."
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputPipelineError(
+            f"The input pipeline failed while preparing step {step + 1}: {type(e).__name__}: {first}.{saved} "
+            "If a worker process died without a message, it may have run out of memory: lower "
+            "data.worker_count.") from e
+
+
+def _save_after_input_failure(ckpt, step, state, meta, pending, writer):
+    writer.write_steps(pending.flush())
+    ckpt.save(step, state, None, {**meta, "step": step})
+    ckpt.wait()
 
 
 class _Inputs:

@@ -179,3 +179,35 @@ def test_scone_with_accumulation_resumes_exactly(tokenizer_path, tmp_path):
     np.testing.assert_allclose([ea[s]["loss"] for s in ea], [eb[s]["loss"] for s in ea], rtol=1e-6)
     for x, y in zip(final_params(config, straight), final_params(config, split)):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_a_bad_document_in_a_worker_stops_the_run_at_a_saved_step(tokenizer_path, tmp_path):
+    """A worker process that fails on a document mid-run (a token id outside the vocabulary)
+    stops training with one error naming the problem, after saving a checkpoint at the step
+    reached; with the document repaired, rerunning resumes there and finishes."""
+    from scone_jax.data import documents, packing, sources
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(10, 400, 5) for _ in range(2000)]
+    config = config_with(tokenizer_path, num_steps=8, checkpoint_every=100, max_steps_per_run=0)
+    config.data.update(dict(source="arrayrecord", train_files=str(tmp_path / "train.arrayrecord"), worker_count=2))
+    # Which batch holds document `bad`: the run's own packing arithmetic, from the lengths alone.
+    share = documents.process_share(len(docs), config.data.shuffle_seed, 0, 1)
+    stream = packing.Stream(np.full(len(share), 6), seed=config.data.shuffle_seed)
+    size = config.data.global_batch_size * config.data.seq_len
+    batch_of = {}
+    for b in range(config.train.num_steps):
+        for local in stream.pieces(b * size, (b + 1) * size).docs:
+            batch_of.setdefault(int(share[local]), b)
+    bad = next(d for d, b in batch_of.items() if b == 4)
+    broken = [d.copy() for d in docs]
+    broken[bad][2] = 99999
+    sources.write_token_arrayrecord(config.data.train_files, broken)
+    workdir = str(tmp_path / "run")
+    with pytest.raises(train.InputPipelineError, match=rf"preparing step 5: ValueError: Pre-tokenized document {bad} .*token id 99999.*saved at step 4"):
+        train.run(config, workdir)
+    assert checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 4
+    assert sorted(step_records(workdir)) == [1, 2, 3, 4]
+    sources.write_token_arrayrecord(config.data.train_files, docs)
+    assert train.run(config, workdir)["step"] == 8
+    assert sorted(step_records(workdir)) == list(range(1, 9))

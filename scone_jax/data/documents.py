@@ -53,11 +53,12 @@ class RecordDocuments:
         records = self._source.read_many(self._ids[docs])
         ids = np.concatenate(records) if records else np.zeros(0, np.int32)
         if ids.size and (ids.min() < 0 or ids.max() >= self._vocab_size):
-            bad = ids[(ids < 0) | (ids >= self._vocab_size)][0]
+            at = int(np.flatnonzero((ids < 0) | (ids >= self._vocab_size))[0])
+            record = int(self._ids[docs][np.searchsorted(np.cumsum(self.lengths[docs]), at, side="right")])
             raise ValueError(
-                f"A pre-tokenized document holds token id {int(bad)}, outside the tokenizer's vocabulary "
-                f"[0, {self._vocab_size}) (fingerprint {self._fingerprint}). Fix: set data.tokenizer_path to "
-                "the tokenizer that made the data."
+                f"Pre-tokenized document {record} (record number over all shards) holds token id {int(ids[at])}, "
+                f"outside the tokenizer's vocabulary [0, {self._vocab_size}) (fingerprint {self._fingerprint}). "
+                "Fix: set data.tokenizer_path to the tokenizer that made the data, or repair that document."
             )
         return ids, self.lengths[docs]
 

@@ -114,4 +114,4 @@ def test_command_line_tool_trains_and_checks_round_trip(tmp_path):
     assert "round trip exact on 200/200 documents" in done.stdout
     assert tokenizer.Tokenizer.load(str(output)).fingerprint in done.stdout
     failed = subprocess.run(tool + [f"--input={tmp_path}/*.txt", f"--output={output}"], capture_output=True, text=True)
-    assert failed.returncode == 1 and "error: No files match the pattern" in failed.stderr
+    assert failed.returncode == 2 and "error: No files match the pattern" in failed.stderr

@@ -34,6 +34,6 @@ def test_arrayrecord_corpus(tmp_path):
 
 def test_bad_input_is_one_line(tmp_path):
     out = run_tool("--source=kjv", "--num_fgrams=10", f"--output={tmp_path}/x")
-    assert out.returncode != 0
+    assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         "error: --source=kjv is text: pass --tokenizer=<model> (tools/train_tokenizer.py).")

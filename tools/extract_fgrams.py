@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
+from scone_jax import tool_main
 from scone_jax.data import sources, tokenizer
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
@@ -173,14 +174,5 @@ def run() -> None:
             pool.close()
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    try:
-        run()
-    except (ValueError, OSError) as e:  # bad input: say what, without a traceback
-        raise SystemExit(f"error: {e}") from e
-
-
 if __name__ == "__main__":
-    app.run(main)
+    app.run(tool_main.main_of(run))

@@ -28,7 +28,7 @@ import time
 import ml_collections
 from absl import app, flags
 
-from scone_jax import storage
+from scone_jax import storage, tool_main
 from scone_jax.data import shards, sources, tokenize
 from scone_jax.data.tokenizer import Tokenizer
 
@@ -216,15 +216,5 @@ def run() -> None:
     print(f"RESULT pretokenize_tokens_per_s {tokens / seconds:.0f}")
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    try:
-        run()
-    except (ValueError, OSError) as e:  # bad input: say what, without a traceback
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
-
-
 if __name__ == "__main__":
-    app.run(main)
+    app.run(tool_main.main_of(run))

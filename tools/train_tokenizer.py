@@ -13,6 +13,7 @@ import time
 import ml_collections
 from absl import app, flags
 
+from scone_jax import tool_main
 from scone_jax.data import sources, tokenizer
 
 FLAGS = flags.FLAGS
@@ -26,15 +27,6 @@ flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "SentencePiece mo
 flags.DEFINE_integer("max_chars", tokenizer.DEFAULT_MAX_CHARS, "Train on a random sample of this many characters.")
 
 _CHECK_DOCS = 200
-
-
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    try:
-        train()
-    except (ValueError, OSError) as e:  # bad input: say what, without a traceback
-        raise SystemExit(f"error: {e}") from e
 
 
 def train():
@@ -64,4 +56,4 @@ def train():
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(tool_main.main_of(train))

@@ -180,7 +180,10 @@ class TokenArrayRecordSource:
     def __init__(self, files: list[str]):
         self._files = list(files)
         self._counts = [shards.num_records(f) for f in self._files]
-        self._records = ArrayRecordDataSource([_WholeFile(f, n) for f, n in zip(self._files, self._counts)])
+        # One thread per reader: the input pipeline reads from several worker processes at once,
+        # and array_record's own parallel reads then only compete with them for the cores.
+        self._records = ArrayRecordDataSource([_WholeFile(f, n) for f, n in zip(self._files, self._counts)],
+                                              reader_options={"max_parallelism": "1"})
         self._warned_unchecked = False
 
     def __len__(self) -> int:

@@ -9,7 +9,17 @@
     fgrams/          the f-gram vocabulary (scone_jax.fgram.vocab format)
     tokenizer.model  the SentencePiece model the vocabulary and the decoder were trained with
     decoder/         orbax checkpoint of the main decoder's parameters (no f-gram model, no optimizer)
-    COMPLETE         written last; holds export.json's fingerprint. Readers refuse a bundle without it.
+    COMPLETE         written last; readers refuse a bundle without it. JSON: export.json's fingerprint and
+                     the CRC-32 of every table chunk and of every file of decoder/ and tokenizer.model
+
+Integrity: each done/<chunk> marker holds the CRC-32 of that chunk's rows, computed from the rows in
+memory before they were written; done/decoder holds the CRC-32 of each decoder file, read back once
+saved. COMPLETE gathers them. Readers check every chunk as they read it (HostTable: the whole table
+at load, or each chunk the bounded cache fetches), the decoder's files and tokenizer.model before
+parsing them; the f-gram vocabulary checks its own arrays (scone_jax.fgram.vocab). A missing chunk
+reads as zeros through zarr, and zeros fail its CRC, so deleted files cannot pass as data. Repair:
+delete the done marker of the bad piece and rerun the export, which rewrites pieces without a
+marker. Version 1 bundles (no checksums) are still read, with a warning.
 
 Every file goes through tensorstore's kvstore (or orbax), so the same code reads and writes local
 disk and GCS. The bundle is self-contained on purpose: a table can only be paired with the decoder
@@ -17,6 +27,7 @@ it was exported with, and the fingerprints catch pieces swapped in from another 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -25,10 +36,13 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from absl import logging
 
 from scone_jax import config as config_lib, storage
+from scone_jax.fgram.vocab import array_checksum, brief_error
 
-FORMAT, VERSION = "scone_export", 1
+FORMAT, VERSION = "scone_export", 2  # 2: COMPLETE holds checksums
+_UNCHECKED_VERSION = 1  # still read, without checksums
 META, COMPLETE, TOKENIZER = "export.json", "COMPLETE", "tokenizer.model"
 TABLE, DONE, FGRAMS, DECODER = "table", "done", "fgrams", "decoder"
 DTYPES = ("bfloat16", "float32")
@@ -106,9 +120,87 @@ def read_meta(path: str) -> dict | None:
     return None if raw is None else json.loads(raw)
 
 
+@dataclasses.dataclass(frozen=True)
+class Checksums:
+    """What COMPLETE records: the CRC-32 (8 hex digits) of each table chunk's rows, in chunk order, and
+    of each file of decoder/ and of tokenizer.model, keyed by its path in the bundle."""
+
+    table: list[str]
+    files: dict[str, str]
+
+
+def complete_marker(meta: dict, table: list[str], files: dict[str, str]) -> bytes:
+    return json.dumps({"export_fingerprint": meta_fingerprint(meta), "checksum": "crc32", "table": table,
+                       "files": files}).encode()
+
+
+def done_key(chunk: int) -> str:
+    return f"{DONE}/{chunk:09d}"
+
+
+def chunk_key(chunk: int) -> str:
+    """The table chunk's object: zarr3's default key encoding; one chunk spans the row width."""
+    return f"{TABLE}/c/{chunk}/0"
+
+
+def rerun_fix(path: str, marker: str | None = None) -> str:
+    """The repair readers print: rerun on a finished bundle, the export rewrites every piece whose done
+    marker is missing, and tokenizer.model if it differs from the run's."""
+    delete = f"delete {storage.join(path, marker)}, then " if marker else ""
+    rewrites = "the pieces that have no done marker" if marker else f"{TOKENIZER} from the run"
+    return (f"Fix: {delete}re-run `python -m scone_jax.export --workdir=RUN --output={path}` with the run it was "
+            f"exported from; it rewrites {rewrites}.")
+
+
+def file_checksums(path: str, directory: str) -> dict[str, str]:
+    """CRC-32 of every file under `directory` of the bundle, keyed by its path in the bundle."""
+    keys = sorted(k.decode() for k in storage.open_store(storage.join(path, directory)).list().result())
+    store = storage.open_store(path)
+    reads = {f"{directory}/{k}": store.read(f"{directory}/{k}") for k in keys}
+    return {key: array_checksum(bytes(read.result().value)) for key, read in reads.items()}
+
+
+def verify_files(path: str, sums: Checksums, directory: str, fix: str) -> None:
+    """Every file COMPLETE records under `directory` is there and has its CRC-32."""
+    store = storage.open_store(path)
+    reads = {key: store.read(key) for key in sorted(sums.files) if key.startswith(directory + "/")}
+    for key, read in reads.items():
+        raw = read.result()
+        if raw.state != "value":
+            raise BundleError(f"{storage.join(path, key)} is missing. {fix}")
+        have = array_checksum(bytes(raw.value))
+        if have != sums.files[key]:
+            raise BundleError(f"{storage.join(path, key)} is damaged: it hashes to {have}, {COMPLETE} records "
+                              f"{sums.files[key]}. {fix}")
+
+
+def bad_chunks_error(path: str, meta: dict, bad: dict, sums: list[str] | None) -> BundleError:
+    """The error for table chunks that failed their CRC (bad: chunk -> the CRC of the rows read) or
+    could not be read (chunk -> the exception): names the first chunk's object and the repair."""
+    first, rows = min(bad), meta["chunk_rows"]
+    lo, hi = first * rows, min((first + 1) * rows, meta["num_fgrams"])
+    if isinstance(bad[first], Exception):
+        state = f"cannot be read ({brief_error(bad[first])})"
+    elif storage.read_bytes(path, chunk_key(first)) is None:
+        state = "is missing (zarr would serve its rows as zeros)"
+    else:
+        state = f"is damaged: its rows hash to {bad[first]}, {COMPLETE} records {sums[first]}"
+    more = f"; {len(bad) - 1} more table chunks are bad" if len(bad) > 1 else ""
+    markers = ", ".join(storage.join(path, done_key(c)) for c in sorted(bad)[:3]) + (", ..." if len(bad) > 3 else "")
+    return BundleError(
+        f"{storage.join(path, chunk_key(first))} (table rows {lo}..{hi - 1}) {state}{more}. Fix: delete the done "
+        f"marker of each bad chunk ({markers}), then re-run `python -m scone_jax.export --workdir=RUN --output={path}` "
+        "with the run it was exported from; it rewrites the chunks that have no done marker.")
+
+
 def open_complete(path: str, expect: dict | None = None) -> dict:
     """The metadata of a finished bundle; refuses an unfinished one or one whose fingerprints
     differ from `expect` (keys of export.json, e.g. tokenizer_fingerprint)."""
+    return open_checked(path, expect)[0]
+
+
+def open_checked(path: str, expect: dict | None = None) -> tuple[dict, Checksums | None]:
+    """open_complete, and the checksums COMPLETE records (None for a version 1 bundle: read with a warning)."""
     meta = read_meta(path)
     marker = storage.read_bytes(path, COMPLETE)
     if meta is None or marker is None:
@@ -117,19 +209,29 @@ def open_complete(path: str, expect: dict | None = None) -> dict:
             f"{path!r} holds {state}. Fix: run `python -m scone_jax.export --workdir=RUN --output={path}` "
             "(rerunning it resumes an interrupted export)."
         )
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if meta.get("format") != FORMAT or meta.get("version") not in (_UNCHECKED_VERSION, VERSION):
         raise BundleError(f"{path!r} is format {meta.get('format')!r} v{meta.get('version')}; this code reads "
-                          f"{FORMAT!r} v{VERSION}.")
-    if marker.decode() != meta_fingerprint(meta):
-        raise BundleError(f"{path!r}: {META} was changed after the export finished (its fingerprint no longer "
-                          f"matches {COMPLETE}). Fix: export again into a fresh --output.")
+                          f"{FORMAT!r} v{_UNCHECKED_VERSION} and v{VERSION}.")
+    try:
+        record = json.loads(marker) if marker.startswith(b"{") else {"export_fingerprint": marker.decode()}
+    except ValueError:
+        record = {}
+    checked = meta["version"] == VERSION
+    if record.get("export_fingerprint") != meta_fingerprint(meta) or checked != ("table" in record):
+        raise BundleError(f"{path!r}: {META} and {COMPLETE} do not match; one was changed or damaged after the export "
+                          f"finished. Fix: delete {storage.join(path, COMPLETE)} and re-run the export, which rebuilds "
+                          "it (if it says the export differs, export into a fresh --output).")
     for key, want in (expect or {}).items():
         if meta.get(key) != want:
             raise BundleError(
                 f"The export at {path!r} has {key}={meta.get(key)!r}, but what it is used with has {want!r}. "
                 "Fix: use the export made from this run (or export this run again)."
             )
-    return meta
+    if not checked:
+        logging.warning("%s is a version 1 export, without checksums: a missing or damaged table chunk would be "
+                        "served as zeros. Export the run again to get a checked bundle.", path)
+        return meta, None
+    return meta, Checksums(table=record["table"], files=record["files"])
 
 
 def check_table(meta: dict, table: ts.TensorStore, path: str) -> None:

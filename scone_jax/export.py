@@ -1,12 +1,15 @@
 """Export a trained SCONE run for inference: `python -m scone_jax.export --workdir=RUN --output=PATH`.
 
-Runs the f-gram model once over all S f-grams (SCONE.md rule 6) in large batches sharded over every
+Runs the f-gram model once over all S f-grams (docs/method.md §6) in large batches sharded over every
 device of every process, and writes the bundle described in scone_jax/bundle.py (PATH local or
 gs://). Each process writes the rows its own devices computed, in whole table chunks, so writers
 never overlap. Writing is asynchronous: while tensorstore writes batch g, the devices compute g+1.
 Rerunning an interrupted export skips the batches whose chunks all carry done markers; COMPLETE is
-written last. Exit status: 0 done, 2 bad input (no SCONE checkpoint, a different export at PATH,
-peers that never arrived).
+written last, with the checksums readers verify (bundle.py). Rerunning a finished export repairs it:
+if a done marker was deleted (what readers ask for when a piece is missing or damaged) or
+tokenizer.model differs from the run's, COMPLETE is withdrawn and those pieces are rewritten.
+Exit status: 0 done, 2 bad input (no SCONE checkpoint, a different export at PATH, peers that never
+arrived).
 
 On a pod, run the same command on every host (like training: the Cloud TPU environment is detected,
 elsewhere pass --coordinator_address, --num_processes and --process_id); every device computes rows
@@ -130,7 +133,9 @@ class TableWriter:
         self.pending = collections.deque()
 
     def write(self, start: int, result: jax.Array, skip: set[int]) -> None:
-        """Queue the rows of `result` (batch rows start..) held by this process, skipping done chunks."""
+        """Queue the rows of `result` (batch rows start..) held by this process, skipping done chunks.
+        Each shard holds whole chunks (_write_table sizes batches so), and each chunk's CRC is taken
+        here from the rows in memory: what readers check is what the f-gram model computed."""
         for shard in result.addressable_shards:
             if shard.replica_id != 0:
                 continue
@@ -140,16 +145,17 @@ class TableWriter:
             if hi <= lo or not chunks:
                 continue
             rows = np.asarray(shard.data)[: hi - lo]
+            sums = {c: bundle.array_checksum(rows[c * self.chunk_rows - lo:min((c + 1) * self.chunk_rows, hi) - lo])
+                    for c in chunks}
             futures = self.table[lo:hi].write(rows)
-            self.pending.append((chunks, futures))
+            self.pending.append((sums, futures))
         while len(self.pending) > _MAX_PENDING_WRITES or (self.pending and self.pending[0][1].commit.done()):
             self._finish_oldest()
 
     def _finish_oldest(self):
-        chunks, futures = self.pending.popleft()
+        sums, futures = self.pending.popleft()
         futures.commit.result()
-        # Markers hold a byte: some GCS implementations (the emulator) never finish empty uploads.
-        for f in [self.store.write(f"{bundle.DONE}/{c:09d}", b"1") for c in chunks]:
+        for f in [self.store.write(bundle.done_key(c), crc.encode()) for c, crc in sums.items()]:
             f.result()
 
     def flush(self):
@@ -169,18 +175,46 @@ def done_chunks(output: str) -> set[int]:
     return set(int(c) for c in multihost_utils.broadcast_one_to_all(padded))
 
 
-def _prepare_output(output: str, meta: dict) -> bool:
+def _prepare_output(output: str, meta: dict, tokenizer_proto: bytes) -> bool:
     """Check PATH may receive this export; True if it already holds it complete. Never overwrites
-    a different export, finished or not."""
+    a different export, finished or not. A finished one with a done marker deleted or a tokenizer.model
+    other than the run's is under repair: the chief withdraws COMPLETE and the missing pieces get rewritten."""
     existing = bundle.read_meta(output)
-    if existing is None:
-        return False
-    if bundle.meta_fingerprint(existing) != bundle.meta_fingerprint(meta):
+    if existing is not None and bundle.meta_fingerprint(existing) != bundle.meta_fingerprint(meta):
         differ = sorted(k for k in set(meta) | set(existing) if meta.get(k) != existing.get(k))
         raise bundle.BundleError(
             f"{output!r} already holds an export that differs from this one in {differ}; nothing was "
             "overwritten. Fix: choose another --output, or delete that one first.")
-    return storage.read_bytes(output, bundle.COMPLETE) is not None
+    complete = False  # decided by the chief, for all (a peer may read export.json after the chief wrote it)
+    if existing is not None and jax.process_index() == 0 and storage.read_bytes(output, bundle.COMPLETE) is not None:
+        markers = {k.decode() for k in storage.open_store(storage.join(output, bundle.DONE)).list().result()}
+        wanted = {bundle.FGRAMS, bundle.DECODER} | {f"{c:09d}" for c in range(_num_chunks(meta))}
+        missing = sorted(wanted - markers)
+        tokenizer_ok = storage.read_bytes(output, bundle.TOKENIZER) == tokenizer_proto
+        complete = not missing and tokenizer_ok
+        if not complete:
+            logging.info("export: repairing %s (done markers missing: %s; %s %s)", output, missing[:5] or "none",
+                         bundle.TOKENIZER, "as the run's" if tokenizer_ok else "differs from the run's")
+            complete_key = ts.KvStore.KeyRange(bundle.COMPLETE, bundle.COMPLETE + "\0")
+            storage.open_store(output).delete_range(complete_key).result()  # readers refuse it until repaired
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(complete)))
+
+
+def _num_chunks(meta: dict) -> int:
+    return math.ceil(meta["num_fgrams"] / meta["chunk_rows"])
+
+
+def _complete_marker(output: str, meta: dict, tokenizer_proto: bytes) -> bytes:
+    """COMPLETE: the CRCs the done markers hold (chunks, decoder files) and tokenizer.model's."""
+    store = storage.open_store(output)
+    keys = [bundle.done_key(c) for c in range(_num_chunks(meta))] + [_DECODER_DONE]
+    values = {key: read.result() for key, read in [(key, store.read(key)) for key in keys]}
+    for key, value in values.items():
+        if value.state != "value":  # every process flushed its writes before this runs
+            raise bundle.BundleError(f"{storage.join(output, key)} vanished while the export ran. Fix: rerun it.")
+    table = [bytes(values[key].value).decode() for key in keys[:-1]]
+    files = json.loads(bytes(values[_DECODER_DONE].value)) | {bundle.TOKENIZER: bundle.array_checksum(tokenizer_proto)}
+    return bundle.complete_marker(meta, table, files)
 
 
 def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", chunk_rows: int = 1024,
@@ -200,7 +234,7 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             "fgram_model_fingerprint": bundle.params_fingerprint(nnx.state(model.fgram_model, nnx.Param)),
             "step": run.step, "config": run.config.to_dict(), **run.expect,
         }
-        if _prepare_output(output, meta):
+        if _prepare_output(output, meta, run.tokenizer.proto):
             logging.info("export: %s is already complete", output)
             return {"rows_computed": 0, "seconds": 0.0, "rows_per_s": 0.0, "meta": meta}
         chief = jax.process_index() == 0
@@ -225,9 +259,10 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             saver.close()
         multihost_utils.sync_global_devices("scone_export_written")
         if chief:
-            if saver is not None:
-                storage.write_bytes(output, _DECODER_DONE, b"1")
-            storage.write_bytes(output, bundle.COMPLETE, bundle.meta_fingerprint(meta).encode())
+            if saver is not None:  # the CRCs of the files just saved, read back once
+                decoder_sums = bundle.file_checksums(output, bundle.DECODER)
+                storage.write_bytes(output, _DECODER_DONE, json.dumps(decoder_sums, indent=0).encode())
+            storage.write_bytes(output, bundle.COMPLETE, _complete_marker(output, meta, run.tokenizer.proto))
         return {**figures, "meta": meta}
     finally:
         run.close()

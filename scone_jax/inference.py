@@ -2,7 +2,7 @@
 
 The device holds only the decoder (token embedding T, blocks, head). Per batch the host finds
 each position's longest f-gram with the Matcher and gathers its table row; the device embeds
-where(matched, row, T(token)) and runs the decoder unchanged (SCONE.md rules 3 and 6). Because
+where(matched, row, T(token)) and runs the decoder unchanged (docs/method.md §3 and §7). Because
 matching depends only on token ids, the rows of a batch are known before the device needs them.
 """
 from __future__ import annotations
@@ -48,10 +48,11 @@ def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_
     other than the one the export was trained with."""
     expect = {} if tokenizer_fingerprint is None else {"tokenizer_fingerprint": tokenizer_fingerprint}
     table = HostTable.open(path, expect=expect, max_bytes=max_table_bytes)
-    meta = table.meta
+    meta, sums = table.meta, table.checksums
     config = bundle.stored_config(meta["config"])
-    tokenizer = Tokenizer(storage.read_bytes(path, bundle.TOKENIZER), path=None)
-    vocab = load_vocab(storage.join(path, bundle.FGRAMS), expected_tokenizer_fingerprint=tokenizer.fingerprint)
+    tokenizer = load_tokenizer(path, sums)
+    vocab = load_vocab(storage.join(path, bundle.FGRAMS), expected_tokenizer_fingerprint=tokenizer.fingerprint,
+                       fix=bundle.rerun_fix(path, f"{bundle.DONE}/{bundle.FGRAMS}"))
     for what, have in (("tokenizer_fingerprint", tokenizer.fingerprint), ("fgram_vocab_fingerprint", vocab.fingerprint)):
         if have != meta[what]:
             raise bundle.BundleError(f"The export at {path!r} records {what}={meta[what]!r} but its files hash to "
@@ -60,7 +61,7 @@ def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_
         raise bundle.BundleError(f"The table at {path!r} has width {meta['d_model']} but the decoder has "
                                  f"d_model={config.model.d_model}. Fix: export again.")
     mesh = mesh or sharding.make_mesh(config.mesh)
-    graphdef, params = load_decoder(path, config.model, mesh)
+    graphdef, params = load_decoder(path, config.model, mesh, sums)
     have = bundle.params_fingerprint(params)
     if have != meta["model_fingerprint"]:
         raise bundle.BundleError(
@@ -69,13 +70,40 @@ def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_
     return Served(meta, config, mesh, graphdef, params, tokenizer, Matcher(vocab), table)
 
 
-def load_decoder(path: str, model_cfg, mesh):
-    """The decoder's parameters from the export, each restored directly into its sharding."""
+def load_tokenizer(path: str, sums: bundle.Checksums | None) -> Tokenizer:
+    """The bundle's tokenizer.model, its CRC checked before it is parsed."""
+    fix = bundle.rerun_fix(path)  # the export rewrites tokenizer.model when it differs from the run's
+    where = storage.join(path, bundle.TOKENIZER)
+    raw = storage.read_bytes(path, bundle.TOKENIZER)
+    if raw is None:
+        raise bundle.BundleError(f"{where} is missing. {fix}")
+    if sums is not None and bundle.array_checksum(raw) != sums.files.get(bundle.TOKENIZER):
+        raise bundle.BundleError(f"{where} is damaged: it hashes to {bundle.array_checksum(raw)}, "
+                                 f"{bundle.COMPLETE} records {sums.files.get(bundle.TOKENIZER)}. {fix}")
+    try:
+        return Tokenizer(raw, path=None)
+    except RuntimeError as e:  # sentencepiece cannot parse it (a version 1 bundle has no CRC to catch this first)
+        raise bundle.BundleError(f"{where} is not a SentencePiece model ({bundle.brief_error(e)}). {fix}") from e
+
+
+def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums | None = None):
+    """The decoder's parameters from the export, each restored directly into its sharding; with `sums`,
+    every file of decoder/ is first checked against its CRC."""
+    fix = bundle.rerun_fix(path, f"{bundle.DONE}/{bundle.DECODER}")
+    if sums is not None:
+        bundle.verify_files(path, sums, bundle.DECODER, fix)
     graphdef, abstract = nnx.eval_shape(lambda: nnx.split(Decoder(model_cfg, nnx.Rngs(0)), nnx.Param))
     shardings = sharding.state_shardings(abstract, mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    with bundle.decoder_checkpointer() as restorer:
-        params = restorer.restore(storage.join(path, bundle.DECODER), args=ocp.args.StandardRestore(target))
+    try:
+        with bundle.decoder_checkpointer() as restorer:
+            params = restorer.restore(storage.join(path, bundle.DECODER), args=ocp.args.StandardRestore(target))
+    except Exception as e:  # orbax's errors vary by what is missing; a version 1 bundle gets here unchecked
+        cause = e
+        while cause.__cause__ or cause.__context__:  # orbax wraps tensorstore's error, which names the file
+            cause = cause.__cause__ or cause.__context__
+        raise bundle.BundleError(f"The decoder at {storage.join(path, bundle.DECODER)} cannot be restored "
+                                 f"({bundle.brief_error(cause)[:300]}). {fix}") from e
     return graphdef, params
 
 

@@ -1,8 +1,9 @@
 """One tiny trained SCONE run and its export, made once per test session and shared by the
-export, table, evaluate, generate and GCS tests (module globals outlive each test module)."""
+export, table, evaluate, generate, integrity and GCS tests (module globals outlive each test module)."""
+import json
 import os
 
-from scone_jax import checkpoint, export, sharding, state as state_lib, train
+from scone_jax import bundle, checkpoint, export, sharding, state as state_lib, train
 from scone_jax.data import corpus, tokenizer as tokenizer_lib
 from scone_jax.fgram import workdir_vocab
 from tests.common import small_config
@@ -87,3 +88,15 @@ def exported(tmp_path_factory, dtype: str) -> str:
         export.export(run["workdir"], path, dtype=dtype, chunk_rows=64, batch_rows=512)
         _CACHE[key] = path
     return _CACHE[key]
+
+
+def make_version_1(path: str) -> None:
+    """Turn the bundle at `path` into what the code before checksums wrote: export.json at version 1 and
+    COMPLETE holding only its fingerprint (its done markers held b"1"; readers never look at them)."""
+    with open(os.path.join(path, bundle.META)) as f:
+        meta = json.load(f)
+    meta["version"] = 1
+    with open(os.path.join(path, bundle.META), "w") as f:
+        json.dump(meta, f, indent=1)
+    with open(os.path.join(path, bundle.COMPLETE), "w") as f:
+        f.write(bundle.meta_fingerprint(meta))

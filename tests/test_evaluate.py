@@ -138,6 +138,9 @@ def test_pieces_of_another_model_vocabulary_or_tokenizer_are_refused(tmp_path_fa
     with bundle.decoder_checkpointer() as saver:
         saver.save(os.path.join(path, "decoder"), args=ocp.args.StandardSave(jax.tree.map(lambda x: x * 2, served.params)),
                    force=True)
+    with pytest.raises(bundle.BundleError, match="swapped_decoder/decoder/.* is damaged: it hashes to .* COMPLETE"):
+        inference.load(path)  # the files' CRCs catch it first
+    serving_run.make_version_1(path)  # no CRCs: the parameters' fingerprint still does
     with pytest.raises(bundle.BundleError, match="belongs to another model"):
         inference.load(path)
 

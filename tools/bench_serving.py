@@ -10,6 +10,10 @@ weights' values do not change the timings), exports it, and prints one RESULT li
   eval_table_vs_onthefly_ratio  evaluate tokens/s with table rows / the training graph (f-gram model live)
   decode_latency_ratio          per-token decode latency with the table lookup / without
   gather_vs_numpy_ratio         HostTable.gather rows/s / np.take on the same in-RAM array
+  table_crc_s_per_gb            seconds HostTable spends checking chunk CRCs per GB of table it reads (a 256 MiB
+                                bf16 table in memory, 1024-row chunks, the default 4 threads; best of 3)
+  table_crc_load_overhead_ratio that check's time / the read's time, loading the export's table into RAM (from
+                                the page cache, so the worst case: a cold disk or GCS reads far slower)
 Timings exclude compilation. On a shared 2-core CPU the figures move by +-20% between runs.
 """
 import os
@@ -17,13 +21,17 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 from absl import app, flags
 
-from scone_jax import checkpoint, evaluate, export, generate, inference, sharding, state as state_lib, steps, train
+from scone_jax import (bundle, checkpoint, evaluate, export, generate, inference, sharding, state as state_lib, steps,
+                       train)
 from scone_jax.config import base_config
 from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib
 from scone_jax.fgram import workdir_vocab
+from scone_jax.table import HostTable
 
 _QUICK = flags.DEFINE_bool("quick", False, "A tiny model and few batches (under a minute).")
 
@@ -102,6 +110,15 @@ def gather_ratio(table, batch_ids: int, rounds: int) -> float:
     return timings["numpy"] / timings["table"]
 
 
+def crc_seconds_per_gb(rows: int = 1 << 20, width: int = 128, chunk_rows: int = 1024) -> float:
+    """HostTable's CRC check at load on a table large enough to time (the quick export's is 1 MB)."""
+    data = np.random.default_rng(0).standard_normal((rows, width), np.float32).astype(jnp.bfloat16)
+    sums = [bundle.array_checksum(data[c:c + chunk_rows]) for c in range(0, rows, chunk_rows)]
+    meta = {"num_fgrams": rows, "d_model": width, "dtype": "bfloat16", "chunk_rows": chunk_rows}
+    seconds = min(HostTable(ts.array(data), meta, checksums=sums).verify_seconds for _ in range(3))
+    return seconds / (data.nbytes / 1e9)
+
+
 def main(argv):
     del argv
     quick = _QUICK.value
@@ -138,6 +155,13 @@ def main(argv):
 
     ratio = gather_ratio(served.table, 16 * 1024 if quick else 64 * 1024, 20 if quick else 100)
     print(f"RESULT gather_vs_numpy_ratio {ratio:.3f}")
+
+    table = served.table
+    per_gb = crc_seconds_per_gb()
+    print(f"table CRC check: {per_gb:.3f} s/GB ({1 / per_gb:.1f} GB/s); the export's {table.nbytes / 1e6:.1f} MB table "
+          f"read in {1000 * table.read_seconds:.1f} ms, checked in {1000 * table.verify_seconds:.1f} ms")
+    print(f"RESULT table_crc_s_per_gb {per_gb:.3f}")
+    print(f"RESULT table_crc_load_overhead_ratio {table.verify_seconds / table.read_seconds:.3f}")
 
 
 if __name__ == "__main__":

@@ -7,20 +7,24 @@ e.g. `gs://bucket/run/fgrams`) holding three zarr3 arrays and one JSON file:
     lengths/    int32 [S]     number of real tokens in row r (2..K)
     counts/     int64 [S]     occurrences of f-gram r in the counted corpus
     vocab.json  {"format", "version", "max_len", "num_fgrams", "min_count",
-                 "tokens_counted", "vocab_size", "tokenizer_fingerprint", "fingerprint"}
+                 "tokens_counted", "vocab_size", "tokenizer_fingerprint", "fingerprint",
+                 "checksums": {array name: CRC-32 of its bytes as stored}}
 
 Rows are sorted by rank: count descending, then shorter first, then token ids
 ascending, so row r is f-gram id r. The pad value 0 is a valid token id on
 purpose: padded rows can be embedded without out-of-range gathers, and `lengths`
 (not the pad value) says where an f-gram ends. vocab.json is written last and read
 first, so a directory without it is an unfinished write; the fingerprint in it is
-recomputed on load, so truncated or altered arrays are an error, not garbage.
+recomputed on load, so truncated or altered arrays are an error, not garbage. The per-array
+checksums (absent in vocabularies saved before them; the fingerprint still covers those) name the
+array that is missing chunks or damaged: zarr reads a missing chunk as zeros.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import zlib
 
 import numpy as np
 import tensorstore as ts
@@ -32,6 +36,27 @@ FORMAT = "scone_fgram_vocab"
 VERSION = 1
 _META = "vocab.json"
 _ROWS_PER_CHUNK = 1 << 16
+_ARRAYS = ("tokens", "lengths", "counts")
+
+
+class VocabError(ValueError):
+    """A vocabulary whose arrays are missing, damaged or unreadable."""
+
+
+def array_checksum(data) -> str:
+    """CRC-32 (8 hex digits) of bytes, or of an array's bytes in memory order (what zarr stores, little-endian).
+    zlib releases the GIL on large buffers, so threads check chunks in parallel."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return f"{zlib.crc32(data):08x}"
+
+
+def brief_error(e: BaseException) -> str:
+    """An exception's message on one line, without tensorstore's appended spec and source locations."""
+    text = " ".join(str(e).split())
+    for tail in (" [tensorstore_spec=", " [source locations="):
+        text = text.split(tail)[0]
+    return text
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -153,7 +178,8 @@ def save_vocab(vocab: FgramVocab, path: str) -> None:
     """Writes `vocab` to `path` (a directory or a kvstore URL), replacing any vocabulary there."""
     store = ts.KvStore.open(storage.kvstore_url(path)).result()
     store.delete_range(ts.KvStore.KeyRange(_META, _META + "\0")).result()  # a half-rewritten dir reads as unfinished
-    for name, array in (("tokens", vocab.tokens), ("lengths", vocab.lengths), ("counts", vocab.counts)):
+    arrays = {"tokens": vocab.tokens, "lengths": vocab.lengths, "counts": vocab.counts}
+    for name, array in arrays.items():
         chunk = [_ROWS_PER_CHUNK] + list(array.shape[1:])
         spec = _array_spec(path, name) | {
             "metadata": {
@@ -165,7 +191,8 @@ def save_vocab(vocab: FgramVocab, path: str) -> None:
         }
         out = ts.open(spec, create=True, delete_existing=True).result()
         out.write(array).result()
-    meta = {"format": FORMAT, "version": VERSION, **vocab.metadata, "fingerprint": vocab.fingerprint}
+    meta = {"format": FORMAT, "version": VERSION, **vocab.metadata, "fingerprint": vocab.fingerprint,
+            "checksums": {name: array_checksum(array) for name, array in arrays.items()}}
     store.write(_META, json.dumps(meta, indent=1).encode()).result()
 
 
@@ -175,13 +202,15 @@ def vocab_exists(path: str) -> bool:
     return ts.KvStore.open(storage.kvstore_url(path)).result().read(_META).result().state == "value"
 
 
-def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None) -> FgramVocab:
-    """Reads a vocabulary written by `save_vocab` and checks it is whole and fits the tokenizer."""
+def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None, *, fix: str | None = None) -> FgramVocab:
+    """Reads a vocabulary written by `save_vocab` and checks it is whole and fits the tokenizer.
+    `fix`: how to recreate missing or damaged data (e.g. where the vocabulary is part of an export)."""
+    fix = fix or f"Fix: run tools/extract_fgrams.py --output={path} (again)."
     raw = ts.KvStore.open(storage.kvstore_url(path)).result().read(_META).result()
     if raw.state != "value":
         raise FileNotFoundError(
             f"No f-gram vocabulary at {path!r}: {_META} is missing (nothing there, or a write that did not "
-            "finish). Fix: run tools/extract_fgrams.py --output=" + path + " (again)."
+            f"finish). {fix}"
         )
     meta = json.loads(bytes(raw.value))
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
@@ -194,8 +223,17 @@ def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None) -> 
             "token sequences. Fix: re-extract f-grams with this tokenizer (tools/extract_fgrams.py), or use "
             "the tokenizer the vocabulary was built with."
         )
-    arrays = {name: ts.open(_array_spec(path, name), open=True).result().read().result()
-              for name in ("tokens", "lengths", "counts")}
+    arrays = {}
+    for name in _ARRAYS:
+        where = storage.join(path, name)
+        try:
+            arrays[name] = ts.open(_array_spec(path, name), open=True).result().read().result()
+        except ValueError as e:  # tensorstore: no array metadata, an unreadable or undecodable chunk
+            raise VocabError(f"The f-gram vocabulary array {where} cannot be read ({brief_error(e)}). {fix}") from e
+        want = meta.get("checksums", {}).get(name)
+        if want is not None and array_checksum(arrays[name]) != want:
+            raise VocabError(f"The f-gram vocabulary array {where} is missing chunks or damaged: it hashes to "
+                             f"{array_checksum(arrays[name])}, {_META} records {want}. {fix}")
     try:
         vocab = FgramVocab(
             tokens=arrays["tokens"], lengths=arrays["lengths"], counts=arrays["counts"],
@@ -203,10 +241,10 @@ def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None) -> 
             vocab_size=meta["vocab_size"], tokenizer_fingerprint=meta["tokenizer_fingerprint"],
         )
     except ValueError as e:
-        raise ValueError(f"The f-gram vocabulary at {path!r} is damaged: {e}") from e
+        raise VocabError(f"The f-gram vocabulary at {path!r} is damaged: {e} {fix}") from e
     if vocab.fingerprint != meta["fingerprint"]:
-        raise ValueError(
+        raise VocabError(
             f"The f-gram vocabulary at {path!r} is damaged: its content hashes to {vocab.fingerprint}, but "
-            f"{_META} records {meta['fingerprint']}. Fix: extract it again."
+            f"{_META} records {meta['fingerprint']}. {fix}"
         )
     return vocab

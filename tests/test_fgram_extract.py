@@ -13,7 +13,7 @@ def assert_same(vocab, expected):
 
 
 def assert_closed(vocab):
-    """Every f-gram's prefixes and suffixes of length >= 2 are f-grams too (SCONE.md closure)."""
+    """Every f-gram's prefixes and suffixes of length >= 2 are f-grams too (docs/method.md §1, closure)."""
     grams = {vocab.fgram(r) for r in range(vocab.num_fgrams)}
     for g in grams:
         for n in range(2, len(g)):

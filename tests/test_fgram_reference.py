@@ -1,4 +1,4 @@
-"""Plain-Python references for the f-gram tests: straight from SCONE.md rules 1 and 2, no cleverness."""
+"""Plain-Python references for the f-gram tests: straight from docs/method.md §1 and §2, no cleverness."""
 from collections import Counter
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Build the f-gram vocabulary of a corpus (SCONE.md rule 1) and report its statistics.
+"""Build the f-gram vocabulary of a corpus (docs/method.md §1) and report its statistics.
 
   # the embedded KJV corpus (train split), tokenized with a SentencePiece model:
   python tools/train_tokenizer.py --format=kjv --output=/tmp/kjv.model

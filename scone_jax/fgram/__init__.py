@@ -1,4 +1,4 @@
-"""F-grams (SCONE.md rules 1, 2 and 5): extract the vocabulary, match it in batches, deduplicate per shard.
+"""F-grams (docs/method.md §1, §2 and §5): extract the vocabulary, match it in batches, deduplicate per shard.
 
   vocab = extract_fgrams(token_docs, max_len=5, num_fgrams=S, min_count=5, vocab_size=V)
   save_vocab(vocab, "gs://bucket/run/fgrams"); vocab = load_vocab(path, expected_tokenizer_fingerprint=fp)

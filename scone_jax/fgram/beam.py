@@ -37,7 +37,7 @@ def _ngram_counts(doc: np.ndarray, n: int, frequent=None) -> Iterable[tuple[tupl
 
 
 def _rank_key(gram_count: tuple[tuple[int, ...], int]):
-    """Larger is better: count desc, then shorter first, then token ids ascending (SCONE.md rule 1)."""
+    """Larger is better: count desc, then shorter first, then token ids ascending (docs/method.md §1)."""
     gram, count = gram_count
     return count, -len(gram), tuple(-t for t in gram)
 

@@ -1,4 +1,4 @@
-"""Per-data-shard f-gram deduplication for a training batch (SCONE.md rule 5, and one step more).
+"""Per-data-shard f-gram deduplication for a training batch (docs/method.md §5, and one step more).
 
 Frequent f-grams repeat heavily, so the f-gram model runs once per unique f-gram of a data
 shard (the rows of the global batch one device holds), and the model gathers the results

@@ -1,4 +1,4 @@
-"""One-machine f-gram extraction, exactly as SCONE.md rule 1 says, on all cores.
+"""One-machine f-gram extraction, exactly as docs/method.md §1 says, on all cores.
 
 The corpus is read once and spooled to a scratch file (int32, each document
 followed by -1), so the K-1 scans re-read it from disk, never from RAM, and a
@@ -223,7 +223,7 @@ def extract_fgrams(
     chunk_tokens: int = 1 << 20,
     spill_limit: int = 1 << 23,
 ) -> FgramVocab:
-    """The top `num_fgrams` n-grams (2 <= n <= max_len) of `documents`, ranked as SCONE.md rule 1 says.
+    """The top `num_fgrams` n-grams (2 <= n <= max_len) of `documents`, ranked as docs/method.md §1 says.
 
     `documents` yields one int32 token array per document (n-grams never cross
     documents); it is read once. Scratch files go to `work_dir` (default: the

@@ -1,4 +1,4 @@
-"""Longest-match f-gram lookup (SCONE.md rule 2) over a whole batch in one compiled pass.
+"""Longest-match f-gram lookup (docs/method.md §2) over a whole batch in one compiled pass.
 
 The vocabulary is stored as a trie in one hash table (trie.py), keyed by the
 prefix's slot, so the slot found at length n is the id needed at length n+1.

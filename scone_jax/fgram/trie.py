@@ -3,7 +3,7 @@
 An n-gram (n >= 2) is the key `code(prefix) * V + last_token`, where V is the
 tokenizer's vocabulary size and code(prefix) is the first token for a 2-gram,
 else V + an id of the (n-1)-token prefix (its slot in the matcher, its row
-during extraction). The f-gram set is closed under prefixes (SCONE.md), so every
+during extraction). The f-gram set is closed under prefixes (docs/method.md §1), so every
 prefix has such an id, and n-grams can be looked up one token at a time without
 storing tokens in the table. Keys fit in 64 bits while (V + ids) * V < 2^64.
 

@@ -3,7 +3,7 @@
 Input: the main model's token embeddings T(tok_1..tok_n) of a left-aligned f-gram (right
 padding up to K), plus this model's own learned position embedding with K positions.
 Output: the final-norm hidden state at the f-gram's last token, width d of the main model.
-Attention is causal, so right padding never reaches the last real token (SCONE.md rule 4).
+Attention is causal, so right padding never reaches the last real token (docs/method.md §4).
 """
 from __future__ import annotations
 

@@ -135,22 +135,63 @@ def config_flag_error(argv) -> str | None:
     return next(filter(None, (unknown_key_message(base, key) for key in overrides)), None)
 
 
+# Numeric keys and the values they accept; `validate` names the key and the rule when one is broken.
+# "-1 | >= 1" accepts -1 (automatic) or any value of at least 1.
+NUMERIC_RULES = {
+    "model.vocab_size": ">= 0", "model.d_model": ">= 1", "model.num_layers": ">= 1", "model.num_heads": ">= 1",
+    "model.head_dim": ">= 0", "model.d_ff": ">= 1", "model.max_seq_len": ">= 1", "model.rope_theta": "> 0",
+    "model.init_std": "> 0",
+    "scone.max_len": ">= 2", "scone.num_fgrams": ">= 1", "scone.min_count": ">= 1",
+    "scone.extract_max_tokens": ">= 1", "scone.fgram_capacity": ">= 1", "scone.num_layers": ">= 1",
+    "scone.d_model": ">= 0", "scone.num_heads": ">= 0", "scone.d_ff": ">= 0",
+    "data.eval_fraction": "in (0, 1)", "data.vocab_size": ">= 1", "data.seq_len": ">= 1",
+    "data.global_batch_size": ">= 1", "data.worker_count": ">= -1", "data.prefetch_buffer": ">= 1",
+    "train.num_steps": ">= 1", "train.max_steps_per_run": ">= 0", "train.learning_rate": "> 0",
+    "train.warmup_steps": ">= 0", "train.min_lr_ratio": "in [0, 1]", "train.weight_decay": ">= 0",
+    "train.b1": "in [0, 1)", "train.b2": "in [0, 1)", "train.eps": "> 0", "train.grad_clip_norm": ">= 0",
+    "train.grad_accum_steps": ">= 1", "train.log_every": ">= 1", "train.eval_every": ">= 0",
+    "train.eval_batches": ">= 0", "train.checkpoint_every": ">= 1", "train.keep_checkpoints": ">= 1",
+    "train.peak_flops_per_device": ">= 0",
+    "mesh.data": "-1 | >= 1", "mesh.fsdp": "-1 | >= 1", "mesh.tensor": "-1 | >= 1",
+}
+_RULE_TESTS = {
+    ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2, "> 0": lambda v: v > 0,
+    ">= -1": lambda v: v >= -1, "-1 | >= 1": lambda v: v == -1 or v >= 1,
+    "in (0, 1)": lambda v: 0 < v < 1, "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1,
+}
+_RULE_HINTS = {
+    "train.keep_checkpoints": " (the number of checkpoints kept; a run must never end without one)",
+    "train.checkpoint_every": " (steps between checkpoints; the last step is always saved)",
+    "train.log_every": " (steps between log lines)",
+    "train.grad_accum_steps": " (1 = no accumulation)",
+    "data.worker_count": " (-1 = half the cores, 0 = a thread of the training process)",
+    "mesh.data": " (-1 = all devices the other axes leave)", "mesh.fsdp": " (-1 = all devices the other axes leave)",
+    "mesh.tensor": " (-1 = all devices the other axes leave)",
+}
+
+
+def _check_numbers(config: ml_collections.ConfigDict) -> None:
+    for key, rule in NUMERIC_RULES.items():
+        section, name = key.split(".")
+        value = config[section][name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _RULE_TESTS[rule](value):
+            raise ValueError(f"{key}={value!r} is not valid: it must be {rule}{_RULE_HINTS.get(key, '')}.")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Cross-field checks that ml_collections cannot express; each error says the fix."""
+    """Every numeric key's range (NUMERIC_RULES), then cross-field checks that ml_collections
+    cannot express; each error names the key and says the fix."""
+    _check_numbers(config)
     m, d, t = config.model, config.data, config.train
     if m.d_model % m.num_heads and not m.head_dim:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; set model.head_dim.")
     if m.position == "learned" and d.seq_len > m.max_seq_len:
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len.")
-    if t.grad_accum_steps < 1:
-        raise ValueError(f"train.grad_accum_steps={t.grad_accum_steps} must be at least 1 (1 = no accumulation).")
     if d.global_batch_size % t.grad_accum_steps:
         raise ValueError(
             f"data.global_batch_size={d.global_batch_size} is not divisible by "
             f"train.grad_accum_steps={t.grad_accum_steps}."
         )
-    if t.num_steps <= 0:
-        raise ValueError(f"train.num_steps must be positive, got {t.num_steps}.")
 
 
 def validate_batch_split(config: ml_collections.ConfigDict, num_batch_shards: int) -> None:
@@ -189,6 +230,36 @@ def upgrade_saved(saved: dict) -> dict:
     if isinstance(model.get("remat"), bool):
         model["remat"] = "full" if model["remat"] else "none"
     return {**saved, "model": model}
+
+
+# What a checkpoint's state and the batches after it mean: resuming with another value of any of
+# these is refused (train.run), unless named in --allow_config_change. Everything else (learning-rate
+# schedule, optimizer constants, mesh, attention implementation, remat, scan_layers (converted on
+# restore), compute dtype, evaluation, logging) may change between runs. The tokenizer and the f-gram
+# vocabulary are pinned by their fingerprints instead of their paths, so moved files still resume.
+RESUME_KEYS = (
+    "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.head_dim", "model.d_ff",
+    "model.max_seq_len", "model.norm", "model.mlp", "model.position", "model.rope_theta", "model.use_bias",
+    "model.tie_embeddings", "model.param_dtype",
+    "scone.enabled", "scone.max_len", "scone.num_fgrams", "scone.min_count", "scone.extract_max_tokens",
+    "scone.fgram_capacity", "scone.num_layers", "scone.d_model", "scone.num_heads", "scone.d_ff",
+    "data.source", "data.train_files", "data.text_field", "data.document_unit", "data.eval_fraction",
+    "data.seq_len", "data.global_batch_size", "data.shuffle_seed",
+)
+
+
+def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
+    """'key: saved -> now' for every RESUME_KEYS value that differs from the saved config (a plain
+    dict, as checkpoints store it); keys the saved config predates are not compared."""
+    saved = upgrade_saved(saved)
+    changes = []
+    for key in RESUME_KEYS:
+        section, name = key.split(".")
+        if section == "scone" and name != "enabled" and not config.scone.enabled:
+            continue  # the f-gram settings of a run without f-grams mean nothing
+        if name in saved.get(section, {}) and saved[section][name] != config[section][name]:
+            changes.append(f"{key}: {saved[section][name]!r} -> {config[section][name]!r}")
+    return changes
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

@@ -19,8 +19,36 @@ _TRACKER_WARNING = "ignore:resource_tracker:UserWarning"
 
 
 class _QuietLibraries(std_logging.Filter):
+    """Our records as they are; the libraries' warnings and errors as one line each, and none of
+    orbax's errors (a failed save makes it log a traceback per thread; the same failure reaches
+    the run as an exception, which it reports in one line)."""
+
     def filter(self, record):
-        return record.levelno >= std_logging.WARNING or "/scone_jax/" in record.pathname
+        if "/scone_jax/" in record.pathname:
+            return True
+        if record.levelno < std_logging.WARNING:
+            return False
+        if record.levelno >= std_logging.ERROR and "/orbax/checkpoint/" in record.pathname:
+            return False  # a failed save or restore reaches us as an exception, reported in one line
+        first = (record.getMessage().strip().splitlines() or [""])[0]
+        record.msg, record.args = first[:1000], None
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def _drop_failed_io_echoes(unraisable) -> None:
+    """After a failed checkpoint write or read, orbax abandons its event loop while tensorstore still
+    completes the other operations: each completion then fails with 'Event loop is closed', and each
+    abandoned read coroutine is reported when it is collected, all printed as unraisable exceptions
+    (hundreds of lines, each with a whole TensorStore spec). They say nothing that the run's own
+    one-line error does not. Anything else goes to the default hook."""
+    value, obj = unraisable.exc_value, unraisable.object
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+        return
+    code = getattr(obj, "cr_code", None)
+    if code is not None and "/orbax/checkpoint/" in code.co_filename:
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def quiet_libraries() -> None:
@@ -29,3 +57,4 @@ def quiet_libraries() -> None:
         sys.warnoptions.append(_TRACKER_WARNING)
     if logging.get_verbosity() <= logging.INFO:
         logging.get_absl_handler().addFilter(_QuietLibraries())
+        sys.unraisablehook = _drop_failed_io_echoes

@@ -7,10 +7,11 @@ Multi-process jobs run this same command in every process. On a Cloud TPU VM the
 find each other from the TPU environment; elsewhere pass --coordinator_address=HOST:PORT
 (process 0's address and a free port), --num_processes=N and --process_id=I.
 
-Exit status: 0 done; 2 bad input (config, data, mismatched checkpoint, unwritable workdir,
-peers that never arrived, mismatched process counts); 3 non-finite loss (last good checkpoint
-kept); 143 stopped by SIGTERM after saving a checkpoint at the step reached (rerun to resume;
-128 + 15, what a process killed by SIGTERM reports, so schedulers treat it the same way).
+Exit status: 0 done; 2 bad input (config, data, mismatched or damaged checkpoint, a workdir
+that cannot be written or that another run owns, a failed checkpoint write, peers that never
+arrived, mismatched process counts); 3 non-finite loss (last good checkpoint kept); 143 stopped
+by SIGTERM after saving a checkpoint at the step reached (rerun to resume; 128 + 15, what a
+process killed by SIGTERM reports, so schedulers treat it the same way).
 """
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ from scone_jax import config as config_lib, join_flags, logs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py (optionally :variant).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config and tokenizer.")
+_ALLOW_CHANGE = flags.DEFINE_list(
+    "allow_config_change", [],
+    "Config keys (comma-separated, e.g. data.shuffle_seed) that may differ from the checkpoint being resumed. "
+    "Resuming with a changed model shape, f-gram set or data stream is refused otherwise; the refusal lists the keys.")
 _JOIN = join_flags.define("Seconds to wait for all processes to join, and for the workdir's storage to answer.")
 flags.adopt_module_key_flags(join_flags)  # listed by --help
 
@@ -56,7 +61,7 @@ def _config_unloadable() -> bool:
 def main(argv):
     del argv
     logs.quiet_libraries()
-    from scone_jax import distributed, preemption, train, workdir  # after flag parsing: imports JAX
+    from scone_jax import checkpoint, distributed, preemption, train, workdir  # after flag parsing: imports JAX
 
     if not _WORKDIR.value:
         print("scone_jax: error: pass --workdir=DIR (checkpoints, logs and the tokenizer go there)", file=sys.stderr)
@@ -64,14 +69,15 @@ def main(argv):
     try:
         workdir.check_writable(_WORKDIR.value, _JOIN.startup_timeout.value)
         distributed.initialize(_JOIN.spec())
-        train.run(_CONFIG.value, _WORKDIR.value)
+        train.run(_CONFIG.value, _WORKDIR.value, allow_config_changes=_ALLOW_CHANGE.value)
     except train.NonFiniteLossError as e:
         logging.error("%s", e)
         sys.exit(EXIT_NONFINITE)
     except preemption.Preempted as e:
         logging.warning("%s", e)
         sys.exit(EXIT_PREEMPTED)
-    except (ValueError, FileNotFoundError, distributed.DistributedStartError, workdir.WorkdirError) as e:
+    except (ValueError, FileNotFoundError, distributed.DistributedStartError, workdir.WorkdirError,
+            checkpoint.CheckpointWriteError) as e:
         logging.debug("%s", traceback.format_exc())
         print(f"scone_jax: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

@@ -2,7 +2,9 @@
 
 With a gs:// workdir the event files and metrics.jsonl grow in a local staging directory and are
 copied to the workdir every `upload_every_s` seconds and at close (object stores cannot append).
-A resumed run first fetches the workdir's metrics.jsonl, so the file keeps one history.
+A resumed run first fetches the workdir's metrics.jsonl, so the file keeps one history, and drops
+the records of steps after the checkpoint it resumed from (a run that died between checkpoints
+logged steps that the resumed run does again): one record per step, however often a run restarts.
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
-    """One `write(step, scalars)` call fans out to all three sinks."""
+    """One `write(step, scalars)` call fans out to all three sinks. `resume_step` (the step a run
+    starts from, 0 for a fresh one) drops the existing records of later steps; None keeps all."""
 
-    def __init__(self, workdir: str, enabled: bool = True, upload_every_s: float = 60.0):
+    def __init__(self, workdir: str, enabled: bool = True, upload_every_s: float = 60.0,
+                 resume_step: int | None = None):
         self.enabled = enabled
         self._tb = self._jsonl = self._mirror = None
         if not enabled:
@@ -33,11 +37,15 @@ class MetricsWriter:
         if storage.is_remote(workdir):
             local = tempfile.mkdtemp(prefix="scone_jax_metrics-")
             previous = storage.read_bytes(workdir, METRICS_FILE)
-            if previous is not None:
-                with open(os.path.join(local, METRICS_FILE), "wb") as f:
-                    f.write(previous)
-            self._mirror = storage.DirectoryMirror(local, workdir, upload_every_s)
+        else:
+            previous = storage.read_file(os.path.join(local, METRICS_FILE))
         os.makedirs(local, exist_ok=True)
+        if previous is not None and resume_step is not None:  # written whole, then renamed: a crash here leaves the old file
+            with open(os.path.join(local, METRICS_FILE + ".tmp"), "wb") as f:
+                f.write(records_up_to(previous, resume_step))
+            os.replace(os.path.join(local, METRICS_FILE + ".tmp"), os.path.join(local, METRICS_FILE))
+        if storage.is_remote(workdir):
+            self._mirror = storage.DirectoryMirror(local, workdir, upload_every_s)
         # Event files are named by host and second only; the suffix keeps a quick restart from replacing
         # (on GCS: overwriting) the previous run's file.
         self._tb = SummaryWriter(os.path.join(local, "tensorboard"), filename_suffix=f".{uuid.uuid4().hex[:8]}")
@@ -69,6 +77,18 @@ class MetricsWriter:
                 else:
                     logging.warning("Metrics are not all in %s; the local copy stays in %s",
                                     self._mirror.remote, self._mirror.local)
+
+
+def records_up_to(jsonl: bytes, step: int) -> bytes:
+    """The lines of a metrics.jsonl whose step is at most `step` (a torn last line is dropped too)."""
+    kept = []
+    for line in jsonl.splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    return b"".join(kept)
 
 
 def format_line(step: int, total: int, scalars: dict) -> str:

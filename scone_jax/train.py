@@ -22,6 +22,7 @@ from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.metrics_writer import MetricsWriter, format_line
 from scone_jax.model import accounting
+from scone_jax.ownership import hold as hold_workdir
 from scone_jax.throughput import Throughput, peak_flops_per_device
 
 
@@ -96,10 +97,13 @@ def fgram_batcher(config, tokenizer, workdir: str, mesh):
 
 
 class _PendingMetrics:
-    """Device metrics of recent steps, fetched together so the host never waits per step."""
+    """Device metrics of recent steps, fetched together so the host never waits per step.
 
-    def __init__(self):
-        self.items = []
+    `restored` names the checkpoint this run resumed from: a non-finite loss up to step
+    `suspect_until` then points at that checkpoint rather than at the learning rate."""
+
+    def __init__(self, restored: str | None = None, suspect_until: int = 0):
+        self.items, self._restored, self._suspect_until = [], restored, suspect_until
 
     def add(self, step, metrics, host_figures: dict):
         self.items.append((step, metrics, host_figures))
@@ -113,6 +117,12 @@ class _PendingMetrics:
         self.items = []
         for r in records:
             bad = {k: r[k] for k in ("loss", "grad_norm", "param_norm") if not math.isfinite(r[k])}
+            if bad and self._restored and r["step"] <= self._suspect_until:
+                raise NonFiniteLossError(
+                    f"Non-finite {bad} at step {r['step']}, right after resuming from {self._restored}: that "
+                    "checkpoint's state is probably bad. Training stopped and nothing was saved. Fix: move it aside "
+                    f"(mv {self._restored} {self._restored}.bad) and rerun to resume from the checkpoint before it."
+                )
             if bad:
                 raise NonFiniteLossError(
                     f"Non-finite {bad} at step {r['step']}; training stopped and the bad state "
@@ -122,39 +132,43 @@ class _PendingMetrics:
         return records
 
 
-def run(config, workdir: str) -> dict:
-    """Train per `config` in `workdir`, resuming if a checkpoint exists. Returns final metrics."""
+def run(config, workdir: str, allow_config_changes=()) -> dict:
+    """Train per `config` in `workdir`, resuming if a checkpoint exists. Returns final metrics.
+
+    Resuming with a different value of a key in config.RESUME_KEYS (what defines the saved state
+    and the data stream) is refused unless the key is named in `allow_config_changes`."""
     config_lib.validate(config)
     mesh = sharding.make_mesh(config.mesh)
     config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
+    with hold_workdir(workdir) as owner:  # before anything is written there; released however the run ends
+        return _train(config, workdir, mesh, owner, allow_config_changes)
+
+
+def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
+    """run() once this job owns the workdir; `owner.check()` stops it if another run takes the workdir over."""
     is_chief = jax.process_index() == 0
     tokenizer = distributed.chief_first("tokenizer", lambda: tokenizer_lib.ensure_tokenizer(config.data, workdir))
     resolve_vocab_size(config, tokenizer)
+    logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(), jax.process_count())
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
+    try:
+        # Refused resumes stop here, before anything in the workdir changes (f-grams, config.json).
+        _check_resume_config(ckpt, config, allow_config_changes)
+        vocab, batcher = fgram_batcher(config, tokenizer, workdir, mesh)
+        spec = state_lib.state_spec(config, mesh)
+        expect = {
+            "tokenizer_fingerprint": tokenizer.fingerprint,
+            "fgram_vocab_fingerprint": vocab.fingerprint if vocab else None,
+        }
+        step, state = _restore_newest_good(ckpt, config, spec, mesh, expect)
+    except BaseException:
+        ckpt.close()
+        raise
     if is_chief:
         config_lib.write_config(config, workdir)
-    logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(), jax.process_count())
-    vocab, batcher = fgram_batcher(config, tokenizer, workdir, mesh)
-
-    spec = state_lib.state_spec(config, mesh)
     logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(spec.abstract[0]).items()})
     flops = accounting.train_step_flops(config, spec.abstract[0], sharding.num_batch_shards(mesh))
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
-    expect = {
-        "tokenizer_fingerprint": tokenizer.fingerprint,
-        "fgram_vocab_fingerprint": vocab.fingerprint if vocab else None,
-    }
     meta = {**expect, "config": config.to_dict()}
-
-    step = ckpt.latest_step() or 0
-    if step:
-        state, saved = state_lib.restore(ckpt, step, config, spec, mesh, expect=expect)
-        logging.info("Resumed from step %d", step)
-        if saved.get("process_count", jax.process_count()) != jax.process_count():
-            logging.warning("Checkpoint step %d was written by %d processes and this run has %d: the documents "
-                            "are shared out anew, so each process now reads another part of the data.",
-                            step, saved["process_count"], jax.process_count())
-    else:
-        state = state_lib.init_state(config, spec)
     # One batch per step: the batch numbers continue where the checkpoint stopped (packing.py).
     inputs = _Inputs(pipeline.make_train_dataset(
         config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
@@ -163,11 +177,12 @@ def run(config, workdir: str) -> dict:
 
     train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
     eval_step = steps.make_eval_step(spec.graphdef, spec.shardings, mesh)
-    writer = MetricsWriter(workdir, enabled=is_chief)
+    writer = MetricsWriter(workdir, enabled=is_chief, resume_step=step)
     t = config.train
     peak = peak_flops_per_device(t.peak_flops_per_device) * jax.device_count()
     meter = Throughput(t.num_steps, step, flops["total"], peak)
-    pending, window, summary, eval_batches = _PendingMetrics(), [], {}, None
+    pending = _PendingMetrics(f"{ckpt.directory}/{step}" if step else None, step + t.log_every)
+    window, summary, eval_batches = [], {}, None
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     watch = preemption.Watch()
     start_step = step
@@ -183,6 +198,8 @@ def run(config, workdir: str) -> dict:
                     lambda: _save_after_input_failure(ckpt, step, state, meta, pending, writer)))
             last = step == stop_at
             preempted = watch.reached(step)
+            owner.check()  # raises if another run took the workdir over: write nothing more there
+            ckpt.raise_if_failed()  # a failed save stops the run now, not at the next save
             if step % t.log_every == 0 or step % t.checkpoint_every == 0 or last or preempted:
                 records = pending.flush()
                 writer.write_steps(records)
@@ -208,10 +225,67 @@ def run(config, workdir: str) -> dict:
     finally:
         inputs.close()
         watch.close()
-        ckpt.wait()
-        ckpt.close()
-        writer.close()
+        try:
+            ckpt.wait()  # CheckpointWriteError if the last save failed
+        finally:
+            ckpt.close()
+            writer.close()
     return {"step": step, **summary}
+
+
+def _check_resume_config(ckpt, config, allowed) -> None:
+    """Refuse to resume the latest checkpoint with changed RESUME_KEYS, listing every difference."""
+    unknown = sorted(set(allowed) - set(config_lib.RESUME_KEYS))
+    if unknown:
+        raise ValueError(f"--allow_config_change names {unknown}, which are not checked on resume; the keys it "
+                         f"accepts: {', '.join(config_lib.RESUME_KEYS)}.")
+    step = ckpt.latest_step()
+    if not step:
+        return
+    try:
+        saved = ckpt.read_meta(step).get("config", {})
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint is reported (and skipped) by the restore
+        return
+    changes = [c for c in config_lib.resume_changes(saved, config) if c.split(":")[0] not in allowed]
+    if changes:
+        raise checkpoint.CheckpointMismatchError(
+            f"Resuming {ckpt.directory}/{step} with a config that changes what the checkpoint's state or data stream "
+            f"mean: {'; '.join(changes)}. Nothing was changed in the workdir. Fix: restore those values, use a fresh "
+            f"--workdir, or, if the change is intended, rerun with "
+            f"--allow_config_change={','.join(c.split(':')[0] for c in changes)}.")
+
+
+def _restore_newest_good(ckpt, config, spec, mesh, expect):
+    """(step, state) of the newest checkpoint that restores and verifies, or (0, a fresh state).
+
+    A damaged newer checkpoint is set aside (renamed damaged-<step>, kept for inspection) with a
+    warning, once an older good one is found; if none is good, nothing is renamed and the error
+    says how to start over."""
+    steps_ = sorted(ckpt.all_steps(), reverse=True)
+    damaged = []
+    for step in steps_:
+        try:
+            state, saved = state_lib.restore(ckpt, step, config, spec, mesh, expect=expect)
+        except checkpoint.CheckpointDamagedError as e:
+            logging.warning("%s", e)
+            damaged.append(step)
+            continue
+        for bad in damaged:
+            logging.warning("Checkpoint step %d is damaged: moved to %s; resuming from step %d instead.",
+                            bad, ckpt.set_aside(bad), step)
+        logging.info("Resumed from step %d", step)
+        if saved.get("process_count", jax.process_count()) != jax.process_count():
+            logging.warning("Checkpoint step %d was written by %d processes and this run has %d: the documents "
+                            "are shared out anew, so each process now reads another part of the data.",
+                            step, saved["process_count"], jax.process_count())
+        return step, state
+    if damaged:
+        older = f"so are the older ones ({', '.join(map(str, damaged[1:]))})" if damaged[1:] else "no older one is kept"
+        raise checkpoint.CheckpointDamagedError(
+            ckpt.directory, damaged[0],
+            f"{older}, so there is nothing to resume from; nothing was changed. Fix: restore the checkpoint files "
+            f"from a copy, or move {ckpt.directory} aside to train from scratch")
+    return 0, state_lib.init_state(config, spec)
 
 
 def _next_batch(inputs, step: int, save):

@@ -64,12 +64,16 @@ def test_jsonl_errors_name_file_line_and_field(tmp_path):
     cfg = _data_cfg(source="jsonl", train_files=str(path))
     with pytest.raises(ValueError, match=r"d\.jsonl:1: no string field 'text' \(found \['body'\]\).*data\.text_field"):
         sources.open_source(cfg, "train")
-    path.write_text('{"text": "ok"}\n\n{"text": 3}\n{"text": "fine"\n')
+    path.write_text('{"text": "ok"}\n\n{"text": 3}\n{"text": "fine"\n{"text": null}\n')
     source = sources.open_source(cfg, "train")
-    with pytest.raises(ValueError, match=r"d\.jsonl:3: no string field 'text'"):
+    # A record whose field is there but holds no text is that record's fault, not data.text_field's.
+    with pytest.raises(ValueError, match=r"d\.jsonl:3: field 'text' holds 3, not text\. Fix: remove or repair"):
         source[1]
     with pytest.raises(ValueError, match=r"d\.jsonl:4: bad JSON"):
         source[2]
+    with pytest.raises(ValueError, match=r"d\.jsonl:5: field 'text' holds null, not text") as error:
+        source[3]
+    assert "text_field" not in str(error.value)
 
 
 def test_token_arrayrecord_round_trip(tmp_path):

@@ -162,10 +162,11 @@ def test_a_gcs_workdir_receives_tokenizer_config_and_metrics(bucket, tmp_path):
         time.sleep(0.1)
     assert storage.read_bytes(workdir, "metrics.jsonl") is not None  # uploaded before close
     writer.write(2, {"loss": 4.0})
+    writer.write(3, {"loss": 9.0})  # logged after the checkpoint at step 2, then the run died
     staging = writer._mirror.local
     writer.close()
     assert not os.path.exists(staging)  # removed once everything is in the bucket
-    resumed = metrics_writer.MetricsWriter(workdir)
+    resumed = metrics_writer.MetricsWriter(workdir, resume_step=2)
     resumed.write(3, {"loss": 3.0})
     resumed.close()
     lines = [json.loads(line) for line in storage.read_bytes(workdir, "metrics.jsonl").decode().splitlines()]

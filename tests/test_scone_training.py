@@ -121,5 +121,5 @@ def test_capacity_that_does_not_split_into_micro_batches_is_a_config_error():
                                          r"equal micro-batches. Fix: use a multiple of 4, e.g. 88 or 92."):
         config_lib.validate_batch_split(config, 1)
     config.train.grad_accum_steps = 0
-    with pytest.raises(ValueError, match="grad_accum_steps=0 must be at least 1"):
+    with pytest.raises(ValueError, match=r"train.grad_accum_steps=0 is not valid: it must be >= 1 \(1 = no accumulation\)"):
         config_lib.validate(config)

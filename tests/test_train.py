@@ -143,8 +143,11 @@ def test_scone_training_extracts_fgrams_logs_their_figures_and_pins_the_vocabula
     config = scone_config(tokenizer_path, num_fgrams=500)
     workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer_lib.Tokenizer.load(tokenizer_path), other)
     config.scone.vocab_path = os.path.join(other, "fgrams")
-    with pytest.raises(checkpoint.CheckpointMismatchError, match="fgram_vocab_fingerprint"):
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=r"changes .* scone.num_fgrams: 2000 -> 500"):
         train.run(config, workdir)
+    # Allowing the config change still leaves the vocabulary itself pinned by its fingerprint.
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="fgram_vocab_fingerprint"):
+        train.run(config, workdir, allow_config_changes=["scone.num_fgrams"])
 
 
 def eval_records(workdir):

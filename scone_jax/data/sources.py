@@ -148,6 +148,11 @@ class JsonlSource:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{_line_number(path, offset)}: bad JSON ({e.msg}).") from e
         text = record.get(self._field) if isinstance(record, dict) else None
+        if isinstance(record, dict) and self._field in record and not isinstance(text, str):
+            raise ValueError(
+                f"{path}:{_line_number(path, offset)}: field {self._field!r} holds {json.dumps(text)[:40]}, not "
+                "text. Fix: remove or repair that record (every record needs its text in that field)."
+            )
         if not isinstance(text, str):
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(

@@ -1,0 +1,269 @@
+"""One writer per workdir: the lease in <workdir>/OWNER (scone_jax/ownership.py), on local disk and on
+the GCS emulator, then the training CLI: a second run on a busy workdir stops at once naming the owner,
+and a run killed with SIGKILL is taken over once its lease has run out."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from scone_jax import ownership, storage
+from scone_jax.data import tokenizer as tokenizer_lib
+from tests import gcs_emulator
+from tests.common import small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_STEPS, GATE_STEP = 4, 2
+
+# `python -c GATED_MAIN ARGS` = `python -m scone_jax.main ARGS`, except that the loop, at step
+# $SCONE_TEST_GATE_STEP, creates $SCONE_TEST_GATE_FILE and waits until $SCONE_TEST_GATE_FILE.go exists:
+# the run is then busy mid-training for as long as the test needs, however fast its steps are.
+GATED_MAIN = """
+import os, runpy, time
+from scone_jax import preemption
+step_at, gate = int(os.environ["SCONE_TEST_GATE_STEP"]), os.environ["SCONE_TEST_GATE_FILE"]
+reached = preemption.Watch.reached
+
+def gated(self, step):
+    if step == step_at:
+        open(gate, "w").close()
+        deadline = time.monotonic() + 300
+        while not os.path.exists(gate + ".go") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return reached(self, step)
+
+preemption.Watch.reached = gated
+runpy.run_module("scone_jax.main", run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator (the [test] extra)")
+    with gcs_emulator.running() as url:
+        yield url
+
+
+@pytest.fixture(params=["local", "gcs"])
+def workdir(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return f"{request.getfixturevalue('bucket')}/{tmp_path.name}"
+
+
+def owner_record(workdir):
+    raw = storage.read_bytes(workdir, ownership.OWNER_FILE)
+    return None if raw is None else json.loads(raw)
+
+
+def dead_owner(workdir, renewed_ago_s=3600.0, lease_s=60.0):
+    """The OWNER a run on another host left when it was killed, `renewed_ago_s` ago."""
+    then = time.time() - renewed_ago_s
+    record = {"host": "gone-host", "pid": 4242, "started": "2024-05-06 07:08:09 UTC", "started_unix": then,
+              "renewed_unix": then, "lease_s": lease_s, "token": "f" * 32}
+    storage.write_bytes(workdir, ownership.OWNER_FILE, json.dumps(record).encode())
+
+
+def test_a_second_owner_is_refused_with_the_owner_named_until_the_first_releases(workdir):
+    first = ownership.acquire(workdir, lease_s=60)
+    record = owner_record(workdir)
+    assert (record["host"], record["pid"]) == (socket.gethostname(), os.getpid())
+    with pytest.raises(ownership.WorkdirBusy) as refused:
+        ownership.acquire(workdir, lease_s=60)
+    message = str(refused.value)
+    assert f"host {socket.gethostname()}, process {os.getpid()}, started {record['started']}" in message
+    assert f"delete {workdir}/OWNER" in message and "\n" not in message
+    assert owner_record(workdir) == record  # the refused run wrote nothing
+
+    first.release()
+    assert owner_record(workdir) is None
+    second = ownership.acquire(workdir, lease_s=60)
+    assert owner_record(workdir)["token"] != record["token"]
+    second.release()
+    assert owner_record(workdir) is None
+
+
+def test_the_heartbeat_keeps_a_short_lease_alive(workdir):
+    owner = ownership.acquire(workdir, lease_s=0.6)  # renewed every 0.1 s
+    try:
+        first = owner_record(workdir)["renewed_unix"]
+        time.sleep(1.5)  # 2.5 leases
+        assert owner_record(workdir)["renewed_unix"] > first
+        with pytest.raises(ownership.WorkdirBusy):
+            ownership.acquire(workdir)
+        assert not owner.lost()
+    finally:
+        owner.release()
+
+
+def test_an_expired_lease_is_taken_over_with_a_warning_naming_the_old_owner(workdir, caplog):
+    dead_owner(workdir)
+    with caplog.at_level("WARNING"):
+        owner = ownership.acquire(workdir, lease_s=60)
+    try:
+        assert owner_record(workdir)["pid"] == os.getpid()
+        assert "Took over" in caplog.text
+        assert "host gone-host, process 4242, started 2024-05-06 07:08:09 UTC" in caplog.text
+    finally:
+        owner.release()
+
+
+def test_a_live_lease_of_a_run_elsewhere_is_not_taken_over(workdir):
+    dead_owner(workdir, renewed_ago_s=5, lease_s=60)
+    with pytest.raises(ownership.WorkdirBusy, match="host gone-host, process 4242"):
+        ownership.acquire(workdir)
+
+
+@pytest.mark.parametrize("previous", ["none", "expired"])
+def test_of_runs_acquiring_at_once_exactly_one_wins(workdir, previous):
+    if previous == "expired":
+        dead_owner(workdir)
+    start, won, refused, failed = threading.Barrier(4), [], [], []
+
+    def contend():
+        start.wait()
+        try:
+            won.append(ownership.acquire(workdir, lease_s=60))
+        except ownership.WorkdirBusy as e:
+            refused.append(e)
+        except Exception as e:  # anything else is a bug
+            failed.append(e)
+
+    threads = [threading.Thread(target=contend) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert (len(won), len(refused), failed) == (1, 3, [])
+        assert owner_record(workdir)["token"] == won[0].record["token"]
+    finally:
+        for owner in won:
+            owner.release()
+
+
+def test_an_owner_whose_lease_another_run_took_stops_at_its_next_check(workdir, caplog):
+    """What a run that stalled past its lease (or whose clock disagreed) finds at its next renewal."""
+    owner = ownership.acquire(workdir, lease_s=0.6)
+    dead_owner(workdir, renewed_ago_s=0)  # another run's record replaces this run's
+    deadline = time.monotonic() + 10
+    while not owner.lost() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(ownership.OwnershipLost, match="taken over by another run .host gone-host, process 4242"):
+        owner.check()
+    owner.release()
+    assert owner_record(workdir)["host"] == "gone-host"  # the new owner's record stays
+
+
+def test_a_foreign_owner_file_blocks_and_is_never_taken_over(tmp_path, monkeypatch):
+    storage.write_bytes(str(tmp_path), "OWNER", b"mine, hands off\n")
+    with pytest.raises(ownership.WorkdirBusy, match="not a run's ownership record"):
+        ownership.acquire(str(tmp_path))
+    monkeypatch.setenv(ownership.LEASE_ENV, "soon")
+    with pytest.raises(ValueError, match="SCONE_JAX_LEASE_S='soon' must be a positive number"):
+        ownership.lease_seconds()
+
+
+# The training CLI, as a user meets it.
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("tok"))
+    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
+    return os.path.join(workdir, "tokenizer.model")
+
+
+def start_cli(tokenizer_path, workdir, gate=None, lease_s=2):
+    """`python -m scone_jax.main` on the small config; with `gate` (a path), waiting at GATE_STEP (GATED_MAIN)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           ownership.LEASE_ENV: str(lease_s)}
+    program = ["-m", "scone_jax.main"]
+    if gate is not None:
+        env.update(SCONE_TEST_GATE_STEP=str(GATE_STEP), SCONE_TEST_GATE_FILE=gate)
+        program = ["-c", GATED_MAIN]
+    return subprocess.Popen(
+        [sys.executable, *program, f"--config=tests/small_config.py:{tokenizer_path}", f"--workdir={workdir}",
+         f"--config.train.num_steps={NUM_STEPS}", "--config.train.log_every=1", "--config.train.checkpoint_every=100"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(proc, path, timeout=240):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"training exited early: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"training did not create {path} in {timeout} s"
+        time.sleep(0.05)
+
+
+def step_records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [r["step"] for r in map(json.loads, f) if r["split"] == "step"]
+
+
+def test_a_second_run_on_a_busy_workdir_exits_2_at_once_and_the_first_finishes_alone(tokenizer_path, tmp_path):
+    """The first run holds the workdir at step 2 for longer than its 2 s lease (the heartbeat keeps it)."""
+    workdir, gate = str(tmp_path / "run"), str(tmp_path / "at_gate")
+    first = start_cli(tokenizer_path, workdir, gate=gate, lease_s=2)
+    try:
+        wait_for(first, gate)
+        time.sleep(2.5)  # past one lease: only renewals keep it
+        second = start_cli(tokenizer_path, workdir)
+        _, stderr = second.communicate(timeout=120)
+        assert first.poll() is None  # refused while the owner is still mid-run
+        assert second.returncode == 2, stderr[-3000:]
+        [line] = [x for x in stderr.splitlines() if x.startswith("scone_jax: error:")]
+        assert f"is in use by another run: host {socket.gethostname()}, process {first.pid}, started " in line
+        assert f"delete {workdir}/OWNER" in line and "Traceback" not in stderr
+        open(gate + ".go", "w").close()
+        _, stderr = first.communicate(timeout=240)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, stderr[-3000:]
+    assert step_records(workdir) == list(range(1, NUM_STEPS + 1))  # one record per step, from one run
+    assert not os.path.exists(os.path.join(workdir, "OWNER"))
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [str(NUM_STEPS)]
+
+
+def test_a_run_killed_with_sigkill_is_taken_over_once_its_lease_runs_out(tokenizer_path, tmp_path):
+    workdir = str(tmp_path / "run")
+    killed = start_cli(tokenizer_path, workdir, lease_s=2)
+    try:
+        wait_for(killed, os.path.join(workdir, "OWNER"))
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    left = owner_record(workdir)
+    assert left["pid"] == killed.pid  # left behind: nothing ran to delete it
+    time.sleep(max(left["renewed_unix"] + left["lease_s"] - time.time(), 0))  # else the rerun may be refused
+    rerun = start_cli(tokenizer_path, workdir, lease_s=2)
+    _, stderr = rerun.communicate(timeout=240)
+    assert rerun.returncode == 0, stderr[-3000:]
+    assert f"Took over --workdir={workdir} from a run that stopped renewing its lease (host " in stderr
+    assert f"process {killed.pid}, started " in stderr
+    assert step_records(workdir) == list(range(1, NUM_STEPS + 1))
+    assert not os.path.exists(os.path.join(workdir, "OWNER"))
+
+
+def test_both_processes_of_a_job_on_a_busy_workdir_exit_2_with_the_owner_named(tokenizer_path, tmp_path):
+    """Process 0 tries and tells process 1 through jax's key-value store: neither waits for the other."""
+    from tests.test_multihost import cli, free_port, run_processes
+
+    workdir, port = str(tmp_path / "run"), free_port()
+    owner = ownership.acquire(workdir, lease_s=60)
+    try:
+        results = run_processes([cli(tokenizer_path, port, i, 2, f"--workdir={workdir}", "--startup_timeout=60")
+                                 for i in range(2)], timeout=120)
+    finally:
+        owner.release()
+    for r in results:
+        assert r.returncode == 2, r.stderr[-3000:]
+        [line] = [x for x in r.stderr.splitlines() if x.startswith("scone_jax: error:")]
+        assert f"is in use by another run: host {socket.gethostname()}, process {os.getpid()}, started " in line
+        assert "Traceback" not in r.stderr
+    assert not os.path.exists(os.path.join(workdir, "config.json"))

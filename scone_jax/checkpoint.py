@@ -21,12 +21,11 @@ import time
 
 import grain
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from scone_jax import checksums, storage
+from scone_jax import checksums, distributed, storage
 
 _STATE, _DATA, _META = "state", "data", "meta"
 
@@ -135,7 +134,7 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - a file missing, truncated or unparsable
             failure = e
-        if _any_process(failure is not None):  # all processes agree before the checksum collective
+        if distributed.any_process(failure is not None):  # all processes agree before the checksum collective
             why = _first_line(failure) if failure is not None else "another process could not read its part"
             raise CheckpointDamagedError(self.directory, step, f"its arrays cannot be read ({why})") from failure
         if "state_checksums" in meta:
@@ -199,13 +198,6 @@ def check_compatible(meta: dict, expect: dict, where: str) -> None:
                 "Use a fresh --workdir for a different tokenizer/vocabulary/model, or restore "
                 "the matching files."
             )
-
-
-def _any_process(flag: bool) -> bool:
-    """True on every process if `flag` is true on any (no communication with one process)."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
 def _names(path) -> tuple[str, ...]:

@@ -20,7 +20,9 @@ import sys
 import threading
 
 import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 _COUNT_KEY = "scone_jax/num_processes"
 EXIT_START_FAILED = 2  # main.py's "bad input" status
@@ -150,6 +152,14 @@ def barrier(name: str, timeout_s: int = 600) -> None:
     of hanging when a peer died before getting there."""
     if jax.process_count() > 1:
         _client().wait_at_barrier(f"scone_jax/{name}", timeout_s * 1000)
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process if `flag` is true on any of them (a collective: all must call it; no
+    communication in a one-process job)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
 def chief_first(name: str, make):

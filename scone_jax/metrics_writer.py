@@ -67,12 +67,14 @@ class MetricsWriter:
             self._jsonl.write(json.dumps({"split": "step", **record}) + "\n")
         self._jsonl.flush()
 
-    def close(self) -> None:
+    def close(self, publish: bool = True) -> None:
+        """Close the sinks and make the workdir's copy complete. publish=False (the run lost its
+        workdir to another run) leaves the workdir's copy alone and keeps the local one."""
         if self.enabled:
             self._tb.close()
             self._jsonl.close()
             if self._mirror is not None:
-                if self._mirror.close():
+                if self._mirror.close(upload=publish):
                     shutil.rmtree(self._mirror.local, ignore_errors=True)
                 else:
                     logging.warning("Metrics are not all in %s; the local copy stays in %s",

@@ -96,8 +96,9 @@ class DirectoryMirror:
                     complete = False
         return complete
 
-    def close(self) -> bool:
-        """Stop the thread and upload what changed; True if the remote copy is complete."""
+    def close(self, upload: bool = True) -> bool:
+        """Stop the thread and (unless `upload` is False) upload what changed; True if the remote
+        copy is complete."""
         self._stop.set()
         self._thread.join()
-        return self.sync()
+        return self.sync() if upload else False

@@ -22,7 +22,7 @@ from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.metrics_writer import MetricsWriter, format_line
 from scone_jax.model import accounting
-from scone_jax.ownership import hold as hold_workdir
+from scone_jax.ownership import OwnershipLost, hold as hold_workdir
 from scone_jax.throughput import Throughput, peak_flops_per_device
 
 
@@ -138,6 +138,10 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
     Resuming with a different value of a key in config.RESUME_KEYS (what defines the saved state
     and the data stream) is refused unless the key is named in `allow_config_changes`."""
     config_lib.validate(config)
+    unknown = sorted(set(allow_config_changes) - set(config_lib.RESUME_KEYS))
+    if unknown:
+        raise ValueError(f"--allow_config_change names {unknown}, which are not checked on resume; the keys it "
+                         f"accepts: {', '.join(config_lib.RESUME_KEYS)}.")
     mesh = sharding.make_mesh(config.mesh)
     config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
     with hold_workdir(workdir) as owner:  # before anything is written there; released however the run ends
@@ -198,7 +202,12 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                     lambda: _save_after_input_failure(ckpt, step, state, meta, pending, writer)))
             last = step == stop_at
             preempted = watch.reached(step)
-            owner.check()  # raises if another run took the workdir over: write nothing more there
+            writes = (step % t.log_every == 0 or step % t.checkpoint_every == 0 or last or preempted
+                      or (t.eval_every and step % t.eval_every == 0))
+            if writes and distributed.any_process(owner.lost()):  # another run took the workdir over
+                owner.check()  # process 0 names the new owner
+                raise OwnershipLost(f"--workdir={workdir} was taken over by another run (process 0 logs which); "
+                                    "this run stopped before writing there again.")
             ckpt.raise_if_failed()  # a failed save stops the run now, not at the next save
             if step % t.log_every == 0 or step % t.checkpoint_every == 0 or last or preempted:
                 records = pending.flush()
@@ -229,16 +238,12 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
             ckpt.wait()  # CheckpointWriteError if the last save failed
         finally:
             ckpt.close()
-            writer.close()
+            writer.close(publish=not owner.lost())  # never overwrite the metrics of a run that took over
     return {"step": step, **summary}
 
 
 def _check_resume_config(ckpt, config, allowed) -> None:
     """Refuse to resume the latest checkpoint with changed RESUME_KEYS, listing every difference."""
-    unknown = sorted(set(allowed) - set(config_lib.RESUME_KEYS))
-    if unknown:
-        raise ValueError(f"--allow_config_change names {unknown}, which are not checked on resume; the keys it "
-                         f"accepts: {', '.join(config_lib.RESUME_KEYS)}.")
     step = ckpt.latest_step()
     if not step:
         return

@@ -27,14 +27,6 @@ def _data_cfg(**overrides):
     return ml_collections.ConfigDict(cfg)
 
 
-def _take(ds, n):
-    it = iter(ds)
-    try:
-        return [next(it) for _ in range(n)]
-    finally:
-        it.close()
-
-
 @pytest.fixture
 def single_token_docs(tmp_path):
     """48 training and 10 held-out documents, document k = the single token id 100 + k."""
@@ -65,7 +57,7 @@ def _check_packing_invariants(batch, tok):
 
 
 def test_train_batches_shapes_dtypes_and_packing(tok):
-    batches = _take(pipeline.make_train_dataset(_data_cfg(), tok), 4)
+    batches = pipeline.first_batches(pipeline.make_train_dataset(_data_cfg(), tok), 4)
     for batch in batches:
         assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {k: ((4, 32), d) for k, d in KEYS.items()}
         _check_packing_invariants(batch, tok)
@@ -79,7 +71,7 @@ def test_rows_unpack_to_the_shuffled_tokenized_documents(tok, tmp_path):
     docs = sorted(corpus.kjv_documents("eval", 0.02), key=len)[:12]  # short ones: several fit in a row
     (tmp_path / "docs.txt").write_text("\n".join(docs) + "\n")
     cfg = _data_cfg(source="text", train_files=str(tmp_path / "docs.txt"), seq_len=256, global_batch_size=6)
-    batches = _take(pipeline.make_train_dataset(cfg, tok, process_index=1, process_count=2), 2)
+    batches = pipeline.first_batches(pipeline.make_train_dataset(cfg, tok, process_index=1, process_count=2), 2)
     mine = documents.process_share(len(docs), cfg.shuffle_seed, 1, 2)  # 6 documents
     order = np.concatenate([mine[np.random.default_rng([cfg.shuffle_seed, e]).permutation(6)] for e in range(4)])
     expected = [docs[i] for i in order]
@@ -97,7 +89,7 @@ def test_process_slices_are_disjoint_and_cover_each_epoch(tok, single_token_docs
     epochs = collections.defaultdict(list)  # epoch -> document ids read by all processes
     for p in range(4):
         ds = pipeline.make_train_dataset(single_token_docs, tok, process_index=p, process_count=4)
-        batches = _take(ds, 6)  # 12 documents x 2 tokens = 3 rows of 8 per epoch; local batch 1
+        batches = pipeline.first_batches(ds, 6)  # 12 documents x 2 tokens = 3 rows of 8 per epoch; local batch 1
         assert batches[0]["inputs"].shape == (1, 8)
         ids = _doc_ids(batches)
         assert len(ids) == 24
@@ -114,8 +106,8 @@ def test_starting_at_a_batch_number_resumes_exactly_and_the_transform_applies(to
     def add_doubled(batch):
         return {**batch, "doubled": batch["inputs"] * 2}
 
-    straight = _take(pipeline.make_train_dataset(_data_cfg(), tok, batch_transform=add_doubled), 10)
-    resumed = _take(pipeline.make_train_dataset(_data_cfg(), tok, batch_transform=add_doubled, start_batch=5), 5)
+    straight = pipeline.first_batches(pipeline.make_train_dataset(_data_cfg(), tok, batch_transform=add_doubled), 10)
+    resumed = pipeline.first_batches(pipeline.make_train_dataset(_data_cfg(), tok, batch_transform=add_doubled, start_batch=5), 5)
     for expected, got in zip(straight[5:], resumed):
         assert expected.keys() == got.keys()
         for k in expected:
@@ -208,7 +200,7 @@ def test_pre_tokenized_ids_outside_the_vocabulary_are_rejected(tok, tmp_path):
     sources.write_token_arrayrecord(str(tmp_path / "t.arrayrecord"), [[7, 9999]])
     cfg = _data_cfg(source="arrayrecord", train_files=str(tmp_path / "t.arrayrecord"))
     with pytest.raises(ValueError, match=r"token id 9999.*\[0, 500\)"):
-        _take(pipeline.make_train_dataset(cfg, tok), 1)
+        pipeline.first_batches(pipeline.make_train_dataset(cfg, tok), 1)
 
 
 def _add_row_sums(batch):
@@ -220,9 +212,9 @@ def test_batches_do_not_depend_on_the_number_of_worker_processes(tok):
     """0 (a thread), 1 and 2 worker processes give the same batches, transform included, also
     when started mid-stream. Catches a pipeline that packs per worker (grain's mp_prefetch
     slices its input: each worker would pack every other document)."""
-    want = _take(pipeline.make_train_dataset(_data_cfg(worker_count=0), tok, batch_transform=_add_row_sums), 6)
+    want = pipeline.first_batches(pipeline.make_train_dataset(_data_cfg(worker_count=0), tok, batch_transform=_add_row_sums), 6)
     for workers, start in ((1, 0), (2, 2)):
-        got = _take(pipeline.make_train_dataset(_data_cfg(worker_count=workers, prefetch_buffer=1), tok,
+        got = pipeline.first_batches(pipeline.make_train_dataset(_data_cfg(worker_count=workers, prefetch_buffer=1), tok,
                                                 batch_transform=_add_row_sums, start_batch=start), 6 - start)
         for expected, batch in zip(want[start:], got):
             assert expected.keys() == batch.keys()

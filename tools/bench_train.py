@@ -74,8 +74,8 @@ def dedup_reduction(config, tokenizer, batcher, rows: int, seq_len: int, num_bat
     data = config.data.copy_and_resolve_references()
     data.update(dict(global_batch_size=rows, seq_len=seq_len))
     big = FgramBatcher(batcher.matcher, batcher.vocab, num_shards=1, capacity=rows * seq_len)
-    it = iter(pipeline.make_train_dataset(data, tokenizer, batch_transform=big))
-    figures = [stats.batch_stats(next(it)) for _ in range(num_batches)]
+    batches = pipeline.first_batches(pipeline.make_train_dataset(data, tokenizer, batch_transform=big), num_batches)
+    figures = [stats.batch_stats(b) for b in batches]
     return float(1.0 / np.mean([f["fgram/row_ratio"] for f in figures]))
 
 
@@ -89,8 +89,8 @@ def main(_):
         for config in (scone, baseline):
             train.resolve_vocab_size(config, tokenizer)
         vocab, batcher = train.fgram_batcher(scone, tokenizer, workdir, sharding.make_mesh(scone.mesh))
-    dataset = iter(pipeline.make_train_dataset(scone.data, tokenizer, batch_transform=batcher))
-    batches = [next(dataset) for _ in range(steps_per_round)]
+    batches = pipeline.first_batches(pipeline.make_train_dataset(scone.data, tokenizer, batch_transform=batcher),
+                                     steps_per_round)
     best = time_alternating({"baseline": step_runner(baseline, batches), "scone": step_runner(scone, batches)}, rounds)
     base_s, scone_s = best["baseline"], best["scone"]
     tokens = scone.data.global_batch_size * scone.data.seq_len

@@ -183,6 +183,18 @@ class _UnstackedIterator:
         self._elements.close()
 
 
+def first_batches(dataset, count: int) -> list[Batch]:
+    """The first `count` batches of `dataset`, its iterator closed afterwards (worker processes
+    stopped: an iterator left open ends the interpreter with grain's tracebacks)."""
+    it = iter(dataset)
+    try:
+        return [next(it) for _ in range(count)]
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
 class EvalBatches:
     """Every held-out document exactly once, as fixed-shape batches; iterable any number of times.
 

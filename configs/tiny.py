@@ -12,7 +12,6 @@ import ml_collections
 
 from scone_jax.config import base_config
 
-
 VARIANTS = ("scone", "baseline", "baseline_2x")
 
 

@@ -219,9 +219,9 @@ def run_commands(s: Settings) -> list[Command]:
 
 
 def export_commands(s: Settings) -> list[Command]:
-    """Runs scone_jax.export on every worker of every slice in the foreground: each process joins
+    """Runs scone_jax.serving.export on every worker of every slice in the foreground: each process joins
     the job from the TPU environment, computes rows on its chips and writes its own chunks."""
-    export = f"{REMOTE_VENV}/bin/python -m scone_jax.export " + shlex.join(
+    export = f"{REMOTE_VENV}/bin/python -m scone_jax.serving.export " + shlex.join(
         [f"--workdir={s.workdir}", f"--output={s.output}", f"--dtype={s.dtype}"])
     return [_ssh(s, node, f"cd {REMOTE_CHECKOUT} && {export}") for node in s.nodes]
 

@@ -11,7 +11,7 @@ import os
 
 import ml_collections
 
-from scone_jax import storage
+from scone_jax.runtime import storage
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -270,47 +270,3 @@ def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Write the resolved config next to the checkpoints (local or gs://), for humans and for restarts."""
     storage.write_bytes(workdir, "config.json", to_json(config).encode())
 
-
-SCONE_OPTIONS = ("fgram", "fgrams", "capacity")
-_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9}
-
-
-def split_variant(arg: str | None, valid, path: str) -> tuple[str, dict]:
-    """`SIZE[,fgram=..][,fgrams=..][,capacity=..]` -> (SIZE, options); errors list the choices."""
-    name, *parts = (arg or "").split(",")
-    if name not in valid:
-        raise ValueError(
-            f"Unknown variant {arg!r} of {path}; valid variants: {', '.join(valid)}. "
-            f"Pass one as --config={path}:{valid[0]}."
-        )
-    options = {}
-    for part in parts:
-        key, sep, value = part.partition("=")
-        if not sep or key not in SCONE_OPTIONS or not value:
-            raise ValueError(
-                f"Unknown option {part!r} in {arg!r} of {path}; options are fgram=<f-gram model size>, "
-                "fgrams=<count such as 10m>, capacity=<rows per data shard>."
-            )
-        options[key] = value
-    if options and "fgram" not in options:
-        raise ValueError(f"Options {sorted(options)} in {arg!r} need fgram=<size> too (they configure SCONE).")
-    return name, options
-
-
-def count(text: str) -> int:
-    """'10m' -> 10_000_000, '512k' -> 512_000, '1b' -> 1_000_000_000, '4096' -> 4096."""
-    scale = _SUFFIXES.get(text[-1:].lower(), 1)
-    number = text[:-1] if scale != 1 else text
-    try:
-        return int(float(number) * scale)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a count; write e.g. 4096, 512k, 10m or 1b.") from None
-
-
-def enable_scone(config, *, fgram_layers: int, options: dict, default_fgrams: str, default_capacity: int) -> None:
-    """Turn a paper config into its SCONE variant (same main model plus an f-gram model)."""
-    s = config.scone
-    s.enabled = True
-    s.num_layers = fgram_layers
-    s.num_fgrams = count(options.get("fgrams", default_fgrams))
-    s.fgram_capacity = count(options.get("capacity", str(default_capacity)))

@@ -21,7 +21,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from scone_jax import config as config_lib, join_flags, logs
+from scone_jax import config as config_lib
+from scone_jax.runtime import job_flags, logs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py (optionally :variant).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config and tokenizer.")
@@ -29,8 +30,8 @@ _ALLOW_CHANGE = flags.DEFINE_list(
     "allow_config_change", [],
     "Config keys (comma-separated, e.g. data.shuffle_seed) that may differ from the checkpoint being resumed. "
     "Resuming with a changed model shape, f-gram set or data stream is refused otherwise; the refusal lists the keys.")
-_JOIN = join_flags.define("Seconds to wait for all processes to join, and for the workdir's storage to answer.")
-flags.adopt_module_key_flags(join_flags)  # listed by --help
+_JOIN = job_flags.define("Seconds to wait for all processes to join, and for the workdir's storage to answer.")
+flags.adopt_module_key_flags(job_flags)  # listed by --help
 
 EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED = 2, 3, 143
 
@@ -61,7 +62,8 @@ def _config_unloadable() -> bool:
 def main(argv):
     del argv
     logs.quiet_libraries()
-    from scone_jax import checkpoint, distributed, preemption, train, workdir  # after flag parsing: imports JAX
+    from scone_jax.runtime import distributed, write_probe as workdir
+    from scone_jax.training import checkpoint, preemption, train  # after flag parsing: imports JAX
 
     if not _WORKDIR.value:
         print("scone_jax: error: pass --workdir=DIR (checkpoints, logs and the tokenizer go there)", file=sys.stderr)

@@ -105,6 +105,26 @@ def state_shardings(abstract_state, mesh: Mesh):
     )
 
 
+def sharded_abstract(abstract, shardings):
+    """ShapeDtypeStructs of `abstract` carrying `shardings` (the same tree): a target to restore or lower into."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def under_mesh(mesh: Mesh, jitted):
+    """`jitted`, called and lowered (.lower) under `mesh` (jax.set_mesh) so activation constraints (constrain)
+    apply when it is traced."""
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return jitted(*args)
+
+    def lower(*args):
+        with jax.set_mesh(mesh):
+            return jitted.lower(*args)
+
+    call.lower = lower
+    return call
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Rows over (data, fsdp); other dimensions replicated."""
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))

@@ -21,8 +21,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from scone_jax import checkpoint, config as config_lib, distributed, sharding, state as state_lib, steps, train
+from scone_jax import config as config_lib, sharding
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+from scone_jax.runtime import distributed
+from scone_jax.training import assets, checkpoint, state as state_lib, steps, train
 from tests.common import random_batch, small_config
 
 NUM_STEPS = 3
@@ -56,7 +58,7 @@ def train_steps(config, workdir: str):
         batch = local_rows(random_batch(seed=s, vocab=config.model.vocab_size))
         state, metrics = train_step(state, sharding.global_batch(batch, mesh))
         losses.append(float(metrics["loss"]))
-    ev = train.evaluate(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config, tokenizer, mesh)
+    ev = train.held_out_loss(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config, tokenizer, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "ckpt"))
     ckpt.save(NUM_STEPS, state, data_iterator(config, tokenizer), {"tokenizer_fingerprint": tokenizer.fingerprint})
     ckpt.wait()
@@ -83,7 +85,7 @@ def scone_train_steps(config, batches) -> list[float]:
     train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
     losses = []
     for _ in range(NUM_STEPS):
-        state, metrics = train_step(state, sharding.global_batch(train.device_batch(next(batches)), mesh))
+        state, metrics = train_step(state, sharding.global_batch(steps.step_arrays(next(batches)), mesh))
         losses.append(float(metrics["loss"]))
     return losses
 
@@ -131,7 +133,7 @@ def main(task, port, process_id, num_processes, tokenizer_path, workdir):
     elif task == "scone":
         config = scone_config(tokenizer_path, workdir)
         tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
-        _, batcher = train.fgram_batcher(config, tokenizer, workdir, sharding.make_mesh(config.mesh))
+        _, batcher = assets.fgram_batcher(config, tokenizer, workdir, sharding.make_mesh(config.mesh))
         it = scone_pipeline(config, tokenizer, batcher, jax.process_index(), jax.process_count())
         losses = scone_train_steps(config, it)
         it.close()

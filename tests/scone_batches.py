@@ -5,11 +5,11 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
+from test_fgram_matcher import closure, make_vocab, planted_batch
 
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
-from scone_jax.train import device_batch
-from test_fgram_matcher import closure, make_vocab, planted_batch
+from scone_jax.training.steps import step_arrays
 
 K = 4
 ROWS, SEQ = 16, 32
@@ -47,4 +47,4 @@ def production_batch(num_shards, capacity, micro_batches=1, seed=0):
 
 def device_arrays(batch):
     """What the train step receives (host-only keys dropped), as jax arrays."""
-    return {k: jnp.asarray(v) for k, v in device_batch(batch).items()}
+    return {k: jnp.asarray(v) for k, v in step_arrays(batch).items()}

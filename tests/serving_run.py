@@ -3,9 +3,10 @@ export, table, evaluate, generate, integrity and GCS tests (module globals outli
 import json
 import os
 
-from scone_jax import bundle, checkpoint, export, sharding, state as state_lib, train
+from scone_jax import sharding
 from scone_jax.data import corpus, tokenizer as tokenizer_lib
-from scone_jax.fgram import workdir_vocab
+from scone_jax.serving import bundle, export
+from scone_jax.training import assets, checkpoint, state as state_lib
 from tests.common import small_config
 
 _CACHE = {}
@@ -41,8 +42,8 @@ def trained_run(tmp_path_factory) -> dict:
         tokenizer = tokenizer_lib.ensure_tokenizer(small_config().data, os.path.join(root, "tok"))
         config = scone_config(tokenizer.path)
         workdir = os.path.join(root, "run")
-        train.resolve_vocab_size(config, tokenizer)
-        vocab = workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer, workdir)
+        assets.resolve_vocab_size(config, tokenizer)
+        vocab = assets.ensure_vocab(config.scone, config.data, tokenizer, workdir)
         _save_initial_checkpoint(config, tokenizer, vocab, workdir)
         _CACHE["run"] = {"workdir": workdir, "config": config, "tokenizer": tokenizer, "vocab": vocab}
     return _CACHE["run"]

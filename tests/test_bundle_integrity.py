@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from scone_jax import bundle, export, inference, storage
-from scone_jax.table import HostTable
+from scone_jax.runtime import storage
+from scone_jax.serving import bundle, export, inference
+from scone_jax.serving.table import HostTable
 from tests import serving_run
 
 # A failed orbax restore leaves its other reads' coroutines to be collected later, in whichever test runs then.
@@ -48,7 +49,7 @@ def bundle_copy(original, tmp_path):
 
 
 def cli(tool, path, text, *flags):
-    argv = [sys.executable, "-m", f"scone_jax.{tool}", f"--table={path}"]
+    argv = [sys.executable, "-m", f"scone_jax.serving.{tool}", f"--export={path}"]
     if tool == "evaluate":
         argv += ["--config.data.source=text", f"--config.data.eval_files={text}", "--max_batches=1", "--result="]
     else:
@@ -60,7 +61,7 @@ def one_line_error(result, tool) -> str:
     """Exit 2 and exactly one error line (no traceback); returns it."""
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith(f"scone_jax.{tool}: error:")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith(f"scone_jax.serving.{tool}: error:")]
     assert len(lines) == 1, result.stderr[-3000:]
     return lines[0]
 
@@ -74,7 +75,7 @@ def test_deleted_table_chunk_is_named_and_rerunning_the_export_repairs_it(run, o
     line = one_line_error(cli("evaluate", bundle_copy, text), "evaluate")
     assert f"{bundle_copy}/table/c/5/0 (table rows 320..383) is missing" in line
     assert f"Fix: delete the done marker of each bad chunk ({bundle_copy}/done/000000005)" in line
-    assert "re-run `python -m scone_jax.export --workdir=RUN" in line
+    assert "re-run `python -m scone_jax.serving.export --workdir=RUN" in line
 
     os.remove(os.path.join(bundle_copy, "done", "000000005"))  # the repair the message names
     figures = export.export(run["workdir"], bundle_copy, dtype="float32", chunk_rows=64, batch_rows=512)
@@ -154,7 +155,7 @@ def test_deleted_tokenizer_is_named_and_rerunning_the_export_rewrites_it(run, or
     proto = open(tokenizer, "rb").read()
     os.remove(tokenizer)
     line = one_line_error(cli("evaluate", bundle_copy, text), "evaluate")
-    assert line.endswith(f"{tokenizer} is missing. Fix: re-run `python -m scone_jax.export --workdir=RUN "
+    assert line.endswith(f"{tokenizer} is missing. Fix: re-run `python -m scone_jax.serving.export --workdir=RUN "
                          f"--output={bundle_copy}` with the run it was exported from; it rewrites tokenizer.model "
                          "from the run.")
     open(tokenizer, "wb").write(proto[:-10])

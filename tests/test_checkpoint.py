@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scone_jax import checkpoint, checksums, sharding, state as state_lib
+from scone_jax import sharding
+from scone_jax.training import checkpoint, checksums, state as state_lib
 from tests.common import small_config
 
 
@@ -96,7 +97,7 @@ def test_a_checkpoint_of_the_other_block_layout_is_converted_on_restore(tmp_path
 
 
 def test_configs_saved_before_scanned_layers_rebuild_the_old_model():
-    from scone_jax import bundle
+    from scone_jax.serving import bundle
 
     old = small_config().to_dict()
     del old["model"]["scan_layers"], old["model"]["attention"]

@@ -4,16 +4,21 @@ import glob
 import importlib.util
 import math
 import os
+import sys
 
 import pytest
+from absl import flags
 from flax import nnx
+from ml_collections.config_flags import config_flags
 
 from scone_jax import config as config_lib
 from scone_jax.model.accounting import param_counts
-from scone_jax.state import build_model
+from scone_jax.training.state import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py")))
+# configs/common.py holds the helpers the paper configs share; it is not a config.
+CONFIG_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                      if os.path.basename(p) != "common.py")
 
 # Parameter counts the paper gives, in millions. For the OLMo 0.7B / 1.3B / 1.9B baselines it
 # gives only the rounded name; there the number is its formula (see paper_formula).
@@ -129,6 +134,39 @@ def test_scone_variants_have_the_papers_sizes(spec, main_m, fgram_m):
 def test_bad_options_are_clear_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         config_lib.load_config_file(os.path.join(ROOT, spec))
+
+
+def load_common():
+    """configs/common.py, loaded by path as the configs load it."""
+    spec = importlib.util.spec_from_file_location("_configs_common_under_test", os.path.join(ROOT, "configs", "common.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_count():
+    parse_count = load_common().parse_count
+    assert [parse_count(t) for t in ("4096", "512k", "2K", "10m", "1.5m", "1b")] == [
+        4096, 512_000, 2000, 10_000_000, 1_500_000, 10**9]
+    with pytest.raises(ValueError, match="not a count"):
+        parse_count("lots")
+
+
+@pytest.mark.parametrize("how", ["load_config_file", "config_flags absolute", "config_flags relative"])
+def test_paper_configs_load_from_any_directory(how, tmp_path, monkeypatch):
+    """Configs find configs/common.py next to themselves (ml_collections sets __file__), whatever the
+    current directory and sys.path: users pass relative or absolute paths from anywhere."""
+    monkeypatch.chdir(tmp_path if how != "config_flags relative" else os.path.join(ROOT, "configs"))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "configs")])
+    path = "gpt2_paper.py" if how == "config_flags relative" else os.path.join(ROOT, "configs", "gpt2_paper.py")
+    if how == "load_config_file":
+        config = config_lib.load_config_file(f"{path}:419m,fgram=1x,fgrams=512k")
+    else:
+        flag_values = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", None, flag_values=flag_values)
+        flag_values(["prog", f"--config={path}:419m,fgram=1x,fgrams=512k"])
+        config = flag_values.config
+    assert (config.model.num_layers, config.scone.num_layers, config.scone.num_fgrams) == (12, 12, 512_000)
 
 
 def test_option_values():

@@ -13,9 +13,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from scone_jax import bundle, checkpoint, evaluate, inference, sharding, state as state_lib, steps, train
+from scone_jax import sharding
 from scone_jax.data import corpus, tokenizer as tokenizer_lib
 from scone_jax.fgram.vocab import FgramVocab, save_vocab
+from scone_jax.serving import bundle, evaluate, inference
+from scone_jax.training import assets, checkpoint, state as state_lib, steps, train
 from tests import serving_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,12 +45,12 @@ def training_graph_eval(run, text):
         config.data.update(dict(source="text", eval_files=text))
         config.train.eval_batches = 0
     mesh = sharding.make_mesh(config.mesh)
-    _, batcher = train.fgram_batcher(config, run["tokenizer"], run["workdir"], mesh)
+    _, batcher = assets.fgram_batcher(config, run["tokenizer"], run["workdir"], mesh)
     spec = state_lib.state_spec(config, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(run["workdir"], "checkpoints"))
     state, _ = ckpt.restore(ckpt.latest_step(), state_lib.abstract_with_shardings(spec))
     ckpt.close()
-    return train.evaluate(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config,
+    return train.held_out_loss(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config,
                           run["tokenizer"], mesh, batcher)
 
 
@@ -112,7 +114,7 @@ def test_cli_writes_the_json_result(tmp_path_factory, text, training_graph_eval,
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     out = tmp_path / "result.json"
     result = subprocess.run(
-        [sys.executable, "-m", "scone_jax.evaluate", f"--table={path}", "--config.data.source=text",
+        [sys.executable, "-m", "scone_jax.serving.evaluate", f"--export={path}", "--config.data.source=text",
          f"--config.data.eval_files={text}", f"--result={out}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

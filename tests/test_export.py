@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from scone_jax import bundle, export, sharding, state as state_lib
-from scone_jax.table import HostTable
+from scone_jax import sharding
+from scone_jax.serving import bundle, export
+from scone_jax.serving.table import HostTable
+from scone_jax.training import state as state_lib
 from tests import serving_run
 from tests.common import small_config
 
@@ -80,7 +82,7 @@ def test_export_never_overwrites_a_different_export(run, fp32_export, tmp_path):
 
 
 def test_cli_refuses_a_checkpoint_without_fgram_model(tmp_path):
-    from scone_jax import checkpoint
+    from scone_jax.training import checkpoint
 
     config = small_config()
     spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
@@ -89,7 +91,7 @@ def test_cli_refuses_a_checkpoint_without_fgram_model(tmp_path):
     ckpt.wait()
     ckpt.close()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-m", "scone_jax.export", f"--workdir={tmp_path / 'plain'}",
+    result = subprocess.run([sys.executable, "-m", "scone_jax.serving.export", f"--workdir={tmp_path / 'plain'}",
                              f"--output={tmp_path / 'out'}"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]

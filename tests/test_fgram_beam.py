@@ -5,6 +5,7 @@ import pytest
 pytest.importorskip("apache_beam")
 
 from test_fgram_reference import planted_docs, zipf_docs  # noqa: E402
+
 from scone_jax.fgram.beam import extract_fgrams_beam  # noqa: E402
 from scone_jax.fgram.extract import extract_fgrams  # noqa: E402
 

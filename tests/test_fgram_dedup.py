@@ -1,8 +1,8 @@
 """FgramBatcher against a plain per-shard reference, and the batch statistics on hand-checked values."""
 import numpy as np
 import pytest
-
 from test_fgram_matcher import closure, make_vocab, planted_batch
+
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher

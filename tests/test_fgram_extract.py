@@ -1,8 +1,8 @@
 """extract_fgrams against the plain rule-1 reference, on text-like and planted corpora."""
 import numpy as np
 import pytest
-
 from test_fgram_reference import planted_docs, reference_fgrams, zipf_docs
+
 from scone_jax.fgram.extract import extract_fgrams
 
 

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
-
 from test_fgram_reference import reference_match, zipf_docs
+
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import FgramVocab

@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import numpy as np
-
 from test_fgram_reference import zipf_docs
+
 from scone_jax.data.sources import write_token_arrayrecord
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.vocab import load_vocab

@@ -10,10 +10,12 @@ import pytest
 
 pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator (the [test] extra)")
 
-from scone_jax import (bundle, checkpoint, evaluate, export, inference, sharding, state as state_lib,  # noqa: E402
-                       storage)
+from scone_jax import sharding  # noqa: E402
 from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib  # noqa: E402
-from scone_jax.table import HostTable  # noqa: E402
+from scone_jax.runtime import storage  # noqa: E402
+from scone_jax.serving import bundle, evaluate, export, inference  # noqa: E402
+from scone_jax.serving.table import HostTable  # noqa: E402
+from scone_jax.training import checkpoint, state as state_lib  # noqa: E402
 from tests import gcs_emulator, serving_run  # noqa: E402
 from tests.common import small_config  # noqa: E402
 
@@ -74,7 +76,7 @@ def test_model_checkpoint_round_trips_through_gcs(bucket):
 
 
 def test_checkpointer_round_trips_train_state_and_data_position_through_gcs(bucket, tmp_path):
-    """scone_jax.checkpoint.Checkpointer as train.py uses it (async save, orbax's default OCDBT layout,
+    """scone_jax.training.checkpoint.Checkpointer as train.py uses it (async save, orbax's default OCDBT layout,
     the grain iterator's position saved alongside), on a gs:// directory.
 
     This failed on the unpatched emulator (6 of 10 round trips; 2 of 6 runs of this test): its
@@ -142,8 +144,9 @@ def test_a_gcs_workdir_receives_tokenizer_config_and_metrics(bucket, tmp_path):
     and the metrics (uploaded while training and at close; a resumed run appends to the same history)."""
     import json
 
-    from scone_jax import config as config_lib, metrics_writer
+    from scone_jax import config as config_lib
     from scone_jax.data import tokenizer as tokenizer_lib
+    from scone_jax.training import metrics as metrics_writer
 
     workdir = f"{bucket}/runs/gcs_workdir"
     config = small_config()

@@ -1,13 +1,15 @@
 """Cached decoding with per-token table rows gives the logits of a full forward pass."""
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from scone_jax import generate, inference
+from scone_jax.model import layers, transformer
 from scone_jax.model.transformer import Decoder
+from scone_jax.serving import generate, inference
 from tests import serving_run
 
 
@@ -117,10 +119,29 @@ def test_bf16_olmo_decoding_with_a_bf16_cache_equals_a_full_forward_pass(served_
     max < 4: ~3x the largest rounding effect (1.38) and ~4x below the smallest bug (17.4); mean < 0.5:
     5x the largest rounding effect (0.10), 4x below the smallest bug (2.07)."""
     generator = generate.Generator(served_olmo_bf16)
-    assert all(k.dtype == v.dtype == jnp.bfloat16 for k, v in generator.empty_cache(2, 24))
+    cache = generator.empty_cache(2, 24)
+    assert {a.dtype for a in jax.tree.leaves((cache.key, cache.value))} == {jnp.dtype(jnp.bfloat16)}
     ids = real_text_rows(served_olmo_bf16)
     out = generator.generate(ids[:, :6], num_tokens=18, forced=ids[:, 6:])
     full, _ = full_forward_logits(served_olmo_bf16, ids)
     diff = np.abs(out["logits"] - full[:, 5:23])
     assert diff.max() < 4.0 and diff.mean() < 0.5, (diff.max(), diff.mean())
     assert diff.max() > 0.01  # bf16 did run: in fp32 the two paths agree to 2e-5 (test above)
+
+
+@pytest.mark.parametrize("module", ["Attention", "Block", "BlockStack"])
+def test_decoding_runs_the_training_modules(served, monkeypatch, module):
+    """Decoding has no attention, block or stack of its own: an architecture change made only in one
+    of the training modules (here: its input scaled by 1.5, standing for any new option) changes the
+    full pass's logits by up to 4-10 and the cached path follows it exactly. The decoder generate.py
+    used to keep next to the model (its own cached attention and block loop) failed this for all three
+    (max |diff| 10.5, 4.9, 4.4); so did writing the new keys one cache slot late (18-20)."""
+    cls = {"Attention": layers.Attention, "Block": layers.Block, "BlockStack": transformer.BlockStack}[module]
+    ids = real_text_rows(served)
+    before, _ = full_forward_logits(served, ids)
+    original = cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, x, *args, **kw: original(self, 1.5 * x, *args, **kw))
+    full, _ = full_forward_logits(served, ids)
+    assert np.abs(full - before).max() > 1.0  # the change is part of the model
+    out = generate.Generator(served).generate(ids[:, :6], num_tokens=18, forced=ids[:, 6:])
+    np.testing.assert_allclose(out["logits"], full[:, 5:23], rtol=1e-4, atol=1e-4)

@@ -70,7 +70,7 @@ def test_export_runs_on_every_worker_of_every_slice_in_the_foreground(capsys):
     for command in exports:
         assert "--worker=all" in command
         assert remote(command) == (
-            "cd $HOME/scone_jax && $HOME/scone_jax_venv/bin/python -m scone_jax.export "
+            "cd $HOME/scone_jax && $HOME/scone_jax_venv/bin/python -m scone_jax.serving.export "
             "--workdir=gs://my-bucket/runs/exp1 --output=gs://my-bucket/exports/exp1 --dtype=float32")
 
 

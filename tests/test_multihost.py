@@ -19,9 +19,9 @@ import jax
 import numpy as np
 import pytest
 
-from scone_jax import bundle, inference
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
-from scone_jax.table import HostTable
+from scone_jax.serving import bundle, inference
+from scone_jax.serving.table import HostTable
 from tests import multihost_worker as worker, serving_run
 from tests.common import small_config
 
@@ -129,16 +129,16 @@ def test_two_processes_train_scone_through_the_real_pipeline_like_one(tokenizer_
     Catches a process that deduplicates as if it held all 8 shards (seen: the workers stop),
     and any f-gram group that lands beside rows of another process in the global batch.
     (Swapping the two processes' blocks wholesale is no bug: groups are self-contained.)"""
-    from scone_jax.fgram import workdir_vocab
     from scone_jax.fgram.dedup import FgramBatcher
     from scone_jax.fgram.matcher import Matcher
+    from scone_jax.training import assets
 
     workdir = str(tmp_path)
     config = worker.scone_config(tokenizer_path, workdir)
     tokenizer = tokenizer_lib.Tokenizer.load(tokenizer_path)
     with config.unlocked():
         config.scone.vocab_path = ""
-    vocab = workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer, workdir)  # into workdir/fgrams
+    vocab = assets.ensure_vocab(config.scone, config.data, tokenizer, workdir)  # into workdir/fgrams
     run_workers("scone", tokenizer_path, workdir)
     with open(os.path.join(workdir, "scone.json")) as f:
         result = json.load(f)
@@ -213,7 +213,7 @@ def test_export_from_two_processes_equals_the_one_process_export(tmp_path_factor
     run = serving_run.trained_run(tmp_path_factory)
     reference = serving_run.exported(tmp_path_factory, "float32")
     output, port = str(tmp_path / "export"), free_port()
-    argvs = [[sys.executable, "-m", "scone_jax.export", f"--workdir={run['workdir']}", f"--output={output}",
+    argvs = [[sys.executable, "-m", "scone_jax.serving.export", f"--workdir={run['workdir']}", f"--output={output}",
               "--dtype=float32", "--chunk_rows=64", "--batch_rows=512", f"--coordinator_address=127.0.0.1:{port}",
               "--num_processes=2", f"--process_id={i}", "--startup_timeout=60"] for i in range(2)]
     results = run_processes(argvs)

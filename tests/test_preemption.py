@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from scone_jax import checkpoint, sharding, state as state_lib, train
+from scone_jax import sharding
 from scone_jax.data import tokenizer as tokenizer_lib
+from scone_jax.training import checkpoint, state as state_lib, train
 from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,7 @@ OVERRIDES = {"num_steps": NUM_STEPS, "log_every": 1, "checkpoint_every": 100}
 # range of accepted steps.
 GATED_MAIN = """
 import os, runpy, time
-from scone_jax import preemption
+from scone_jax.training import preemption
 gate_step, gate_file = int(os.environ["SCONE_TEST_GATE_STEP"]), os.environ["SCONE_TEST_GATE_FILE"]
 reached = preemption.Watch.reached
 

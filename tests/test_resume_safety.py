@@ -16,8 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from scone_jax import checkpoint, config as config_lib, sharding, state as state_lib, train
+from scone_jax import config as config_lib, sharding
 from scone_jax.data import tokenizer as tokenizer_lib
+from scone_jax.training import checkpoint, state as state_lib, train
 from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,11 +8,13 @@ import optax
 import pytest
 from flax import nnx
 
-from scone_jax import sharding, state as state_lib, steps
+from scone_jax import sharding
 from scone_jax.model.scone import SconeModel
-from scone_jax.steps import token_losses
+from scone_jax.training import state as state_lib, steps
+from scone_jax.training.steps import token_losses
 from tests.common import small_config
 from tests.scone_batches import K, device_arrays, production_batch
+
 
 def scone_config(**scone_overrides):
     config = small_config()

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scone_jax import config as config_lib, sharding, state as state_lib, steps
+from scone_jax import config as config_lib, sharding
+from scone_jax.training import state as state_lib, steps
 from tests.common import small_config
 from tests.scone_batches import K, device_arrays, production_batch
 

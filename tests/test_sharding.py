@@ -4,7 +4,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from scone_jax import sharding, state as state_lib, steps
+from scone_jax import sharding
+from scone_jax.training import state as state_lib, steps
 from tests.common import random_batch, small_config
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from scone_jax import bundle
-from scone_jax.table import HostTable, Prefetcher
+from scone_jax.serving import bundle
+from scone_jax.serving.table import HostTable, Prefetcher
 from tests import serving_run
 
 

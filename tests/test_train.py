@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from scone_jax import checkpoint, sharding, state as state_lib, train
+from scone_jax import sharding
 from scone_jax.data import tokenizer as tokenizer_lib
-from scone_jax.fgram import workdir_vocab
+from scone_jax.training import assets, checkpoint, state as state_lib, train
 from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,7 +141,7 @@ def test_scone_training_extracts_fgrams_logs_their_figures_and_pins_the_vocabula
 
     other = str(tmp_path / "other_fgrams")
     config = scone_config(tokenizer_path, num_fgrams=500)
-    workdir_vocab.ensure_vocab(config.scone, config.data, tokenizer_lib.Tokenizer.load(tokenizer_path), other)
+    assets.ensure_vocab(config.scone, config.data, tokenizer_lib.Tokenizer.load(tokenizer_path), other)
     config.scone.vocab_path = os.path.join(other, "fgrams")
     with pytest.raises(checkpoint.CheckpointMismatchError, match=r"changes .* scone.num_fgrams: 2000 -> 500"):
         train.run(config, workdir)

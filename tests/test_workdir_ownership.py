@@ -1,4 +1,4 @@
-"""One writer per workdir: the lease in <workdir>/OWNER (scone_jax/ownership.py), on local disk and on
+"""One writer per workdir: the lease in <workdir>/OWNER (scone_jax/runtime/ownership.py), on local disk and on
 the GCS emulator, then the training CLI: a second run on a busy workdir stops at once naming the owner,
 and a run killed with SIGKILL is taken over once its lease has run out."""
 import json
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from scone_jax import ownership, storage
 from scone_jax.data import tokenizer as tokenizer_lib
+from scone_jax.runtime import ownership, storage
 from tests import gcs_emulator
 from tests.common import small_config
 
@@ -25,7 +25,7 @@ NUM_STEPS, GATE_STEP = 4, 2
 # the run is then busy mid-training for as long as the test needs, however fast its steps are.
 GATED_MAIN = """
 import os, runpy, time
-from scone_jax import preemption
+from scone_jax.training import preemption
 step_at, gate = int(os.environ["SCONE_TEST_GATE_STEP"]), os.environ["SCONE_TEST_GATE_FILE"]
 reached = preemption.Watch.reached
 

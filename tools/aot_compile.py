@@ -7,7 +7,7 @@
 
 The slice is named as Cloud TPU names it: v4-N and v5p-N count TensorCores (two per chip),
 v5e-N (or v5litepod-N) and v6e-N count chips. The step is the one training runs
-(scone_jax.steps.make_train_step over the config's mesh, with the state's shardings and a
+(scone_jax.training.steps.make_train_step over the config's mesh, with the state's shardings and a
 [global_batch, seq_len] batch), so the figures hold for `scone_jax.main` with the same config
 and flags. Prints, per chip: HBM use as XLA plans it (arguments, outputs, temporaries,
 generated code) against the chip's HBM; FLOPs per step from the model formula of
@@ -143,7 +143,8 @@ def abstract_batch(config, mesh) -> dict:
 
 def compile_train_step(config, devices):
     """Lower and compile scone_jax's train step over `devices`: (compiled, mesh, spec, timings)."""
-    from scone_jax import sharding, state as state_lib, steps
+    from scone_jax import sharding
+    from scone_jax.training import state as state_lib, steps
 
     mesh = sharding.make_mesh(config.mesh, devices=devices)
     config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
@@ -158,7 +159,7 @@ def compile_train_step(config, devices):
 
 
 def resolve_vocab_size(config) -> None:
-    """model.vocab_size 0 means "from the tokenizer" at run time (scone_jax.train); here there
+    """model.vocab_size 0 means "from the tokenizer" at run time (scone_jax.training.train); here there
     is no tokenizer, so size it as train.py would for one of data.vocab_size pieces."""
     if not config.model.vocab_size:
         config.model.vocab_size = math.ceil(config.data.vocab_size / 128) * 128
@@ -168,7 +169,7 @@ def report(config, tpu: Slice, devices, compiled, mesh, spec, timings) -> bool:
     """Print memory, FLOPs and predicted step time per chip; return whether it fits in HBM."""
     from scone_jax import sharding
     from scone_jax.model import accounting
-    from scone_jax.throughput import PEAK_FLOPS
+    from scone_jax.training.throughput import PEAK_FLOPS
 
     mem = compiled.memory_analysis()
     used = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes

@@ -22,14 +22,13 @@ import tempfile
 import time
 
 import ml_collections
-import numpy as np
 from absl import app, flags
 
 from scone_jax.config import base_config
 from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib
-from scone_jax.fgram import workdir_vocab
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
+from scone_jax.training import assets
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer batches (about a minute here).")
 
@@ -68,7 +67,7 @@ def main(_):
         tokenizer = tokenizer_lib.ensure_tokenizer(text_cfg, work)
         scone = base_config().scone
         scone.update(dict(num_fgrams=100_000, max_len=5, min_count=2))
-        vocab = workdir_vocab.ensure_vocab(scone, text_cfg, tokenizer, work)
+        vocab = assets.ensure_vocab(scone, text_cfg, tokenizer, work)
         batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=SHARDS, capacity=CAPACITY)
         print(f"{vocab.num_fgrams:,} f-grams (K={vocab.max_len}); batches of {ROWS} x {SEQ_LEN} tokens "
               f"deduplicated for {SHARDS} data shards")

@@ -12,8 +12,8 @@ import tempfile
 
 from absl import app, flags, logging
 
-from scone_jax import train
 from scone_jax.config import load_config_file
+from scone_jax.training import train
 
 _QUICK = flags.DEFINE_bool("quick", False, "30 steps per model (a smoke run, not a comparison).")
 _STEPS = flags.DEFINE_integer("num_steps", 600, "Training steps per model (same tokens for all).")

@@ -26,12 +26,12 @@ import numpy as np
 import tensorstore as ts
 from absl import app, flags
 
-from scone_jax import (bundle, checkpoint, evaluate, export, generate, inference, sharding, state as state_lib, steps,
-                       train)
+from scone_jax import sharding
 from scone_jax.config import base_config
 from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib
-from scone_jax.fgram import workdir_vocab
-from scone_jax.table import HostTable
+from scone_jax.serving import bundle, evaluate, export, generate, inference
+from scone_jax.serving.table import HostTable
+from scone_jax.training import assets, checkpoint, state as state_lib, steps
 
 _QUICK = flags.DEFINE_bool("quick", False, "A tiny model and few batches (under a minute).")
 
@@ -48,7 +48,7 @@ def make_run(root: str, quick: bool):
                         fgram_capacity=1024 if quick else 2048, num_layers=1 if quick else 4,
                         extract_max_tokens=300_000 if quick else 3_000_000))
     workdir = os.path.join(root, "run")
-    vocab = workdir_vocab.ensure_vocab(c.scone, c.data, tokenizer, workdir)
+    vocab = assets.ensure_vocab(c.scone, c.data, tokenizer, workdir)
     mesh = sharding.make_mesh(c.mesh)
     spec = state_lib.state_spec(c, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
@@ -81,13 +81,13 @@ def forward_rows_per_s(workdir: str, vocab, batch_rows: int) -> float:
 def onthefly_tokens_per_s(config, workdir, tokenizer, max_batches: int) -> float:
     """The training graph's eval step (f-gram model run per batch), batches prepared beforehand."""
     mesh = sharding.make_mesh(config.mesh)
-    _, batcher = train.fgram_batcher(config, tokenizer, workdir, mesh)
+    _, batcher = assets.fgram_batcher(config, tokenizer, workdir, mesh)
     spec = state_lib.state_spec(config, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
     state, _ = ckpt.restore(1, state_lib.abstract_with_shardings(spec))
     ckpt.close()
     step = steps.make_eval_step(spec.graphdef, spec.shardings, mesh)
-    batches = [sharding.global_batch(train.device_batch(batcher(b)), mesh)
+    batches = [sharding.global_batch(steps.step_arrays(batcher(b)), mesh)
                for _, b in zip(range(max_batches), pipeline.make_eval_batches(config.data, tokenizer))]
     jax.block_until_ready(step(state, batches[0]))
     start = time.perf_counter()

@@ -17,12 +17,13 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from scone_jax import sharding, state as state_lib, steps, train
+from scone_jax import sharding
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.model import accounting
-from scone_jax.throughput import peak_flops_per_device
+from scone_jax.training import assets, state as state_lib, steps
+from scone_jax.training.throughput import peak_flops_per_device
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "SCONE config (its baseline = scone off).")
 _QUICK = flags.DEFINE_bool("quick", False, "Few steps (under a minute here).")
@@ -35,7 +36,7 @@ def step_runner(config, batches, warmup: int = 2):
     spec = state_lib.state_spec(config, mesh)
     state = [state_lib.init_state(config, spec)]
     step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    device_batches = [sharding.global_batch(train.device_batch(b), mesh) for b in batches]
+    device_batches = [sharding.global_batch(steps.step_arrays(b), mesh) for b in batches]
 
     def run(batches_to_run):
         metrics = None
@@ -87,8 +88,8 @@ def main(_):
     with tempfile.TemporaryDirectory() as workdir:
         tokenizer = tokenizer_lib.ensure_tokenizer(scone.data, workdir)
         for config in (scone, baseline):
-            train.resolve_vocab_size(config, tokenizer)
-        vocab, batcher = train.fgram_batcher(scone, tokenizer, workdir, sharding.make_mesh(scone.mesh))
+            assets.resolve_vocab_size(config, tokenizer)
+        vocab, batcher = assets.fgram_batcher(scone, tokenizer, workdir, sharding.make_mesh(scone.mesh))
     batches = pipeline.first_batches(pipeline.make_train_dataset(scone.data, tokenizer, batch_transform=batcher),
                                      steps_per_round)
     best = time_alternating({"baseline": step_runner(baseline, batches), "scone": step_runner(scone, batches)}, rounds)

@@ -21,13 +21,13 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from scone_jax import tool_main
 from scone_jax.data import sources, tokenizer
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import save_vocab
+from scone_jax.runtime import tool_main
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("source", "kjv", list(sources.SOURCES), "Corpus kind, as data.source in the configs.")

@@ -28,9 +28,9 @@ import time
 import ml_collections
 from absl import app, flags
 
-from scone_jax import storage, tool_main
 from scone_jax.data import shards, sources, tokenize
 from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.runtime import storage, tool_main
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", "", "Comma-separated globs of the corpus files.")

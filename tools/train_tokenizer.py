@@ -13,8 +13,8 @@ import time
 import ml_collections
 from absl import app, flags
 
-from scone_jax import tool_main
 from scone_jax.data import sources, tokenizer
+from scone_jax.runtime import tool_main
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", "", "Comma-separated globs of training files (empty for --format=kjv).")

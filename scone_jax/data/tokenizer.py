@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from scone_jax import storage
 from scone_jax.data import sources
+from scone_jax.runtime import storage
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 # Enough text for a representative vocabulary; unigram trains on 4 MB in ~5 s.

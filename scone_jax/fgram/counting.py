@@ -14,14 +14,14 @@ import os
 
 import numpy as np
 
-from scone_jax.fgram.kernel import kernel
+from scone_jax.fgram.numba_loops import compiled
 
 NUM_PARTITIONS = 256
 _PARTITION_SHIFT = np.uint64(64 - 8)  # log2(NUM_PARTITIONS) high bits of the mixed key
 _MIX = np.uint64(0xD6E8FEB86659FD93)  # odd constant, unrelated to the hash-table one
 
 
-@kernel
+@compiled
 def _merge_two(keys_a, counts_a, keys_b, counts_b, keys_out, counts_out):
     """Merges two sorted key arrays with counts, summing equal keys; returns the length written."""
     i = j = written = 0

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from scone_jax.fgram.kernel import kernel
 from scone_jax.fgram.matcher import Matcher
+from scone_jax.fgram.numba_loops import compiled
 from scone_jax.fgram.vocab import PAD, FgramVocab
 
 CAPACITY_KEY = "scone.fgram_capacity"
@@ -110,7 +110,7 @@ class FgramBatcher:
             )
 
 
-@kernel
+@compiled
 def _unique_per_group(flat, groups):
     """flat [N]: f-gram id per position (-1 none), N/groups positions per group. Returns
     (unique ids, each group's ascending; group_start [groups+1] into them; entry [N]: the
@@ -135,14 +135,14 @@ def _unique_per_group(flat, groups):
     return unique[:count].copy(), group_start, entry
 
 
-@kernel
+@compiled
 def _find(unique, start, stop, value):
     """Index of value in the ascending unique[start:stop], or -1."""
     at = start + np.searchsorted(unique[start:stop], value)
     return at if at < stop and unique[at] == value else -1
 
 
-@kernel
+@compiled
 def _rows_and_slots(unique, group_start, lengths, prefix, max_len):
     """Per group: the unique f-grams that are no proper prefix of another unique f-gram of the
     group (maximal) get rows 0, 1, ... in ascending id order; every unique f-gram's slot is

@@ -7,7 +7,7 @@ one-shot iterator works. Scan n counts the n-grams whose (n-1)-prefix and
 table (trie.py). Scan n looks up the (n-1)-grams ending at each position once,
 stores their ids in a per-position state file for scan n+1, and counts the
 n-grams whose two (n-1)-grams (ending at e-1 and at e) were both found. That
-per-position walk is one compiled loop per chunk (kernel.py), which prefetches
+per-position walk is one compiled loop per chunk (numba_loops.py), which prefetches
 the hash bucket of the position 16 steps ahead so the table's cache misses overlap.
 
 Memory stays bounded: the corpus lives on disk; worker processes count chunks of
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from scone_jax.fgram import counting, trie
-from scone_jax.fgram.kernel import kernel, prefetch
+from scone_jax.fgram.numba_loops import compiled, prefetch
 from scone_jax.fgram.vocab import FgramVocab, build_vocab
 
 SEPARATOR = -1
@@ -85,7 +85,7 @@ def _spool(documents: Iterable, vocab_size: int, path: str, progress: Progress |
     return tokens, docs
 
 
-@kernel
+@compiled
 def _chunk_keys(tokens, left, offset, keys, num_buckets, id_of_slot, vocab_size, first, ids, out):
     """Scan n >= 3 over one chunk (tokens, -1 between documents); returns how many keys it wrote to `out`.
 
@@ -112,7 +112,7 @@ def _chunk_keys(tokens, left, offset, keys, num_buckets, id_of_slot, vocab_size,
     return written
 
 
-@kernel
+@compiled
 def _pair_keys(tokens, first, vocab_size, out):
     """Scan 2 over one chunk: the keys of the 2-grams ending at e >= first; returns how many."""
     v = np.uint64(vocab_size)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import numpy as np
 
 from scone_jax.fgram import trie
-from scone_jax.fgram.kernel import kernel
+from scone_jax.fgram.numba_loops import compiled
 from scone_jax.fgram.vocab import FgramVocab
 
 _FEW_KEYS = 32  # up to this many keys, match_next works in plain Python (faster than numpy calls)
 
 
-@kernel
+@compiled
 def _longest_ids(flat, pair_ok, keys, num_buckets, vocab_size, max_len, fgram_id, out):
     """out[e] = id of the longest f-gram ending at e (-1: none); pair_ok[e]: e-1 and e are in one segment.
 

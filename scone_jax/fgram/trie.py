@@ -7,15 +7,15 @@ during extraction). The f-gram set is closed under prefixes (docs/method.md §1)
 prefix has such an id, and n-grams can be looked up one token at a time without
 storing tokens in the table. Keys fit in 64 bits while (V + ids) * V < 2^64.
 
-The loops over keys are compiled (kernel.py; `probe` is also called from the
-matcher's and extraction's own kernels): a lookup costs one random memory access
+The loops over keys are compiled (numba_loops.py; `probe` is also called from the
+matcher's and extraction's own compiled loops): a lookup costs one random memory access
 (one 32-byte bucket) in the common case, hit or miss, and no temporary arrays.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from scone_jax.fgram.kernel import kernel
+from scone_jax.fgram.numba_loops import compiled
 
 EMPTY = np.uint64(np.iinfo(np.uint64).max)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant (golden ratio) for multiplicative hashing
@@ -26,13 +26,13 @@ LOAD = 0.6  # keys per slot; lower costs memory, higher sends more lookups to a 
 _TAIL = 2  # empty buckets kept after the last used one, so probing never runs off the table
 
 
-@kernel
+@compiled
 def home(key, num_buckets):
     """Bucket of a key: the high 32 bits of a multiplicative hash, scaled to num_buckets."""
     return np.int64((((key * _MIX) >> _32) * np.uint64(num_buckets)) >> _32)
 
 
-@kernel
+@compiled
 def probe(keys, num_buckets, key):
     """Slot of `key` in bucket rows `keys` [num_buckets + tail, WIDTH], or -1. Buckets fill left to
     right and keys are never removed, so the first empty column ends the search."""
@@ -47,13 +47,13 @@ def probe(keys, num_buckets, key):
         bucket += 1
 
 
-@kernel
+@compiled
 def _lookup_all(keys, num_buckets, queries, out):
     for i in range(len(queries)):
         out[i] = probe(keys, num_buckets, queries[i])
 
 
-@kernel
+@compiled
 def _insert_all(keys, num_buckets, new, slots, start):
     """Inserts new[start:] until done (returns len(new)) or a key would land in the tail (returns its index)."""
     last = keys.shape[0] - _TAIL

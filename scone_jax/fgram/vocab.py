@@ -29,7 +29,7 @@ import zlib
 import numpy as np
 import tensorstore as ts
 
-from scone_jax import storage
+from scone_jax.runtime import storage
 
 PAD = 0
 FORMAT = "scone_fgram_vocab"

@@ -21,7 +21,10 @@ import jax
 from flax import nnx
 
 from scone_jax.model.fgram_model import fgram_block_config
+from scone_jax.model.layers import head_dim_of
 
+# The modules holding embedding tables (every nnx.Embed of the models): counted apart here, never weight-decayed
+# (training/optimizer.py).
 EMBEDDING_PARAMS = ("token_embed", "pos_embed")
 
 
@@ -44,14 +47,14 @@ def param_counts(abstract_model_state) -> dict:
 def fgram_flops_per_step(fgram_block_cfg, rows: int, non_embedding_params: int) -> float:
     """Training FLOPs of the f-gram model on `rows` f-grams of K tokens (module docstring)."""
     k = fgram_block_cfg.max_seq_len
-    head_dim = fgram_block_cfg.head_dim or fgram_block_cfg.d_model // fgram_block_cfg.num_heads
+    head_dim = head_dim_of(fgram_block_cfg)
     attention = 12 * fgram_block_cfg.num_layers * k * fgram_block_cfg.num_heads * head_dim
     return rows * k * (6.0 * non_embedding_params + attention)
 
 
 def decoder_flops_per_token(model_cfg, seq_len: int, non_embedding_params: int) -> float:
     """Training FLOPs per token of the decoder (formula in the module docstring)."""
-    head_dim = model_cfg.head_dim or model_cfg.d_model // model_cfg.num_heads
+    head_dim = head_dim_of(model_cfg)
     matmul_params = non_embedding_params + model_cfg.d_model * model_cfg.vocab_size
     attention = 12 * model_cfg.num_layers * seq_len * model_cfg.num_heads * head_dim
     return 6.0 * matmul_params + attention

@@ -188,11 +188,24 @@ def _hopper_or_later(kind: str) -> bool:
 
 def reference_attention(q, k, v, segment_ids):
     """The plain formula with fp32 scores [B, N, T, T] (the test oracle; shares no code with the
-    other implementations)."""
+    training implementations)."""
     t = q.shape[1]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
     mask = (causal[None] & same_segment)[:, None]  # [B, 1, T, T]
+    return _masked_attention(q, k, v, mask)
+
+
+def cached_attention(q, k, v, start):
+    """Decoding: queries [B, T, N, H] at cache slots start.. over a key/value cache [B, S, N, H]; query i
+    sees slots <= start + i, so later slots (unwritten or stale) never count. The plain formula: one
+    new token's scores are [B, N, 1, S], too small for the fused kernels to matter."""
+    visible = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(q.shape[1])[:, None]  # [T, S]
+    return _masked_attention(q, k, v, visible[None, None])
+
+
+def _masked_attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(H)) v with fp32 scores where `mask` ([B or 1, 1, Tq, Tk]) holds."""
     scores = jnp.einsum("bqnh,bknh->bnqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -306,8 +319,10 @@ def splash_block_sizes(seq_len: int) -> tuple[int, int]:
 
 
 def _splash_kernel(num_heads: int, seq_len: int, block: int, interpret: bool):
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as sk,
+        splash_attention_mask as sm,
+    )
 
     sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,

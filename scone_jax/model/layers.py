@@ -5,6 +5,8 @@ place, `scone_jax.sharding.LOGICAL_RULES`; the layers never see the mesh.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,6 +30,11 @@ def dtype_of(name: str):
 
 def normal(std: float, axes: tuple):
     return nnx.with_partitioning(nnx.initializers.normal(std), axes)
+
+
+def head_dim_of(cfg) -> int:
+    """Width of one attention head: model.head_dim, where 0 means d_model // num_heads."""
+    return cfg.head_dim or cfg.d_model // cfg.num_heads
 
 
 def dense(d_in: int, d_out: int, axes: tuple, cfg, rngs: nnx.Rngs, std: float | None = None) -> nnx.Linear:
@@ -71,13 +78,28 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+class KVCache(NamedTuple):
+    """Keys and values of the tokens decoded so far, so each decoding step runs only its new tokens.
+
+    key, value: [B, S, N, H] for one layer (S slots); a block stack holds one per layer, stacked to
+    [layers, B, S, N, H] when its layers are scanned, a tuple of per-layer arrays otherwise
+    (transformer.init_cache). index: int32 scalar, the slot of the first new token, shared by all layers."""
+    key: jax.Array
+    value: jax.Array
+    index: jax.Array
+
+
 class Attention(nnx.Module):
     """Multi-head causal self-attention restricted to tokens of the same segment (document);
-    the scores are computed by model/attention.py's implementation named by cfg.attention."""
+    the scores are computed by model/attention.py's implementation named by cfg.attention.
+
+    With a KVCache (decoding), the new tokens' keys and values are written into it at cache.index and
+    the queries attend over the cache (attention.cached_attention); the projections and RoPE are the
+    ones training runs, so the two cannot drift apart."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
-        self.head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
+        self.head_dim = head_dim_of(cfg)
         self.use_rope = cfg.position == "rope"
         self.rope_theta = cfg.rope_theta
         self.implementation = cfg.attention
@@ -89,15 +111,22 @@ class Attention(nnx.Module):
         self.value = dense(cfg.d_model, inner, ("embed", "heads"), cfg, rngs)
         self.out = dense(inner, cfg.d_model, ("heads", "embed"), cfg, rngs, std=out_std)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: KVCache | None = None):
+        """[B, T, d] -> [B, T, d]; with `cache`, (that, the cache with these T tokens written). Cached rows
+        are one document each: segment_ids is not read then."""
         b, t, _ = x.shape
         split = lambda y: y.reshape(b, t, self.num_heads, self.head_dim)  # noqa: E731
         q, k, v = (checkpoint_name(split(proj(x)), name)
                    for proj, name in ((self.query, "query_proj"), (self.key, "key_proj"), (self.value, "value_proj")))
         if self.use_rope:
             q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
-        y = attention.attention(q, k, v, segment_ids, implementation=self.implementation)
-        return checkpoint_name(self.out(y.reshape(b, t, -1)), "attention_out")
+        if cache is None:
+            y = attention.attention(q, k, v, segment_ids, implementation=self.implementation)
+            return checkpoint_name(self.out(y.reshape(b, t, -1)), "attention_out")
+        key = jax.lax.dynamic_update_slice(cache.key, k.astype(cache.key.dtype), (0, cache.index, 0, 0))
+        value = jax.lax.dynamic_update_slice(cache.value, v.astype(cache.value.dtype), (0, cache.index, 0, 0))
+        y = attention.cached_attention(q, key, value, cache.index)
+        return self.out(y.reshape(b, t, -1)), KVCache(key, value, cache.index + t)
 
 
 class Mlp(nnx.Module):
@@ -145,7 +174,13 @@ class Block(nnx.Module):
         self.mlp_norm = make_norm(cfg, rngs)
         self.mlp = Mlp(cfg, rngs)
 
-    def __call__(self, x, segment_ids, positions):
+    def __call__(self, x, segment_ids, positions, cache: KVCache | None = None):
+        """With `cache` (decoding), returns (x, updated cache): see Attention."""
         dtype = x.dtype
-        x = x + self.attn(_normed(self.attn_norm, x), segment_ids, positions).astype(dtype)
-        return x + self.mlp(_normed(self.mlp_norm, x)).astype(dtype)
+        if cache is None:
+            x = x + self.attn(_normed(self.attn_norm, x), segment_ids, positions).astype(dtype)
+        else:
+            a, cache = self.attn(_normed(self.attn_norm, x), segment_ids, positions, cache)
+            x = x + a.astype(dtype)
+        x = x + self.mlp(_normed(self.mlp_norm, x)).astype(dtype)
+        return x if cache is None else (x, cache)

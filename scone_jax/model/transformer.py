@@ -10,9 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from scone_jax.model import remat
-from scone_jax.model.layers import Block, dtype_of, make_norm, normal
+from scone_jax.model.layers import Block, KVCache, dtype_of, head_dim_of, make_norm, normal
 from scone_jax.sharding import constrain
-
 
 ACTIVATION_AXES = ("batch", None, None)
 LAYERS_AXIS = "layers"  # logical name of the stacked-layer dimension (sharding.LOGICAL_RULES)
@@ -26,6 +25,10 @@ class BlockStack(nnx.Module):
     the model is (compile time independent of depth). Without it, a Python loop over separate
     blocks: easier to step through, identical math; `layout.py` converts states between the two.
     Each block runs under the remat policy cfg.remat (remat.py).
+
+    Decoding passes a KVCache in the same layout (init_cache): scanned, its [layers, ...] keys and
+    values are scanned together with the stacked parameters, each layer reading and rewriting its own
+    slice; unscanned, the loop hands layer i its entry i. Without a cache nothing of this is traced.
     """
 
     def __init__(self, cfg, num_layers: int, rngs: nnx.Rngs):
@@ -43,30 +46,52 @@ class BlockStack(nnx.Module):
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(num_layers)])
         self.final_norm = make_norm(cfg, rngs)
 
-    def __call__(self, x, segment_ids, positions):
-        def layer(x, block_state):
+    def __call__(self, x, segment_ids, positions, cache: KVCache | None = None):
+        """[B, T, d] -> final-norm hidden states; with `cache`, (those, the updated cache)."""
+        def layer(x, block_state, layer_cache=None):
             block = nnx.merge(graphdef, block_state)
-            return block(constrain(x, ACTIVATION_AXES), segment_ids, positions)
+            return block(constrain(x, ACTIVATION_AXES), segment_ids, positions, layer_cache)
+
+        def cached_layer(x, layer_inputs):  # one scan step: (block params, this layer's keys, values)
+            block_state, key, value = layer_inputs
+            x, new = layer(x, block_state, KVCache(key, value, cache.index))
+            return x, (new.key, new.value)
 
         if self.scanned:
             graphdef, stacked = nnx.split(self.blocks)
             layer = remat.apply(layer, self.remat, in_scan=True)
-            x, _ = jax.lax.scan(lambda carry, block_state: (layer(carry, block_state), None), x, stacked)
+            if cache is None:
+                x, _ = jax.lax.scan(lambda carry, block_state: (layer(carry, block_state), None), x, stacked)
+            else:
+                x, (keys, values) = jax.lax.scan(cached_layer, x, (stacked, cache.key, cache.value))
         else:
             layer = remat.apply(layer, self.remat, in_scan=False)
-            for block in self.blocks:
+            keys, values = [], []
+            for i, block in enumerate(self.blocks):
                 graphdef, block_state = nnx.split(block)
-                x = layer(x, block_state)
-        return self.final_norm(constrain(x, ACTIVATION_AXES))
+                if cache is None:
+                    x = layer(x, block_state)
+                else:
+                    x, (key, value) = cached_layer(x, (block_state, cache.key[i], cache.value[i]))
+                    keys.append(key)
+                    values.append(value)
+            keys, values = tuple(keys), tuple(values)
+        h = self.final_norm(constrain(x, ACTIVATION_AXES))
+        return h if cache is None else (h, KVCache(keys, values, cache.index + x.shape[1]))
 
-    def layers(self) -> list[Block]:
-        """The blocks one by one (views of the stacked parameters when scanned): for code that
-        walks the layers itself, such as cached decoding."""
-        if not self.scanned:
-            return list(self.blocks)
-        graphdef, stacked = nnx.split(self.blocks)
-        depth = jax.tree.leaves(stacked)[0].shape[0]
-        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(depth)]
+
+def init_cache(cfg, batch: int, length: int) -> KVCache:
+    """An empty KVCache for decoding `batch` rows of up to `length` tokens with Decoder(cfg): zeros in the
+    compute dtype, in the block stack's layout (stacked [layers, B, length, N, H] if cfg.scan_layers,
+    else one array per layer), written from slot 0."""
+    shape = (batch, length, cfg.num_heads, head_dim_of(cfg))
+    dtype = dtype_of(cfg.dtype)
+    def zeros():
+        if cfg.scan_layers:
+            return jnp.zeros((cfg.num_layers, *shape), dtype)
+        return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+
+    return KVCache(zeros(), zeros(), jnp.zeros((), jnp.int32))
 
 
 class Decoder(nnx.Module):
@@ -121,11 +146,16 @@ class Decoder(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
-    def decode(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
-        """Input embeddings [B, T, d] -> final hidden states [B, T, d]."""
+    def decode(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array,
+               cache: KVCache | None = None):
+        """Input embeddings [B, T, d] -> final hidden states [B, T, d]. With `cache` (init_cache), the
+        T tokens continue the cached ones of their row (one document each; segment_ids unused, pass None)
+        and the result is (hidden states, updated cache): cached decoding runs these same modules."""
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
-        return self.stack(x.astype(self.dtype), segment_ids, positions)
+        if cache is None:
+            return self.stack(x.astype(self.dtype), segment_ids, positions)
+        return self.stack(x.astype(self.dtype), segment_ids, positions, cache)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Hidden states -> fp32 logits over the vocabulary (tied or separate head)."""

@@ -1,7 +1,7 @@
-"""Export a trained SCONE run for inference: `python -m scone_jax.export --workdir=RUN --output=PATH`.
+"""Export a trained SCONE run for inference: `python -m scone_jax.serving.export --workdir=RUN --output=PATH`.
 
 Runs the f-gram model once over all S f-grams (docs/method.md §6) in large batches sharded over every
-device of every process, and writes the bundle described in scone_jax/bundle.py (PATH local or
+device of every process, and writes the bundle described in scone_jax/serving/bundle.py (PATH local or
 gs://). Each process writes the rows its own devices computed, in whole table chunks, so writers
 never overlap. Writing is asynchronous: while tensorstore writes batch g, the devices compute g+1.
 Rerunning an interrupted export skips the batches whose chunks all carry done markers; COMPLETE is
@@ -22,8 +22,8 @@ import json
 import math
 import os
 import sys
-import types
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +35,12 @@ from absl import app, flags, logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from scone_jax import bundle, checkpoint, distributed, join_flags, logs, sharding, state as state_lib, storage
+from scone_jax import sharding
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
+from scone_jax.runtime import distributed, job_flags, logs, storage
+from scone_jax.serving import bundle
+from scone_jax.training import checkpoint, state as state_lib
 
 _MAX_PENDING_WRITES = 3
 _VOCAB_DONE, _DECODER_DONE = f"{bundle.DONE}/{bundle.FGRAMS}", f"{bundle.DONE}/{bundle.DECODER}"
@@ -86,11 +89,8 @@ def embed_fn(model, mesh, dtype: str):
     def embed(params, tokens, lengths):
         return nnx.merge(graphdef, params).fgram_embeddings(tokens, lengths).astype(out)
 
-    def call(tokens, lengths):
-        with jax.set_mesh(mesh):
-            return embed(params, tokens, lengths)
-
-    return call
+    run = sharding.under_mesh(mesh, embed)
+    return lambda tokens, lengths: run(params, tokens, lengths)
 
 
 def batch_inputs(vocab: FgramVocab, start: int, rows: int, mesh):
@@ -307,8 +307,8 @@ def _define_flags():
     dtype = flags.DEFINE_enum("dtype", "bfloat16", list(bundle.DTYPES), "Table dtype.")
     chunk_rows = flags.DEFINE_integer("chunk_rows", 1024, "Table rows per stored chunk (the unit of resume).")
     batch_rows = flags.DEFINE_integer("batch_rows", 8192, "F-grams per device batch (rounded to whole chunks).")
-    join = join_flags.define()
-    flags.adopt_module_key_flags(join_flags)  # listed by --help
+    join = job_flags.define()
+    flags.adopt_module_key_flags(job_flags)  # listed by --help
     return types.SimpleNamespace(workdir=workdir, output=output, dtype=dtype, chunk_rows=chunk_rows,
                                  batch_rows=batch_rows, join=join)
 
@@ -317,14 +317,14 @@ def main(argv, args):
     del argv
     logs.quiet_libraries()
     if not args.workdir.value or not args.output.value:
-        print("scone_jax.export: error: pass --workdir=RUN and --output=PATH", file=sys.stderr)
+        print("scone_jax.serving.export: error: pass --workdir=RUN and --output=PATH", file=sys.stderr)
         sys.exit(2)
     try:
         distributed.initialize(args.join.spec())
         figures = export(args.workdir.value, args.output.value, dtype=args.dtype.value, chunk_rows=args.chunk_rows.value,
                          batch_rows=args.batch_rows.value)
     except (ValueError, FileNotFoundError, distributed.DistributedStartError) as e:
-        print(f"scone_jax.export: error: {e}", file=sys.stderr)
+        print(f"scone_jax.serving.export: error: {e}", file=sys.stderr)
         sys.exit(2)
     if jax.process_index() == 0:
         print(f"exported {figures['meta']['num_fgrams']:,} f-grams to {args.output.value} "

@@ -25,7 +25,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from scone_jax import checksums, distributed, storage
+from scone_jax.runtime import distributed, storage
+from scone_jax.training import checksums
 
 _STATE, _DATA, _META = "state", "data", "meta"
 

@@ -10,11 +10,12 @@ import dataclasses
 import jax
 from flax import nnx
 
-from scone_jax import checkpoint, sharding
+from scone_jax import sharding
 from scone_jax.model import layout
 from scone_jax.model.scone import SconeModel
 from scone_jax.model.transformer import Decoder
-from scone_jax.optimizer import make_optimizer
+from scone_jax.training import checkpoint
+from scone_jax.training.optimizer import make_optimizer
 
 
 def build_model(config) -> nnx.Module:
@@ -53,9 +54,7 @@ def init_state(config, spec: StateSpec) -> nnx.State:
 
 def abstract_with_shardings(spec: StateSpec) -> nnx.State:
     """ShapeDtypeStructs carrying shardings: the restore target for checkpoints."""
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), spec.abstract, spec.shardings
-    )
+    return sharding.sharded_abstract(spec.abstract, spec.shardings)
 
 
 def restore(ckpt: checkpoint.Checkpointer, step: int, config, spec: StateSpec, mesh, data_iterator=None,

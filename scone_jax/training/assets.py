@@ -1,19 +1,39 @@
-"""The run's f-gram vocabulary: load `scone.vocab_path`, or extract one into the workdir once.
+"""The run's assets: the model's vocabulary size from the tokenizer, and the f-gram vocabulary (load
+`scone.vocab_path`, or extract one into the workdir once) with the batch transform that uses it.
 
 Extraction counts the same token stream the model sees: each training document as
 [bos] + ids (the packed `inputs`), up to `scone.extract_max_tokens` tokens.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 
+import jax
 import numpy as np
 from absl import logging
 
+from scone_jax import sharding
 from scone_jax.data import sources
+from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
+from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab, vocab_exists
+from scone_jax.runtime import distributed
+
+
+def resolve_vocab_size(config, tokenizer) -> None:
+    """model.vocab_size 0 -> the tokenizer's size rounded up to 128 (TPU-friendly)."""
+    have = config.model.vocab_size
+    if have == 0:
+        with config.unlocked():
+            config.model.vocab_size = int(math.ceil(tokenizer.vocab_size / 128) * 128)
+    elif have < tokenizer.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={have} is smaller than the tokenizer's {tokenizer.vocab_size} pieces; "
+            "set model.vocab_size=0 to size it from the tokenizer."
+        )
 
 
 def training_token_documents(data_cfg, tokenizer, max_tokens: int):
@@ -54,3 +74,13 @@ def ensure_vocab(scone_cfg, data_cfg, tokenizer, workdir: str, is_chief: bool = 
     return vocab
 
 
+def fgram_batcher(config, tokenizer, workdir: str, mesh):
+    """(vocab, the grain batch transform that adds per-shard f-grams), or (None, None) without SCONE."""
+    if not config.scone.enabled:
+        return None, None
+    vocab = distributed.chief_first("fgram_vocab", lambda: ensure_vocab(
+        config.scone, config.data, tokenizer, workdir, jax.process_index() == 0))
+    local_shards = sharding.num_batch_shards(mesh) // jax.process_count()
+    batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=local_shards, capacity=config.scone.fgram_capacity,
+                           micro_batches=config.train.grad_accum_steps)
+    return vocab, batcher

@@ -1,7 +1,7 @@
-"""Batch perplexity with offloaded f-gram rows: `python -m scone_jax.evaluate --table=EXPORT [--config.data.*]`.
+"""Batch perplexity with offloaded f-gram rows: `python -m scone_jax.serving.evaluate --export=DIR [--config.data.*]`.
 
 Only the main decoder is on the devices; the f-gram rows come from the export's table in host RAM
-(scone_jax/inference.py). By default the data is the run's held-out split as its config names it;
+(scone_jax/serving/inference.py). By default the data is the run's held-out split as its config names it;
 override any data key, e.g. `--config.data.source=text --config.data.eval_files=held_out/*.txt`.
 Every document is counted exactly once (the last partial batch included). Prints tokens,
 perplexity, bits per byte, f-gram hit rate and tokens/s, and writes them to --result as JSON.
@@ -15,18 +15,21 @@ import json
 import math
 import os
 import sys
-import types
 import time
+import types
 
 import jax
 import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from scone_jax import config as config_lib, inference, logs
+from scone_jax import config as config_lib
 from scone_jax.data import pipeline, sources
 from scone_jax.data.tokenizer import Tokenizer
-from scone_jax.table import Prefetcher
+from scone_jax.model import losses
+from scone_jax.runtime import logs
+from scone_jax.serving import inference
+from scone_jax.serving.table import Prefetcher
 
 
 def document_bytes(data_cfg, tokenizer) -> int:
@@ -80,7 +83,7 @@ def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_
     return {
         "tokens": int(tokens),
         "loss": loss,
-        "perplexity": math.exp(min(loss, 50.0)),
+        "perplexity": losses.perplexity(loss),
         "bytes": num_bytes,
         "bits_per_byte": loss_sum / math.log(2) / num_bytes if num_bytes else None,
         "hit_rate": hits / max(positions, 1) if use_table else None,
@@ -111,30 +114,31 @@ def data_config(served: inference.Served, overrides: dict):
 
 def _define_flags():
     """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
-    table = flags.DEFINE_string("table", None, "Export directory written by scone_jax.export (local or gs://).")
+    export = inference.define_export_flag("scone_jax.serving.evaluate")
     config = config_flags.DEFINE_config_dict("config", config_lib.base_config(), "Data overrides: --config.data.*.")
     result = flags.DEFINE_string("result", "eval_result.json", "Where to write the JSON result ('' = nowhere).")
     max_table_bytes = flags.DEFINE_integer("max_table_bytes", 0, "Host RAM for the table; 0 = load it whole, "
                                             "else a bounded chunk cache of this many bytes.")
     max_batches = flags.DEFINE_integer("max_batches", 0, "Stop after this many batches (0 = all; then no bpb).")
     return types.SimpleNamespace(
-        table=table, config=config, result=result, max_table_bytes=max_table_bytes, max_batches=max_batches)
+        export=export, config=config, result=result, max_table_bytes=max_table_bytes, max_batches=max_batches)
 
 
 def main(argv, args):
     del argv
     logs.quiet_libraries()
-    if not args.table.value:
-        print("scone_jax.evaluate: error: pass --table=EXPORT_DIR", file=sys.stderr)
+    path = args.export()
+    if not path:
+        print("scone_jax.serving.evaluate: error: pass --export=EXPORT_DIR", file=sys.stderr)
         sys.exit(2)
     try:
-        served = inference.load(args.table.value, max_table_bytes=args.max_table_bytes.value or None)
+        served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
         config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
         result = evaluate(served, config.data, max_batches=args.max_batches.value)
     except (ValueError, FileNotFoundError) as e:
-        print(f"scone_jax.evaluate: error: {e}", file=sys.stderr)
+        print(f"scone_jax.serving.evaluate: error: {e}", file=sys.stderr)
         sys.exit(2)
-    result |= {"table": args.table.value, "data": config.data.to_dict()}
+    result |= {"table": path, "data": config.data.to_dict()}
     print(f"tokens {result['tokens']:,}  perplexity {result['perplexity']:.4f}  bits/byte "
           f"{result['bits_per_byte'] or float('nan'):.4f}  hit rate {result['hit_rate']:.3f}  "
           f"tokens/s {result['tokens_per_s'] or float('nan'):,.0f}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 import optax
 
+from scone_jax.model.accounting import EMBEDDING_PARAMS
+
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
@@ -19,7 +21,7 @@ def _decay_mask(params):
     """Weight decay on matrices only: norms, biases and embedding tables are left alone."""
     def decays(path, leaf):
         names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
-        return leaf.ndim >= 2 and not names & {"token_embed", "pos_embed", "embedding"}
+        return leaf.ndim >= 2 and not names & set(EMBEDDING_PARAMS)
 
     return jax.tree_util.tree_map_with_path(decays, params)
 

@@ -1,18 +1,19 @@
-"""Sampling with a KV cache and per-token f-gram rows: `python -m scone_jax.generate --table=EXPORT --prompt=...`.
+"""Sampling with a KV cache and per-token f-gram rows: `python -m scone_jax.serving.generate --export=DIR --prompt=...`.
 
-The decoder's blocks are re-run here with a cached attention (keys and values of earlier positions
-kept per layer), reusing the exported decoder's parameters as they are; layers.py stays the one
-definition of the training graph, and a test pins the two paths to the same logits. At each step
-the host matches the newest token's longest f-gram over the last K tokens and sends that one row
-with the token, so the device never holds the f-gram table. The match is incremental: the host
-keeps the trie slots of the f-grams ending at the newest token (Matcher.match_next), so a new
-token costs one lookup of its K-1 candidate f-grams and one row gather, a few microseconds.
+Decoding runs the training model itself: Decoder.decode with a KVCache (model/layers.py) threads the
+keys and values of earlier positions through the same attention, blocks and block stack, so this
+module only builds the cache, calls the model and samples; tests pin the cached logits to the full
+forward pass. At each step the host matches the newest token's longest f-gram over the last K tokens
+and sends that one row with the token, so the device never holds the f-gram table. The match is
+incremental: the host keeps the trie slots of the f-grams ending at the newest token
+(Matcher.match_next), so a new token costs one lookup of its K-1 candidate f-grams and one row
+gather, a few microseconds.
 """
 from __future__ import annotations
 
 import sys
-import types
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -20,40 +21,10 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from scone_jax import inference, logs
-from scone_jax.model.layers import rope
-
-
-def _cached_attention(attn, x, positions, cache_k, cache_v, start):
-    """Attention of t new tokens (absolute `positions` [B, t]) over the cache plus themselves."""
-    b, t, _ = x.shape
-    split = lambda y: y.reshape(b, t, attn.num_heads, attn.head_dim)  # noqa: E731
-    q, k, v = split(attn.query(x)), split(attn.key(x)), split(attn.value(x))
-    if attn.use_rope:
-        q, k = rope(q, positions, attn.rope_theta), rope(k, positions, attn.rope_theta)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, start, 0, 0))
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, start, 0, 0))
-    visible = jnp.arange(cache_k.shape[1])[None, None, :] <= positions[:, :, None]  # causal, unwritten slots hidden
-    scores = jnp.einsum("bqnh,bknh->bnqk", q, cache_k).astype(jnp.float32) / jnp.sqrt(attn.head_dim)
-    scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
-    y = jnp.einsum("bnqk,bknh->bqnh", probs, cache_v).reshape(b, t, -1)
-    return attn.out(y), cache_k, cache_v
-
-
-def forward_with_cache(decoder, x, positions, cache, start):
-    """Decoder.decode + logits for input embeddings x [B, t, d] at positions start..start+t-1."""
-    if decoder.pos_embed is not None:
-        x = x + decoder.pos_embed(positions)
-    x = x.astype(decoder.dtype)
-    new_cache = []
-    for block, (ck, cv) in zip(decoder.stack.layers(), cache):
-        dtype = x.dtype
-        a, ck, cv = _cached_attention(block.attn, block.attn_norm(x).astype(dtype), positions, ck, cv, start)
-        x = x + a.astype(dtype)
-        x = x + block.mlp(block.mlp_norm(x).astype(dtype)).astype(dtype)
-        new_cache.append((ck, cv))
-    return decoder.logits(decoder.stack.final_norm(x)), new_cache
+from scone_jax import sharding
+from scone_jax.model import transformer
+from scone_jax.runtime import logs
+from scone_jax.serving import inference
 
 
 def sample(logits, key, temperature: float, top_k: int):
@@ -75,33 +46,28 @@ class Generator:
         self.max_len = served.matcher.max_len
         graphdef = served.graphdef
 
-        def run(params, cache, tokens, ids, rows, start, key):
+        def run(params, cache, tokens, ids, rows, key):
             decoder = nnx.merge(graphdef, params)
             x = inference.input_embeddings(decoder, tokens, ids, rows) if use_table else decoder.embed(tokens)
-            positions = start + jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-            logits, cache = forward_with_cache(decoder, x, positions, cache, start)
-            last = logits[:, -1]
+            positions = cache.index + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+            h, cache = decoder.decode(x, None, positions, cache)
+            last = decoder.logits(h[:, -1])
             return sample(last, key, temperature, top_k), last, cache
 
-        self._run = jax.jit(run, donate_argnums=1)
+        self._run = sharding.under_mesh(served.mesh, jax.jit(run, donate_argnums=1))
 
-    def _call(self, cache, tokens, start, key, ids=None):
-        """Run `tokens` [B, t] at positions start..; `ids` are their f-gram ids (None: match them here)."""
+    def _call(self, cache, tokens, key, ids=None):
+        """Run `tokens` [B, t] after the cached ones; `ids` are their f-gram ids (None: match them here)."""
         if self.use_table:
             if ids is None:
                 ids = self.served.matcher.match(tokens, np.ones_like(tokens))
             rows = self.served.table.gather(ids)
         else:
             ids, rows = np.full(tokens.shape, -1, np.int32), np.zeros((*tokens.shape, 1), np.float32)
-        with jax.set_mesh(self.served.mesh):
-            return self._run(self.served.params, cache, tokens, ids, rows, start, key)
+        return self._run(self.served.params, cache, tokens, ids, rows, key)
 
-    def empty_cache(self, batch: int, length: int):
-        cfg = self.served.config.model
-        head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
-        shape = (batch, length, cfg.num_heads, head_dim)
-        dtype = jnp.dtype(cfg.dtype)
-        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    def empty_cache(self, batch: int, length: int) -> transformer.KVCache:
+        return transformer.init_cache(self.served.config.model, batch, length)
 
     def generate(self, prompts: np.ndarray, num_tokens: int, seed: int = 0, forced: np.ndarray | None = None) -> dict:
         """Extend token prompts [B, P] by num_tokens. Returns tokens [B, P+n], the logits that chose each
@@ -117,7 +83,7 @@ class Generator:
         tokens = np.zeros((b, length), np.int32)
         tokens[:, :p] = prompts
         cache = self.empty_cache(b, length)
-        new, last, cache = self._call(cache, prompts, 0, keys[0])
+        new, last, cache = self._call(cache, prompts, keys[0])
         logits = [last]
         start_time = None
         matcher, ids = self.served.matcher, None
@@ -131,7 +97,7 @@ class Generator:
             if self.use_table:
                 ids, prefix = matcher.match_next(prefix, tokens[:, end])
                 ids = ids[:, None]
-            new, last, cache = self._call(cache, tokens[:, end:end + 1], end, keys[i], ids)
+            new, last, cache = self._call(cache, tokens[:, end:end + 1], keys[i], ids)
             logits.append(last)
         tokens[:, length - 1] = np.asarray(new) if forced is None else forced[:, -1]
         latency = (time.perf_counter() - start_time) / (num_tokens - 2) if num_tokens > 2 else None
@@ -140,7 +106,7 @@ class Generator:
 
 def _define_flags():
     """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
-    table = flags.DEFINE_string("table", None, "Export directory written by scone_jax.export (local or gs://).")
+    export = inference.define_export_flag("scone_jax.serving.generate")
     prompt = flags.DEFINE_string("prompt", "", "Text to continue.")
     num_tokens = flags.DEFINE_integer("num_tokens", 64, "New tokens per sample.")
     num_samples = flags.DEFINE_integer("num_samples", 1, "Samples drawn together as one batch.")
@@ -148,24 +114,25 @@ def _define_flags():
     top_k = flags.DEFINE_integer("top_k", 40, "Sample among the k most likely tokens (0 = all).")
     seed = flags.DEFINE_integer("seed", 0, "Sampling seed.")
     return types.SimpleNamespace(
-        table=table, prompt=prompt, num_tokens=num_tokens, num_samples=num_samples, temperature=temperature,
+        export=export, prompt=prompt, num_tokens=num_tokens, num_samples=num_samples, temperature=temperature,
         top_k=top_k, seed=seed)
 
 
 def main(argv, args):
     del argv
     logs.quiet_libraries()
-    if not args.table.value:
-        print("scone_jax.generate: error: pass --table=EXPORT_DIR", file=sys.stderr)
+    path = args.export()
+    if not path:
+        print("scone_jax.serving.generate: error: pass --export=EXPORT_DIR", file=sys.stderr)
         sys.exit(2)
     try:
-        served = inference.load(args.table.value)
+        served = inference.load(path)
         tok = served.tokenizer
         prompt = np.concatenate([[tok.bos_id], tok.encode(args.prompt.value)]).astype(np.int32)
         generator = Generator(served, temperature=args.temperature.value, top_k=args.top_k.value)
         out = generator.generate(np.tile(prompt, (args.num_samples.value, 1)), args.num_tokens.value, seed=args.seed.value)
     except (ValueError, FileNotFoundError) as e:
-        print(f"scone_jax.generate: error: {e}", file=sys.stderr)
+        print(f"scone_jax.serving.generate: error: {e}", file=sys.stderr)
         sys.exit(2)
     for row in out["tokens"]:
         new = list(row[len(prompt):])

@@ -15,15 +15,15 @@ import jax
 import numpy as np
 from absl import logging
 
-from scone_jax import checkpoint, config as config_lib, distributed, preemption, sharding, state as state_lib, steps
+from scone_jax import config as config_lib, sharding
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
-from scone_jax.fgram import stats as fgram_stats, workdir_vocab
-from scone_jax.fgram.dedup import FgramBatcher
-from scone_jax.fgram.matcher import Matcher
-from scone_jax.metrics_writer import MetricsWriter, format_line
-from scone_jax.model import accounting
-from scone_jax.ownership import OwnershipLost, hold as hold_workdir
-from scone_jax.throughput import Throughput, peak_flops_per_device
+from scone_jax.fgram import stats as fgram_stats
+from scone_jax.model import accounting, losses
+from scone_jax.runtime import distributed
+from scone_jax.runtime.ownership import OwnershipLost, hold as hold_workdir
+from scone_jax.training import assets, checkpoint, preemption, state as state_lib, steps
+from scone_jax.training.metrics import MetricsWriter, format_line
+from scone_jax.training.throughput import Throughput, peak_flops_per_device
 
 
 class NonFiniteLossError(RuntimeError):
@@ -35,32 +35,20 @@ class InputPipelineError(ValueError):
     checkpoint at the step it had reached, so a rerun after the fix loses nothing."""
 
 
-def resolve_vocab_size(config, tokenizer) -> None:
-    """model.vocab_size 0 -> the tokenizer's size rounded up to 128 (TPU-friendly)."""
-    have = config.model.vocab_size
-    if have == 0:
-        with config.unlocked():
-            config.model.vocab_size = int(math.ceil(tokenizer.vocab_size / 128) * 128)
-    elif have < tokenizer.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={have} is smaller than the tokenizer's {tokenizer.vocab_size} pieces; "
-            "set model.vocab_size=0 to size it from the tokenizer."
-        )
-
-
 def batch_fingerprint(batch: dict) -> int:
     """CRC32 of every array a host batch sends to the device (inputs, masks and, with SCONE,
     the f-gram rows and slots), in key order: cheap, and what resume must replay exactly."""
     crc = 0
-    for key in sorted(device_batch(batch)):
+    for key in sorted(steps.step_arrays(batch)):
         crc = zlib.crc32(key.encode(), crc)
         crc = zlib.crc32(np.ascontiguousarray(batch[key]).tobytes(), crc)
     return crc
 
 
-def evaluate(eval_step, state, config, tokenizer, mesh, batch_transform=None, batches=None) -> dict:
-    """Held-out loss and perplexity over data.eval (train.eval_batches caps the batch count).
-    `batches` (pipeline.EvalBatches) is made here if not given; pass it to tokenize only once."""
+def held_out_loss(eval_step, state, config, tokenizer, mesh, batch_transform=None, batches=None) -> dict:
+    """Held-out loss and perplexity over data.eval during training (train.eval_batches caps the batch count);
+    serving.evaluate is the exported model's evaluation. `batches` (pipeline.EvalBatches) is made here if
+    not given; pass it to tokenize only once."""
     loss_sum, count = 0.0, 0.0
     if batches is None:
         batches = pipeline.make_eval_batches(
@@ -70,30 +58,10 @@ def evaluate(eval_step, state, config, tokenizer, mesh, batch_transform=None, ba
             break
         if batch_transform is not None:
             batch = batch_transform(batch)
-        l, n = eval_step(state, sharding.global_batch(device_batch(batch), mesh))
+        l, n = eval_step(state, sharding.global_batch(steps.step_arrays(batch), mesh))
         loss_sum, count = loss_sum + float(l), count + float(n)
     loss = loss_sum / max(count, 1.0)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
-
-
-HOST_ONLY_KEYS = ("fgram_ids", "fgram_unique")
-
-
-def device_batch(batch: dict) -> dict:
-    """The arrays the step uses (host-only extras such as global f-gram ids stay behind)."""
-    return {k: v for k, v in batch.items() if k not in HOST_ONLY_KEYS}
-
-
-def fgram_batcher(config, tokenizer, workdir: str, mesh):
-    """The grain batch transform that adds per-shard f-grams, or (None, None) without SCONE."""
-    if not config.scone.enabled:
-        return None, None
-    vocab = distributed.chief_first("fgram_vocab", lambda: workdir_vocab.ensure_vocab(
-        config.scone, config.data, tokenizer, workdir, jax.process_index() == 0))
-    local_shards = sharding.num_batch_shards(mesh) // jax.process_count()
-    batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=local_shards, capacity=config.scone.fgram_capacity,
-                           micro_batches=config.train.grad_accum_steps)
-    return vocab, batcher
+    return {"loss": loss, "perplexity": losses.perplexity(loss), "tokens": count}
 
 
 class _PendingMetrics:
@@ -152,13 +120,13 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     """run() once this job owns the workdir; `owner.check()` stops it if another run takes the workdir over."""
     is_chief = jax.process_index() == 0
     tokenizer = distributed.chief_first("tokenizer", lambda: tokenizer_lib.ensure_tokenizer(config.data, workdir))
-    resolve_vocab_size(config, tokenizer)
+    assets.resolve_vocab_size(config, tokenizer)
     logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(), jax.process_count())
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
     try:
         # Refused resumes stop here, before anything in the workdir changes (f-grams, config.json).
         _check_resume_config(ckpt, config, allow_config_changes)
-        vocab, batcher = fgram_batcher(config, tokenizer, workdir, mesh)
+        vocab, batcher = assets.fgram_batcher(config, tokenizer, workdir, mesh)
         spec = state_lib.state_spec(config, mesh)
         expect = {
             "tokenizer_fingerprint": tokenizer.fingerprint,
@@ -223,7 +191,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                 if eval_batches is None:  # tokenized once, at the first evaluation
                     eval_batches = pipeline.make_eval_batches(
                         config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count())
-                ev = evaluate(eval_step, state, config, tokenizer, mesh, batcher, eval_batches)
+                ev = held_out_loss(eval_step, state, config, tokenizer, mesh, batcher, eval_batches)
                 writer.write(step, ev, prefix="eval")
                 logging.info("eval step %d: loss %.4f ppl %.2f over %d tokens", step, ev["loss"], ev["perplexity"], ev["tokens"])
                 summary.update({f"eval_{k}": v for k, v in ev.items()})
@@ -336,7 +304,7 @@ class _Inputs:
         if self._batcher is not None:
             host.update(fgram_stats.batch_stats(host_batch))
             host["fgram/model_tokens"] = host_batch["fgram_tokens"].size * jax.process_count()
-        arrays = sharding.global_batch(device_batch(host_batch), self._mesh)
+        arrays = sharding.global_batch(steps.step_arrays(host_batch), self._mesh)
         self._waited += time.perf_counter() - start
         return host, arrays
 
@@ -368,7 +336,7 @@ def _summarize(records: list[dict], rates: dict) -> dict:
     fgram = {k: float(np.mean([r[k] for r in records])) for k in records[-1] if k.startswith("fgram/")}
     return {
         "loss": loss,
-        "perplexity": math.exp(min(loss, 50.0)),
+        "perplexity": losses.perplexity(loss),
         "grad_norm": records[-1]["grad_norm"],
         "learning_rate": records[-1]["learning_rate"],
         **fgram,

@@ -11,14 +11,21 @@ import optax
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.optimizer import learning_rate_schedule
+from scone_jax.model import losses
+from scone_jax.training.optimizer import learning_rate_schedule
 
 
 def token_losses(model, batch: dict) -> jax.Array:
-    """Per-token cross-entropy [B, T] (fp32), zero where loss_mask is 0."""
-    logits = model.batch_logits(batch)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return ce * batch["loss_mask"]
+    """Per-token cross-entropy [B, T] (fp32) of the model's logits, zero where loss_mask is 0."""
+    return losses.token_cross_entropy(model.batch_logits(batch), batch)
+
+
+HOST_ONLY_KEYS = ("fgram_ids", "fgram_unique")
+
+
+def step_arrays(batch: dict) -> dict:
+    """The arrays of a host batch that the steps take (host-only extras such as global f-gram ids stay behind)."""
+    return {k: v for k, v in batch.items() if k not in HOST_ONLY_KEYS}
 
 
 def _loss_sum(params, graph, rest, batch):
@@ -82,7 +89,7 @@ def make_train_step(graphdef, state_shardings, mesh, config):
         metrics["param_norm"] = optax.tree.norm(nnx.state(model, nnx.Param))
         return nnx.state((model, opt)), metrics
 
-    return _under_mesh(mesh, jax.jit(
+    return sharding.under_mesh(mesh, jax.jit(
         step,
         in_shardings=(state_shardings, _batch_shardings(mesh)),
         out_shardings=(state_shardings, None),
@@ -96,22 +103,7 @@ def make_eval_step(graphdef, state_shardings, mesh):
         model, _ = nnx.merge(graphdef, state)
         return token_losses(model, batch).sum(), batch["loss_mask"].sum()
 
-    return _under_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, _batch_shardings(mesh))))
-
-
-def _under_mesh(mesh, jitted):
-    """Trace and run under the mesh so activation constraints (sharding.constrain) apply."""
-    def call(*args):
-        with jax.set_mesh(mesh):
-            return jitted(*args)
-
-    call.lower = lambda *args: _lower_under_mesh(mesh, jitted, *args)
-    return call
-
-
-def _lower_under_mesh(mesh, jitted, *args):
-    with jax.set_mesh(mesh):
-        return jitted.lower(*args)
+    return sharding.under_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, _batch_shardings(mesh))))
 
 
 def _batch_shardings(mesh):

@@ -1,6 +1,7 @@
-"""The multi-process flags of the programs that run on every host of a job (train, export).
+"""The flags for joining a multi-process job (coordinator, process count and id, start-up deadline), shared by
+the programs that run on every host of a job (train, export).
 
-Defined here once so that `scone_jax.main` and `scone_jax.export` accept the same spelling. This
+Defined here once so that `scone_jax.main` and `scone_jax.serving.export` accept the same spelling. This
 module does not import JAX: main.py parses flags before JAX starts.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ def define(startup_help: str = "Seconds to wait for all processes to join.") -> 
     timeout = flags.DEFINE_integer("startup_timeout", 300, startup_help)
 
     def spec():
-        from scone_jax import distributed  # imports JAX
+        from scone_jax.runtime import distributed  # imports JAX
 
         return distributed.JoinSpec(coordinator.value, num_processes.value, process_id.value, timeout.value)
 

@@ -38,8 +38,9 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from absl import logging
 
-from scone_jax import config as config_lib, storage
+from scone_jax import config as config_lib
 from scone_jax.fgram.vocab import array_checksum, brief_error
+from scone_jax.runtime import storage
 
 FORMAT, VERSION = "scone_export", 2  # 2: COMPLETE holds checksums
 _UNCHECKED_VERSION = 1  # still read, without checksums
@@ -148,7 +149,7 @@ def rerun_fix(path: str, marker: str | None = None) -> str:
     marker is missing, and tokenizer.model if it differs from the run's."""
     delete = f"delete {storage.join(path, marker)}, then " if marker else ""
     rewrites = "the pieces that have no done marker" if marker else f"{TOKENIZER} from the run"
-    return (f"Fix: {delete}re-run `python -m scone_jax.export --workdir=RUN --output={path}` with the run it was "
+    return (f"Fix: {delete}re-run `python -m scone_jax.serving.export --workdir=RUN --output={path}` with the run it was "
             f"exported from; it rewrites {rewrites}.")
 
 
@@ -189,7 +190,7 @@ def bad_chunks_error(path: str, meta: dict, bad: dict, sums: list[str] | None) -
     markers = ", ".join(storage.join(path, done_key(c)) for c in sorted(bad)[:3]) + (", ..." if len(bad) > 3 else "")
     return BundleError(
         f"{storage.join(path, chunk_key(first))} (table rows {lo}..{hi - 1}) {state}{more}. Fix: delete the done "
-        f"marker of each bad chunk ({markers}), then re-run `python -m scone_jax.export --workdir=RUN --output={path}` "
+        f"marker of each bad chunk ({markers}), then re-run `python -m scone_jax.serving.export --workdir=RUN --output={path}` "
         "with the run it was exported from; it rewrites the chunks that have no done marker.")
 
 
@@ -206,7 +207,7 @@ def open_checked(path: str, expect: dict | None = None) -> tuple[dict, Checksums
     if meta is None or marker is None:
         state = "no export" if meta is None else "an unfinished export (no COMPLETE marker)"
         raise BundleError(
-            f"{path!r} holds {state}. Fix: run `python -m scone_jax.export --workdir=RUN --output={path}` "
+            f"{path!r} holds {state}. Fix: run `python -m scone_jax.serving.export --workdir=RUN --output={path}` "
             "(rerunning it resumes an interrupted export)."
         )
     if meta.get("format") != FORMAT or meta.get("version") not in (_UNCHECKED_VERSION, VERSION):

@@ -30,7 +30,10 @@ class _QuietLibraries(std_logging.Filter):
             return False
         if record.levelno >= std_logging.ERROR and "/orbax/checkpoint/" in record.pathname:
             return False  # a failed save or restore reaches us as an exception, reported in one line
-        first = (record.getMessage().strip().splitlines() or [""])[0]
+        message = record.getMessage()
+        if record.name == "asyncio" and "/orbax/checkpoint/" in message:
+            return False  # "Task exception was never retrieved": orbax's abandoned writes, the same failure
+        first = (message.strip().splitlines() or [""])[0]
         record.msg, record.args = first[:1000], None
         record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True

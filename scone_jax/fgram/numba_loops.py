@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-kernel = numba.njit(nogil=True, cache=True)
+compiled = numba.njit(nogil=True, cache=True)  # a CPU loop compiled by numba, not a device kernel
 
 _PREFETCH_TYPE = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3)
 

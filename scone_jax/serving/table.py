@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import tensorstore as ts
 
-from scone_jax import bundle
+from scone_jax.serving import bundle
 
 _THREAD_MIN_ROWS = 1 << 14  # below this a single take is faster than handing work to threads
 _FEW_ROWS = 64  # up to this many ids (decoding), indexing with a Python list beats the general path

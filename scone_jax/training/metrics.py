@@ -16,7 +16,7 @@ import uuid
 
 from absl import logging
 
-from scone_jax import storage
+from scone_jax.runtime import storage
 
 METRICS_FILE = "metrics.jsonl"
 

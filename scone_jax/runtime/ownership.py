@@ -37,8 +37,8 @@ import uuid
 import jax
 from absl import logging
 
-from scone_jax import distributed, storage
-from scone_jax.workdir import WorkdirError
+from scone_jax.runtime import distributed, storage
+from scone_jax.runtime.write_probe import WorkdirError
 
 OWNER_FILE = "OWNER"
 LEASE_ENV = "SCONE_JAX_LEASE_S"

@@ -8,21 +8,25 @@ matching depends only on token ids, the rows of a batch are known before the dev
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
+from absl import flags
 from flax import nnx
 
-from scone_jax import bundle, sharding, storage
+from scone_jax import sharding
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
+from scone_jax.model import losses
 from scone_jax.model.transformer import Decoder
-from scone_jax.table import HostTable
+from scone_jax.runtime import storage
+from scone_jax.serving import bundle
+from scone_jax.serving.table import HostTable
 
 
 @dataclasses.dataclass
@@ -41,6 +45,20 @@ class Served:
     @property
     def decoder(self) -> Decoder:
         return nnx.merge(self.graphdef, self.params)
+
+
+def define_export_flag(program: str):
+    """Define --export (the bundle scone_jax.serving.export wrote) and --table, its old name, kept for one
+    release; the returned function gives the path after parsing (None if neither was passed)."""
+    export = flags.DEFINE_string("export", None, "Export directory written by scone_jax.serving.export (local or gs://).")
+    table = flags.DEFINE_string("table", None, "Deprecated: the old name of --export, removed in the next release.")
+
+    def path() -> str | None:
+        if table.value:
+            print(f"{program}: warning: --table is deprecated; pass --export={table.value}", file=sys.stderr)
+        return export.value or table.value
+
+    return path
 
 
 def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_fingerprint: str | None = None) -> Served:
@@ -94,7 +112,7 @@ def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums | None = Non
         bundle.verify_files(path, sums, bundle.DECODER, fix)
     graphdef, abstract = nnx.eval_shape(lambda: nnx.split(Decoder(model_cfg, nnx.Rngs(0)), nnx.Param))
     shardings = sharding.state_shardings(abstract, mesh)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    target = sharding.sharded_abstract(abstract, shardings)
     try:
         with bundle.decoder_checkpointer() as restorer:
             params = restorer.restore(storage.join(path, bundle.DECODER), args=ocp.args.StandardRestore(target))
@@ -128,20 +146,16 @@ def make_eval_step(served: Served, use_table: bool = True):
     """jit(params, batch) -> (sum of token losses, number of target tokens), batch sharded by rows.
 
     use_table=False runs the same decoder on T(token) alone: the baseline the benchmark compares with."""
-    graphdef, mesh = served.graphdef, served.mesh
+    graphdef = served.graphdef
 
     @jax.jit
     def step(params, batch):
         decoder = nnx.merge(graphdef, params)
         logits = batch_logits(decoder, batch) if use_table else decoder.batch_logits(batch)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]) * batch["loss_mask"]
-        return ce.sum(), batch["loss_mask"].sum()
+        return losses.token_cross_entropy(logits, batch).sum(), batch["loss_mask"].sum()
 
-    def call(batch):
-        with jax.set_mesh(mesh):
-            return step(served.params, batch)
-
-    return call
+    run = sharding.under_mesh(served.mesh, step)
+    return lambda batch: run(served.params, batch)
 
 
 def device_batch(served: Served, batch: dict, keys=("inputs", "targets", "segment_ids", "positions", "loss_mask",

@@ -38,25 +38,11 @@ e.g. --config=configs/gpt2_paper.py:419m,fgram=3x,fgrams=10m. The f-grams are ex
 data.train_files into the workdir on the first run unless --config.scone.vocab_path names a
 vocabulary made by tools/extract_fgrams.py (advised at this scale: it uses all cores).
 """
-import importlib.util
-import os
-
 import ml_collections
 
-from scone_jax.config import base_config
+from scone_jax.config import base_config, load_beside
 
-
-def _load_common():
-    """configs/common.py, found next to this file: --config loads config files by path, not as a
-    package, so `import common` would depend on the current directory and sys.path."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")
-    spec = importlib.util.spec_from_file_location("_scone_configs_common", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_common = _load_common()
+_common = load_beside(__file__, "common.py")
 split_variant, enable_scone = _common.split_variant, _common.enable_scone
 
 # name -> (d_model, num_layers, fsdp). The two smallest keep parameters and optimizer state

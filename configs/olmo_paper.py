@@ -44,25 +44,11 @@ Arguments are `SIZE[,option=value...]`. SCONE variants add an f-gram model to th
 e.g. --config=configs/olmo_paper.py:1b,fgram=1.8b,fgrams=10m; check it with
   python tools/aot_compile.py --config=configs/olmo_paper.py:1b,fgram=1.8b --topology=v5p-128
 """
-import importlib.util
-import os
-
 import ml_collections
 
-from scone_jax.config import base_config
+from scone_jax.config import base_config, load_beside
 
-
-def _load_common():
-    """configs/common.py, found next to this file: --config loads config files by path, not as a
-    package, so `import common` would depend on the current directory and sys.path."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")
-    spec = importlib.util.spec_from_file_location("_scone_configs_common", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_common = _load_common()
+_common = load_beside(__file__, "common.py")
 split_variant, enable_scone = _common.split_variant, _common.enable_scone
 
 _LAYERS = {"0.7b": 12, "1b": 18, "1.3b": 24, "1.9b": 36}

@@ -109,6 +109,17 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     return module.get_config(arg or None)
 
 
+def load_beside(config_file: str, name: str):
+    """The Python module `name` in the directory of `config_file` (a config's `__file__`), loaded by
+    path: --config loads config files by path, not as a package, so their shared helpers
+    (configs/common.py) cannot be imported by name from every working directory."""
+    path = os.path.join(os.path.dirname(os.path.abspath(config_file)), name)
+    spec = importlib.util.spec_from_file_location(f"_scone_config_{os.path.splitext(name)[0]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def unknown_key_message(config: ml_collections.ConfigDict, dotted: str) -> str | None:
     """Explain a bad `--config.a.b` override (which part is unknown, what is valid there);
     None if the key exists."""

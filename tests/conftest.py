@@ -9,3 +9,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import flags  # noqa: E402
 
 flags.FLAGS.mark_as_parsed()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(tmp_path_factory):
+    """The small config's 512-piece tokenizer, trained once for the whole session."""
+    from scone_jax.data import tokenizer as tokenizer_lib
+    from tests.common import small_config
+
+    workdir = str(tmp_path_factory.mktemp("tok"))
+    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
+    return os.path.join(workdir, "tokenizer.model")

@@ -23,7 +23,6 @@ from scone_jax.data import pipeline, tokenizer as tokenizer_lib
 from scone_jax.serving import bundle, inference
 from scone_jax.serving.table import HostTable
 from tests import multihost_worker as worker, serving_run
-from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEADLINE_S = 240  # a whole two-process run; far above its ~30 s, far below "hung"
@@ -62,13 +61,6 @@ def run_workers(task: str, tokenizer_path: str, workdir: str) -> None:
              for i in range(2)]
     for r in run_processes(argvs):
         assert r.returncode == 0, r.stderr[-3000:]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("tok"))
-    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
-    return os.path.join(workdir, "tokenizer.model")
 
 
 @pytest.fixture(scope="module")

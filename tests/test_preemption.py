@@ -9,10 +9,8 @@ import time
 
 import jax
 import numpy as np
-import pytest
 
 from scone_jax import sharding
-from scone_jax.data import tokenizer as tokenizer_lib
 from scone_jax.training import checkpoint, state as state_lib, train
 from tests.common import small_config
 
@@ -47,13 +45,6 @@ def gated(self, step):
 preemption.Watch.reached = gated
 runpy.run_module("scone_jax.main", run_name="__main__")
 """
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("tok"))
-    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
-    return os.path.join(workdir, "tokenizer.model")
 
 
 def start_cli(tokenizer_path, workdir, gate_file=None):

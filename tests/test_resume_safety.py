@@ -17,18 +17,10 @@ import numpy as np
 import pytest
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.data import tokenizer as tokenizer_lib
 from scone_jax.training import checkpoint, state as state_lib, train
 from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("tok"))
-    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
-    return os.path.join(workdir, "tokenizer.model")
 
 
 def config_with(tokenizer_path, **train_overrides):

@@ -16,13 +16,6 @@ from tests.common import small_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("tok"))
-    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
-    return os.path.join(workdir, "tokenizer.model")
-
-
 def config_with(tokenizer_path, **train_overrides):
     config = small_config()
     config.data.tokenizer_path = tokenizer_path

@@ -12,10 +12,8 @@ import time
 
 import pytest
 
-from scone_jax.data import tokenizer as tokenizer_lib
 from scone_jax.runtime import ownership, storage
 from tests import gcs_emulator
-from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_STEPS, GATE_STEP = 4, 2
@@ -170,13 +168,6 @@ def test_a_foreign_owner_file_blocks_and_is_never_taken_over(tmp_path, monkeypat
 
 
 # The training CLI, as a user meets it.
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("tok"))
-    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
-    return os.path.join(workdir, "tokenizer.model")
-
 
 def start_cli(tokenizer_path, workdir, gate=None, lease_s=2):
     """`python -m scone_jax.main` on the small config; with `gate` (a path), waiting at GATE_STEP (GATED_MAIN)."""

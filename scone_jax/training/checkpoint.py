@@ -182,7 +182,6 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             raise self._write_error(self._pending if self._pending is not None else -1, e) from e
-        self.raise_if_failed()
         self._pending = None
 
     def close(self) -> None:

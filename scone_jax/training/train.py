@@ -117,7 +117,8 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
 
 
 def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
-    """run() once this job owns the workdir; `owner.check()` stops it if another run takes the workdir over."""
+    """run() once this job owns the workdir; every process stops before its next write if another run
+    takes the workdir over (`owner.lost()`, checked together at the steps that write)."""
     is_chief = jax.process_index() == 0
     tokenizer = distributed.chief_first("tokenizer", lambda: tokenizer_lib.ensure_tokenizer(config.data, workdir))
     assets.resolve_vocab_size(config, tokenizer)
@@ -157,7 +158,6 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     window, summary, eval_batches = [], {}, None
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     watch = preemption.Watch()
-    start_step = step
     try:
         batch = _next_batch(inputs, step, None) if step < stop_at else None
         while step < stop_at:
@@ -166,8 +166,8 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
             step += 1
             pending.add(step, metrics, host)
             if step < stop_at:  # the next batch is built and sent meanwhile
-                batch = _next_batch(inputs, step, None if step == start_step else (
-                    lambda: _save_after_input_failure(ckpt, step, state, meta, pending, writer)))
+                batch = _next_batch(inputs, step,
+                                    lambda: _save_after_input_failure(ckpt, step, state, meta, pending, writer))
             last = step == stop_at
             preempted = watch.reached(step)
             writes = (step % t.log_every == 0 or step % t.checkpoint_every == 0 or last or preempted

@@ -17,9 +17,9 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tokenizer_path(tmp_path_factory):
     """The small config's 512-piece tokenizer, trained once for the whole session."""
-    from scone_jax.data import tokenizer as tokenizer_lib
+    from scone_jax.training import assets
     from tests.common import small_config
 
     workdir = str(tmp_path_factory.mktemp("tok"))
-    tokenizer_lib.ensure_tokenizer(small_config().data, workdir)
+    assets.ensure_tokenizer(small_config().data, workdir)
     return os.path.join(workdir, "tokenizer.model")

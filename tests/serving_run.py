@@ -4,7 +4,7 @@ import json
 import os
 
 from scone_jax import sharding
-from scone_jax.data import corpus, tokenizer as tokenizer_lib
+from scone_jax.data import corpus
 from scone_jax.serving import bundle, export
 from scone_jax.training import assets, checkpoint, state as state_lib
 from tests.common import small_config
@@ -39,7 +39,7 @@ def trained_run(tmp_path_factory) -> dict:
     with a checkpoint of the initial state (training steps would only cost compile time here)."""
     if "run" not in _CACHE:
         root = str(tmp_path_factory.mktemp("scone_run"))
-        tokenizer = tokenizer_lib.ensure_tokenizer(small_config().data, os.path.join(root, "tok"))
+        tokenizer = assets.ensure_tokenizer(small_config().data, os.path.join(root, "tok"))
         config = scone_config(tokenizer.path)
         workdir = os.path.join(root, "run")
         assets.resolve_vocab_size(config, tokenizer)

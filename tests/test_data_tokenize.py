@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 
 from scone_jax.data import corpus, tokenize
-from scone_jax.data.tokenizer import ensure_tokenizer
-from tests.common import small_config
+from scone_jax.data.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return ensure_tokenizer(small_config().data, str(tmp_path_factory.mktemp("tok")), max_chars=300_000)
+def tok(tokenizer_path):
+    return Tokenizer.load(tokenizer_path)
 
 
 class SlowStartSource:
@@ -46,6 +45,23 @@ def test_encode_all_equals_a_plain_loop_for_1_and_2_workers(tok):
         assert [d for d, _ in calls] == [7, 14, 21, 28, 35, 42, 49, 56, 62]
         assert [t for _, t in calls] == [int(offsets[d]) for d, _ in calls]
         calls.clear()
+
+
+def test_model_documents_are_bos_plus_ids_in_document_order_up_to_max_tokens(tok):
+    """The stream f-gram extraction counts. Catches chunks yielded in the order they finish (chunk 0 is the
+    slowest), a budget that stops at a document boundary instead of cutting the last document, and a missing
+    bos (tried: each fails here)."""
+    docs = corpus.kjv_documents("eval", 0.02)[:30]
+    expected = [np.concatenate([[tok.bos_id], tok.encode(doc)]).tolist() for doc in docs]
+    got = tokenize.model_documents(SlowStartSource(docs), tok, bos_id=tok.bos_id, chunk_docs=4)
+    assert [d.tolist() for d in got] == expected
+    flat = sum(expected, [])
+    half = len(flat) // 2 + 1  # inside a document
+    got = list(tokenize.model_documents(SlowStartSource(docs), tok, bos_id=tok.bos_id, max_tokens=half,
+                                        workers=2, chunk_docs=4))
+    assert np.concatenate(got).tolist() == flat[:half] and all(d.dtype == np.int32 for d in got)
+    arrays = [np.array([5, 6], np.int32), np.array([7], np.int64)]  # pre-tokenized, counted without bos
+    assert [d.tolist() for d in tokenize.model_documents(arrays, None, bos_id=None)] == [[5, 6], [7]]
 
 
 def test_encode_documents_passes_token_arrays_through_and_names_bad_items(tok):

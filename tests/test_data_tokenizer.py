@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from scone_jax.data import corpus, sources, tokenizer
+from scone_jax.training import assets
 
 
 @pytest.fixture(scope="session")
@@ -70,17 +71,17 @@ def test_vocab_too_small_is_rejected(tmp_path):
 
 def test_ensure_tokenizer_trains_once_then_reuses(tmp_path):
     cfg = _data_cfg()
-    first = tokenizer.ensure_tokenizer(cfg, str(tmp_path), max_chars=150_000)
+    first = assets.ensure_tokenizer(cfg, str(tmp_path), max_chars=150_000)
     path = tmp_path / "tokenizer.model"
     assert first.path == str(path)
     mtime = path.stat().st_mtime_ns
     assert first.vocab_size == 400
-    second = tokenizer.ensure_tokenizer(cfg, str(tmp_path), max_chars=150_000)
+    second = assets.ensure_tokenizer(cfg, str(tmp_path), max_chars=150_000)
     assert second.fingerprint == first.fingerprint
     assert path.stat().st_mtime_ns == mtime
     # An explicit tokenizer_path wins over the workdir.
     cfg.tokenizer_path = str(path)
-    assert tokenizer.ensure_tokenizer(cfg, str(tmp_path / "elsewhere")).fingerprint == first.fingerprint
+    assert assets.ensure_tokenizer(cfg, str(tmp_path / "elsewhere")).fingerprint == first.fingerprint
 
 
 def test_sample_documents_caps_characters():
@@ -92,14 +93,14 @@ def test_sample_documents_caps_characters():
 def test_missing_tokenizer_path_is_a_clear_error(tmp_path):
     cfg = _data_cfg(tokenizer_path=str(tmp_path / "nope.model"))
     with pytest.raises(FileNotFoundError, match="nope.model.*does not exist"):
-        tokenizer.ensure_tokenizer(cfg, str(tmp_path))
+        assets.ensure_tokenizer(cfg, str(tmp_path))
 
 
 def test_pre_tokenized_corpus_cannot_train_a_tokenizer(tmp_path):
     sources.write_token_arrayrecord(str(tmp_path / "d.arrayrecord"), [[5, 6, 7]])
     cfg = _data_cfg(source="arrayrecord", train_files=str(tmp_path / "*.arrayrecord"))
     with pytest.raises(ValueError, match="pre-tokenized.*data.tokenizer_path"):
-        tokenizer.ensure_tokenizer(cfg, str(tmp_path))
+        assets.ensure_tokenizer(cfg, str(tmp_path))
 
 
 def test_command_line_tool_trains_and_checks_round_trip(tmp_path):

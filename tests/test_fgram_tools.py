@@ -7,8 +7,11 @@ import numpy as np
 from test_fgram_reference import zipf_docs
 
 from scone_jax.data.sources import write_token_arrayrecord
+from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.vocab import load_vocab
+from scone_jax.training import assets
+from tests.common import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,3 +40,20 @@ def test_bad_input_is_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         "error: --source=kjv is text: pass --tokenizer=<model> (tools/train_tokenizer.py).")
+
+
+def test_text_corpus_counts_what_the_training_run_counts(tmp_path, tokenizer_path):
+    """The tool and the run's own extraction (training/assets.ensure_vocab) read one stream, [bos] + ids of each
+    training document, so they build the same vocabulary. Catches the tool counting documents without bos, as
+    it did before the two shared data/tokenize.model_documents (tried: the fingerprints differ)."""
+    config = small_config()
+    config.data.tokenizer_path = tokenizer_path
+    config.scone.update(dict(max_len=4, num_fgrams=500, min_count=3, extract_max_tokens=60_000))
+    run_vocab = assets.ensure_vocab(config.scone, config.data, Tokenizer.load(tokenizer_path), str(tmp_path / "run"))
+    out = run_tool("--source=kjv", f"--eval_fraction={config.data.eval_fraction}", f"--tokenizer={tokenizer_path}",
+                   "--max_len=4", "--num_fgrams=500", "--min_count=3", "--max_tokens=60000", "--num_workers=1",
+                   f"--output={tmp_path}/tool", "--stats_batch=2", "--stats_seq_len=256", "--stats_tokens=2000")
+    assert out.returncode == 0, out.stderr[-2000:]
+    tool_vocab = load_vocab(str(tmp_path / "tool"))
+    assert tool_vocab.tokens_counted == run_vocab.tokens_counted == 60_000
+    assert tool_vocab.fingerprint == run_vocab.fingerprint

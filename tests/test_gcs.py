@@ -15,7 +15,7 @@ from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib  # noqa:
 from scone_jax.runtime import storage  # noqa: E402
 from scone_jax.serving import bundle, evaluate, export, inference  # noqa: E402
 from scone_jax.serving.table import HostTable  # noqa: E402
-from scone_jax.training import checkpoint, state as state_lib  # noqa: E402
+from scone_jax.training import assets, checkpoint, state as state_lib  # noqa: E402
 from tests import gcs_emulator, serving_run  # noqa: E402
 from tests.common import small_config  # noqa: E402
 
@@ -145,14 +145,13 @@ def test_a_gcs_workdir_receives_tokenizer_config_and_metrics(bucket, tmp_path):
     import json
 
     from scone_jax import config as config_lib
-    from scone_jax.data import tokenizer as tokenizer_lib
     from scone_jax.training import metrics as metrics_writer
 
     workdir = f"{bucket}/runs/gcs_workdir"
     config = small_config()
-    trained = tokenizer_lib.ensure_tokenizer(config.data, workdir, max_chars=200_000)
+    trained = assets.ensure_tokenizer(config.data, workdir, max_chars=200_000)
     assert storage.read_bytes(workdir, "tokenizer.model") == trained.proto
-    again = tokenizer_lib.ensure_tokenizer(config.data, workdir)  # found, not retrained
+    again = assets.ensure_tokenizer(config.data, workdir)  # found, not retrained
     assert again.fingerprint == trained.fingerprint and again.path == f"{workdir}/tokenizer.model"
 
     config_lib.write_config(config, workdir)

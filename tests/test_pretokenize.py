@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from scone_jax.data import corpus, sources
-from scone_jax.data.tokenizer import Tokenizer, ensure_tokenizer
+from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.training.assets import ensure_tokenizer
 from tests.common import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

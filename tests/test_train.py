@@ -83,7 +83,7 @@ def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tokenizer_pa
 
 def test_resume_refuses_a_checkpoint_from_another_tokenizer(tokenizer_path, tmp_path):
     train.run(config_with(tokenizer_path, max_steps_per_run=1), str(tmp_path))
-    tokenizer_lib.ensure_tokenizer(_other_vocab_data(), str(tmp_path / "other"))
+    assets.ensure_tokenizer(_other_vocab_data(), str(tmp_path / "other"))
     config = config_with(str(tmp_path / "other" / "tokenizer.model"))
     with pytest.raises(checkpoint.CheckpointMismatchError, match="tokenizer_fingerprint"):
         train.run(config, str(tmp_path))

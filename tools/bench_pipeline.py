@@ -25,7 +25,7 @@ import ml_collections
 from absl import app, flags
 
 from scone_jax.config import base_config
-from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib
+from scone_jax.data import corpus, pipeline
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.training import assets
@@ -64,7 +64,7 @@ def main(_):
     num_batches, rounds = (20, 2) if _QUICK.value else (60, 5)
     with tempfile.TemporaryDirectory() as work:
         text_cfg = data_config(source="kjv", worker_count=1)
-        tokenizer = tokenizer_lib.ensure_tokenizer(text_cfg, work)
+        tokenizer = assets.ensure_tokenizer(text_cfg, work)
         scone = base_config().scone
         scone.update(dict(num_fgrams=100_000, max_len=5, min_count=2))
         vocab = assets.ensure_vocab(scone, text_cfg, tokenizer, work)

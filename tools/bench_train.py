@@ -18,7 +18,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from scone_jax import sharding
-from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+from scone_jax.data import pipeline
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.model import accounting
@@ -86,7 +86,7 @@ def main(_):
     baseline.scone.enabled = False
     steps_per_round, rounds = (3, 3) if _QUICK.value else (5, 6)
     with tempfile.TemporaryDirectory() as workdir:
-        tokenizer = tokenizer_lib.ensure_tokenizer(scone.data, workdir)
+        tokenizer = assets.ensure_tokenizer(scone.data, workdir)
         for config in (scone, baseline):
             assets.resolve_vocab_size(config, tokenizer)
         vocab, batcher = assets.fgram_batcher(scone, tokenizer, workdir, sharding.make_mesh(scone.mesh))

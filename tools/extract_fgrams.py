@@ -13,7 +13,6 @@ Shows progress (tokens/s, ETA), then the count of the S-th f-gram (the cutoff),
 f-grams per length, and on the first --stats_tokens tokens packed into batches:
 hit rate, mean matched length and unique ratio per batch.
 """
-import multiprocessing
 import sys
 import time
 
@@ -21,7 +20,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from scone_jax.data import sources, tokenizer
+from scone_jax.data import sources, tokenize, tokenizer
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
@@ -35,8 +34,10 @@ flags.DEFINE_string("files", "", "Comma-separated globs (all sources but kjv).")
 flags.DEFINE_string("text_field", "text", "JSONL field holding the text.")
 flags.DEFINE_enum("document_unit", "line", ["line", "file"], "Text files: one document per line or per file.")
 flags.DEFINE_float("eval_fraction", 0.02, "kjv: fraction of documents held out (not counted).")
-flags.DEFINE_string("tokenizer", "", "SentencePiece .model; its fingerprint goes into the vocabulary.")
-flags.DEFINE_integer("vocab_size", 0, "arrayrecord without --tokenizer: the tokenizer's vocabulary size.")
+flags.DEFINE_string("tokenizer", "", "The run's tokenizer; its fingerprint goes into the vocabulary and each "
+                    "document is counted as [bos] + ids, as the training run reads it.")
+flags.DEFINE_integer("vocab_size", 0, "arrayrecord without --tokenizer: the tokenizer's vocabulary size (the "
+                     "documents are then counted without bos).")
 flags.DEFINE_integer("max_len", 5, "K: longest f-gram, in tokens (>= 2).")
 flags.DEFINE_integer("num_fgrams", 1_000_000, "S: f-grams kept.")
 flags.DEFINE_integer("min_count", 5, "Minimum count of every f-gram.")
@@ -49,18 +50,6 @@ flags.DEFINE_string("work_dir", None, "Scratch directory (default: the system te
 flags.DEFINE_integer("stats_tokens", 2_000_000, "Tokens used for the hit-rate statistics.")
 flags.DEFINE_integer("stats_batch", 16, "Rows per statistics batch.")
 flags.DEFINE_integer("stats_seq_len", 2048, "Tokens per row of a statistics batch.")
-
-_encoder = None
-
-
-def _init_encoder(tok):
-    global _encoder
-    _encoder = tok
-
-
-def _encode(text):
-    return _encoder.encode(text)
-
 
 def open_documents():
     """(document source, tokenizer or None, vocab_size, tokenizer fingerprint)."""
@@ -76,17 +65,11 @@ def open_documents():
     return source, tok, tok.vocab_size if tok else FLAGS.vocab_size, tok.fingerprint if tok else ""
 
 
-def token_documents(source, tok, pool):
-    """Token arrays of the documents in order (tokenized on `pool`), up to --max_tokens tokens."""
-    docs = (source[i] for i in range(len(source)))
-    if tok is not None:
-        docs = pool.imap(_encode, docs, chunksize=64) if pool else (tok.encode(d) for d in docs)
-    budget = FLAGS.max_tokens or float("inf")
-    for doc in docs:
-        if budget <= 0:
-            return
-        yield doc[: int(min(len(doc), budget))]
-        budget -= len(doc)
+def token_documents(source, tok, workers: int):
+    """The documents as the model reads them ([bos] + ids, as the training run's own extraction counts them;
+    no bos without --tokenizer), up to --max_tokens tokens."""
+    return tokenize.model_documents(source, tok, bos_id=tok.bos_id if tok else None, max_tokens=FLAGS.max_tokens,
+                                    workers=workers)
 
 
 class ProgressPrinter:
@@ -143,35 +126,27 @@ def report(vocab, docs) -> None:
 
 def run() -> None:
     source, tok, vocab_size, fingerprint = open_documents()
-    workers = FLAGS.num_workers or None
-    pool = None
-    if tok is not None and (workers or multiprocessing.cpu_count()) > 1:
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_encoder, initargs=(tok,))
-    _init_encoder(tok)
+    workers = tokenize.resolve_workers(FLAGS.num_workers or -1, "--num_workers") if tok is not None else 1
     args = dict(max_len=FLAGS.max_len, num_fgrams=FLAGS.num_fgrams, min_count=FLAGS.min_count,
                 vocab_size=vocab_size, tokenizer_fingerprint=fingerprint)
     start = time.time()
-    try:
-        if FLAGS.engine == "beam":
-            from scone_jax.fgram import beam  # noqa: PLC0415 (optional extra)
-            vocab = beam.extract_fgrams_beam(list(token_documents(source, tok, pool)), output=FLAGS.output,
-                                             pipeline_args=FLAGS.beam_options.split(), **args)
-        else:
-            vocab = extract_fgrams(token_documents(source, tok, pool), num_workers=workers, work_dir=FLAGS.work_dir,
-                                   progress=ProgressPrinter(FLAGS.max_len - 1), **args)
-            save_vocab(vocab, FLAGS.output)
-        print(f"wrote {FLAGS.output} in {time.time() - start:.1f} s "
-              f"({vocab.tokens_counted / (time.time() - start) / 1e6:.2f}M tokens/s overall)")
-        stats_docs, held = [], 0
-        for doc in token_documents(source, tok, None):  # in-process: stopping early must not leave work queued
-            if held >= FLAGS.stats_tokens:
-                break
-            stats_docs.append(doc)
-            held += len(doc)
-        report(vocab, stats_docs)
-    finally:
-        if pool:
-            pool.close()
+    if FLAGS.engine == "beam":
+        from scone_jax.fgram import beam  # noqa: PLC0415 (optional extra)
+        vocab = beam.extract_fgrams_beam(list(token_documents(source, tok, workers)), output=FLAGS.output,
+                                         pipeline_args=FLAGS.beam_options.split(), **args)
+    else:
+        vocab = extract_fgrams(token_documents(source, tok, workers), num_workers=FLAGS.num_workers or None,
+                               work_dir=FLAGS.work_dir, progress=ProgressPrinter(FLAGS.max_len - 1), **args)
+        save_vocab(vocab, FLAGS.output)
+    print(f"wrote {FLAGS.output} in {time.time() - start:.1f} s "
+          f"({vocab.tokens_counted / (time.time() - start) / 1e6:.2f}M tokens/s overall)")
+    stats_docs, held = [], 0
+    for doc in token_documents(source, tok, 1):  # in-process: stopping early must not leave work queued
+        if held >= FLAGS.stats_tokens:
+            break
+        stats_docs.append(doc)
+        held += len(doc)
+    report(vocab, stats_docs)
 
 
 if __name__ == "__main__":

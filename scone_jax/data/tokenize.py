@@ -1,17 +1,20 @@
 """Tokenize many documents with all cores, in document order.
 
-Shared by the input pipeline (text corpora are tokenized once when it is built) and by
-tools/pretokenize.py. Work is cut into contiguous chunks of documents and each chunk is
-encoded on its own, so the result does not depend on the worker count. Workers are
+Shared by the input pipeline (text corpora are tokenized once when it is built), f-gram
+extraction (the run's own and tools/extract_fgrams.py) and tools/pretokenize.py. Work is cut
+into contiguous chunks of documents and each chunk is encoded on its own, so the result does
+not depend on the worker count. Workers are
 spawned, not forked: the parent may be running JAX, whose threads make fork unsafe.
 Every worker receives the source and the tokenizer once; both pickle small (file names
 and offsets, the model bytes).
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 
 import numpy as np
@@ -99,22 +102,52 @@ def _chunks(source, tokenizer, bounds, processes: int) -> Iterator[tuple[np.ndar
     yield from run_pool(_encode_chunk, bounds, processes, _init_worker, (source, tokenizer))
 
 
-def run_pool(function, tasks, processes: int, initializer, initargs) -> Iterator:
+def run_pool(function, tasks: Iterable, processes: int, initializer, initargs, ahead: int = 4) -> Iterator:
     """function(task) for every task on `processes` spawned workers; results in task order.
 
-    A worker that dies (e.g. killed for memory) raises BrokenProcessPool instead of hanging,
-    and an error cancels the tasks not yet started.
+    At most `ahead` tasks per process are queued or done-but-unread, so a consumer that reads
+    slowly (or stops early) holds a bounded number of results in memory. A worker that dies
+    (e.g. killed for memory) raises BrokenProcessPool instead of hanging, and an error or an
+    early stop cancels the tasks not yet started.
     """
     context = multiprocessing.get_context("spawn")
+    tasks = iter(tasks)
     with futures.ProcessPoolExecutor(processes, mp_context=context, initializer=initializer,
                                      initargs=initargs) as pool:
-        pending = [pool.submit(function, task) for task in tasks]
+        pending = collections.deque(pool.submit(function, task) for task in itertools.islice(tasks, ahead * processes))
         try:
-            for future in pending:
-                yield future.result()
+            while pending:
+                result = pending.popleft().result()
+                for task in itertools.islice(tasks, 1):  # keep the workers busy while the consumer reads
+                    pending.append(pool.submit(function, task))
+                yield result
         finally:
             for future in pending:
                 future.cancel()
+
+
+def model_documents(source, tokenizer, *, bos_id: int | None, max_tokens: int = 0, workers: int = 1,
+                    chunk_docs: int = DEFAULT_CHUNK_DOCS) -> Iterator[np.ndarray]:
+    """Each document as the model reads it, [bos] + ids (no bos if `bos_id` is None), in corpus order, until
+    `max_tokens` tokens (0: all; the last document is cut): the token stream f-gram extraction counts
+    (docs/method.md §1), the same for the training run's own extraction and tools/extract_fgrams.py.
+
+    `workers` processes (-1: all cores) tokenize chunks of `chunk_docs` documents a bounded number ahead.
+    """
+    bounds = ((s, min(s + chunk_docs, len(source))) for s in range(0, len(source), chunk_docs))
+    processes = resolve_workers(workers)
+    chunks = (encode_documents(source, tokenizer, *b) for b in bounds) if processes == 1 else run_pool(
+        _encode_chunk, bounds, processes, _init_worker, (source, tokenizer))
+    prefix = np.array([] if bos_id is None else [bos_id], np.int32)
+    budget = max_tokens or float("inf")
+    for tokens, lengths in chunks:
+        for doc in np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else ():
+            doc = np.concatenate([prefix, doc])[: int(min(len(doc) + len(prefix), budget))]
+            yield doc
+            budget -= len(doc)
+            if budget <= 0:
+                chunks.close()  # cancels the chunks not yet tokenized
+                return
 
 
 _worker_state = None

@@ -1,4 +1,4 @@
-"""SentencePiece tokenizer: load, train, and the workdir default.
+"""SentencePiece tokenizer: load and train.
 
 Tokenizers we train are lossless (identity normalization, whitespace kept, byte
 fallback for unseen characters), so decode(encode(text)) == text for any text.
@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from scone_jax.data import sources
 from scone_jax.runtime import storage
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -45,7 +44,7 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str) -> Tokenizer:
         """From a local .model file or a URL (gs://...)."""
-        proto = _read(path)
+        proto = read_model(path)
         if proto is None:
             raise FileNotFoundError(f"Tokenizer model {path!r} does not exist.")
         return cls(proto, path=path)
@@ -96,7 +95,8 @@ def _training_pieces(documents: Iterable[str]) -> Iterator[str]:
                 yield line[start : start + _TRAIN_PIECE_CHARS]
 
 
-def _read(path: str) -> bytes | None:
+def read_model(path: str) -> bytes | None:
+    """The bytes of a local or remote model file, None if there is none."""
     if storage.is_remote(path):
         return storage.read_file(path)
     if not os.path.isfile(path):
@@ -173,24 +173,3 @@ def sample_documents(source: Sequence[str], max_chars: int, seed: int = 0) -> li
         picked.append(doc[: max_chars - total])
         total += len(picked[-1])
     return picked
-
-
-def ensure_tokenizer(data_cfg, workdir: str, max_chars: int = DEFAULT_MAX_CHARS) -> Tokenizer:
-    """The tokenizer for a run: data.tokenizer_path, else <workdir>/tokenizer.model, trained on first use.
-
-    Training is deterministic in its input but not coordinated across processes:
-    in a multi-process job call this on process 0 first, then on the others.
-    """
-    if data_cfg.tokenizer_path:
-        try:
-            return Tokenizer.load(data_cfg.tokenizer_path)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"data.tokenizer_path={data_cfg.tokenizer_path!r} does not exist. Fix: point it at a "
-                "SentencePiece .model file, or set it to '' to train one into the workdir."
-            ) from None
-    path = storage.join(workdir, "tokenizer.model")
-    if _read(path) is not None:
-        return Tokenizer.load(path)
-    docs = sample_documents(sources.open_source(data_cfg, "train"), max_chars)
-    return train_tokenizer(docs, path, data_cfg.vocab_size)

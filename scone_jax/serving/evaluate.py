@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 import types
 
@@ -27,7 +26,7 @@ from scone_jax import config as config_lib
 from scone_jax.data import pipeline, sources
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.model import losses
-from scone_jax.runtime import logs
+from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import inference
 from scone_jax.serving.table import Prefetcher
 
@@ -124,20 +123,13 @@ def _define_flags():
         export=export, config=config, result=result, max_table_bytes=max_table_bytes, max_batches=max_batches)
 
 
-def main(argv, args):
-    del argv
+def run(args):
     logs.quiet_libraries()
     path = args.export()
-    if not path:
-        print("scone_jax.serving.evaluate: error: pass --export=EXPORT_DIR", file=sys.stderr)
-        sys.exit(2)
-    try:
-        served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
-        config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
-        result = evaluate(served, config.data, max_batches=args.max_batches.value)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"scone_jax.serving.evaluate: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    tool_main.require(export=path)
+    served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
+    config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
+    result = evaluate(served, config.data, max_batches=args.max_batches.value)
     result |= {"table": path, "data": config.data.to_dict()}
     print(f"tokens {result['tokens']:,}  perplexity {result['perplexity']:.4f}  bits/byte "
           f"{result['bits_per_byte'] or float('nan'):.4f}  hit rate {result['hit_rate']:.3f}  "
@@ -150,4 +142,4 @@ def main(argv, args):
 
 if __name__ == "__main__":
     _args = _define_flags()
-    app.run(lambda argv: main(argv, _args))
+    app.run(tool_main.main_of(lambda: run(_args), program="scone_jax.serving.evaluate"))

@@ -21,7 +21,6 @@ import collections
 import json
 import math
 import os
-import sys
 import time
 import types
 
@@ -38,7 +37,7 @@ from jax.experimental import multihost_utils
 from scone_jax import sharding
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
-from scone_jax.runtime import distributed, job_flags, logs, storage
+from scone_jax.runtime import distributed, job_flags, logs, storage, tool_main
 from scone_jax.serving import bundle
 from scone_jax.training import checkpoint, state as state_lib
 
@@ -313,19 +312,12 @@ def _define_flags():
                                  batch_rows=batch_rows, join=join)
 
 
-def main(argv, args):
-    del argv
+def run(args):
     logs.quiet_libraries()
-    if not args.workdir.value or not args.output.value:
-        print("scone_jax.serving.export: error: pass --workdir=RUN and --output=PATH", file=sys.stderr)
-        sys.exit(2)
-    try:
-        distributed.initialize(args.join.spec())
-        figures = export(args.workdir.value, args.output.value, dtype=args.dtype.value, chunk_rows=args.chunk_rows.value,
-                         batch_rows=args.batch_rows.value)
-    except (ValueError, FileNotFoundError, distributed.DistributedStartError) as e:
-        print(f"scone_jax.serving.export: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    tool_main.require(workdir=args.workdir.value, output=args.output.value)
+    distributed.initialize(args.join.spec())
+    figures = export(args.workdir.value, args.output.value, dtype=args.dtype.value, chunk_rows=args.chunk_rows.value,
+                     batch_rows=args.batch_rows.value)
     if jax.process_index() == 0:
         print(f"exported {figures['meta']['num_fgrams']:,} f-grams to {args.output.value} "
               f"({figures['rows_per_s']:.0f} rows/s)")
@@ -333,4 +325,5 @@ def main(argv, args):
 
 if __name__ == "__main__":
     _args = _define_flags()
-    app.run(lambda argv: main(argv, _args))
+    app.run(tool_main.main_of(lambda: run(_args), program="scone_jax.serving.export",
+                              errors=(*tool_main.BAD_INPUT, distributed.DistributedStartError)))

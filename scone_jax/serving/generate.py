@@ -23,7 +23,7 @@ from flax import nnx
 
 from scone_jax import sharding
 from scone_jax.model import transformer
-from scone_jax.runtime import logs
+from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import inference
 
 
@@ -118,22 +118,15 @@ def _define_flags():
         top_k=top_k, seed=seed)
 
 
-def main(argv, args):
-    del argv
+def run(args):
     logs.quiet_libraries()
     path = args.export()
-    if not path:
-        print("scone_jax.serving.generate: error: pass --export=EXPORT_DIR", file=sys.stderr)
-        sys.exit(2)
-    try:
-        served = inference.load(path)
-        tok = served.tokenizer
-        prompt = np.concatenate([[tok.bos_id], tok.encode(args.prompt.value)]).astype(np.int32)
-        generator = Generator(served, temperature=args.temperature.value, top_k=args.top_k.value)
-        out = generator.generate(np.tile(prompt, (args.num_samples.value, 1)), args.num_tokens.value, seed=args.seed.value)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"scone_jax.serving.generate: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    tool_main.require(export=path)
+    served = inference.load(path)
+    tok = served.tokenizer
+    prompt = np.concatenate([[tok.bos_id], tok.encode(args.prompt.value)]).astype(np.int32)
+    generator = Generator(served, temperature=args.temperature.value, top_k=args.top_k.value)
+    out = generator.generate(np.tile(prompt, (args.num_samples.value, 1)), args.num_tokens.value, seed=args.seed.value)
     for row in out["tokens"]:
         new = list(row[len(prompt):])
         if tok.eos_id in new:
@@ -145,4 +138,4 @@ def main(argv, args):
 
 if __name__ == "__main__":
     _args = _define_flags()
-    app.run(lambda argv: main(argv, _args))
+    app.run(tool_main.main_of(lambda: run(_args), program="scone_jax.serving.generate"))

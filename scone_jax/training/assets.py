@@ -1,5 +1,6 @@
-"""The run's assets: the model's vocabulary size from the tokenizer, and the f-gram vocabulary (load
-`scone.vocab_path`, or extract one into the workdir once) with the batch transform that uses it.
+"""The run's assets: its tokenizer (load `data.tokenizer_path`, or train one into the workdir once), the model's
+vocabulary size from it, and the f-gram vocabulary (load `scone.vocab_path`, or extract one into the workdir
+once) with the batch transform that uses it.
 
 Extraction counts the same token stream the model sees: each training document as
 [bos] + ids (the packed `inputs`), up to `scone.extract_max_tokens` tokens.
@@ -11,16 +12,36 @@ import os
 import time
 
 import jax
-import numpy as np
 from absl import logging
 
 from scone_jax import sharding
-from scone_jax.data import sources
+from scone_jax.data import sources, tokenize, tokenizer as tokenizer_lib
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab, vocab_exists
-from scone_jax.runtime import distributed
+from scone_jax.runtime import distributed, storage
+
+
+def ensure_tokenizer(data_cfg, workdir: str, max_chars: int = tokenizer_lib.DEFAULT_MAX_CHARS) -> tokenizer_lib.Tokenizer:
+    """The tokenizer for a run: data.tokenizer_path, else <workdir>/tokenizer.model, trained on first use.
+
+    Training is deterministic in its input but not coordinated across processes:
+    in a multi-process job call this on process 0 first, then on the others.
+    """
+    if data_cfg.tokenizer_path:
+        try:
+            return tokenizer_lib.Tokenizer.load(data_cfg.tokenizer_path)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"data.tokenizer_path={data_cfg.tokenizer_path!r} does not exist. Fix: point it at a "
+                "SentencePiece .model file, or set it to '' to train one into the workdir."
+            ) from None
+    path = storage.join(workdir, "tokenizer.model")
+    if tokenizer_lib.read_model(path) is not None:
+        return tokenizer_lib.Tokenizer.load(path)
+    docs = tokenizer_lib.sample_documents(sources.open_source(data_cfg, "train"), max_chars)
+    return tokenizer_lib.train_tokenizer(docs, path, data_cfg.vocab_size)
 
 
 def resolve_vocab_size(config, tokenizer) -> None:
@@ -36,27 +57,14 @@ def resolve_vocab_size(config, tokenizer) -> None:
         )
 
 
-def training_token_documents(data_cfg, tokenizer, max_tokens: int):
-    """[bos] + ids of each training document, in corpus order, until max_tokens are read."""
-    source = sources.open_source(data_cfg, "train")
-    budget = max_tokens
-    for i in range(len(source)):
-        doc = source[i]
-        ids = tokenizer.encode(doc) if isinstance(doc, str) else np.asarray(doc, np.int32)
-        doc_ids = np.concatenate([[tokenizer.bos_id], ids]).astype(np.int32)[:budget]
-        yield doc_ids
-        budget -= len(doc_ids)
-        if budget <= 0:
-            return
-
-
 def ensure_vocab(scone_cfg, data_cfg, tokenizer, workdir: str, is_chief: bool = True) -> FgramVocab:
     """Load the configured vocabulary (checked against the tokenizer), extracting it first if
     the config names none and the workdir has none yet."""
     path = scone_cfg.vocab_path or os.path.join(workdir, "fgrams")
     if not scone_cfg.vocab_path and is_chief and not vocab_exists(path):
         start = time.time()
-        docs = training_token_documents(data_cfg, tokenizer, scone_cfg.extract_max_tokens)
+        docs = tokenize.model_documents(sources.open_source(data_cfg, "train"), tokenizer, bos_id=tokenizer.bos_id,
+                                        max_tokens=scone_cfg.extract_max_tokens)
         vocab = extract_fgrams(
             docs, max_len=scone_cfg.max_len, num_fgrams=scone_cfg.num_fgrams, min_count=scone_cfg.min_count,
             vocab_size=tokenizer.vocab_size, tokenizer_fingerprint=tokenizer.fingerprint, num_workers=1,

@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+from scone_jax.data import pipeline
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, losses
 from scone_jax.runtime import distributed
@@ -120,7 +120,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     """run() once this job owns the workdir; every process stops before its next write if another run
     takes the workdir over (`owner.lost()`, checked together at the steps that write)."""
     is_chief = jax.process_index() == 0
-    tokenizer = distributed.chief_first("tokenizer", lambda: tokenizer_lib.ensure_tokenizer(config.data, workdir))
+    tokenizer = distributed.chief_first("tokenizer", lambda: assets.ensure_tokenizer(config.data, workdir))
     assets.resolve_vocab_size(config, tokenizer)
     logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(), jax.process_count())
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)

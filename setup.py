@@ -17,6 +17,7 @@ setup(
         "tensorstore>=0.1.86,<0.2",
         "grain>=0.2.18,<0.3",
         "sentencepiece>=0.2.0,<0.3",
+        "tokenizers>=0.19,<1",  # Hugging Face tokenizer.json files (GPT-2, OLMo); needs encode_special_tokens
         "absl-py>=2.1,<3",
         "ml_collections>=1.1,<2",
         "numpy>=2.0,<3",
@@ -34,5 +35,7 @@ setup(
         "beam": ["apache-beam>=2.60"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11", "gcsfs>=2024.2"],
         "aot": ["libtpu==0.0.52"],
+        # lm_eval: the EleutherAI harness for scone_jax.serving.lm_eval (its core needs no torch).
+        "harness": ["lm_eval==0.4.13"],
     },
 )

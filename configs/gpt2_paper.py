@@ -9,16 +9,25 @@ embeddings, bf16 compute over fp32 master weights; seq 1024 x global batch 512, 
 (weight decay 0.1), lr 2e-4 with cosine decay, 152,600 steps = the paper's 80B tokens.
 
 The data and the tokenizer are yours to supply (the paper trains on WebText with GPT-2's
-50,257-token vocabulary). Pre-tokenize into ArrayRecord (records of int32 token ids, see
-scone_jax.data.sources.write_token_arrayrecord) or point source=text at one document per
-line; data.tokenizer_path must name the SentencePiece model with <= 50,257 pieces that
-produced the ids (tools/train_tokenizer.py --vocab_size=50257 makes one). On a v5p-128:
+tokenizer). The tokenizer is GPT-2's byte-level BPE: the tokenizer.json of the Hugging Face repo
+openai-community/gpt2 (https://huggingface.co/openai-community/gpt2/resolve/main/tokenizer.json;
+nothing is downloaded at run time, so fetch it once). It has exactly 50,257 tokens, and
+data.tokenizer_size=50257 refuses a tokenizer of any other size at start (set it to 0 to train
+with another one). Its one special token <|endoftext|> (50256) is bos, eos and pad (GPT-2's own
+convention; data/tokenizer.py). Pre-tokenize the text once with it (the shards record its
+fingerprint, and training refuses shards made with another tokenizer):
+
+  python tools/pretokenize.py --input='/mnt/data/webtext/train/*.txt' \
+      --tokenizer=/mnt/data/gpt2/tokenizer.json --output=/mnt/data/webtext/train
+  (and the same for the validation text into /mnt/data/webtext/valid)
+
+or point source=text at one document per line. On a v5p-128:
 
   python launch/tpu.py run --name=scone-v5p --zone=us-east5-a --project=my-project \
       --config=configs/gpt2_paper.py:419m --workdir=gs://my-bucket/runs/gpt2-419m \
-      --config.data.train_files='/mnt/data/webtext/train-*.arrayrecord' \
-      --config.data.eval_files='/mnt/data/webtext/valid-*.arrayrecord' \
-      --config.data.tokenizer_path=/mnt/data/webtext/tokenizer.model
+      --config.data.train_files='/mnt/data/webtext/train/tokens-*.arrayrecord' \
+      --config.data.eval_files='/mnt/data/webtext/valid/tokens-*.arrayrecord' \
+      --config.data.tokenizer_path=/mnt/data/gpt2/tokenizer.json
 
 (`python -m scone_jax.main` takes the same flags on one host.) data.*_files are globbed on
 each worker's local file system: mount a bucket there (e.g. gcsfuse) to read from GCS.
@@ -72,7 +81,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     d = config.data
     d.source, d.train_files, d.eval_files, d.tokenizer_path = "arrayrecord", "", "", ""
-    d.vocab_size = 50257
+    d.vocab_size = 50257  # a tokenizer trained into the workdir (no tokenizer_path) gets GPT-2's size
+    d.tokenizer_size = 50257  # GPT-2's tokenizer.json exactly (see the docstring)
     d.seq_len, d.global_batch_size = 1024, 512
 
     t = config.train

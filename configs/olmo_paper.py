@@ -3,7 +3,7 @@
 Variants, all d 2048, 16 heads of 128, seq 2048 (the paper names them by parameter count):
   0.7b (12 layers), 1b (18), 1.3b (24), 1.9b (36)
 OLMo architecture: RoPE, LayerNorm without scale or bias, no biases, SwiGLU, tied
-embeddings, vocabulary 50,304 (OLMo's 50,280-token tokenizer padded to a multiple of 128).
+embeddings, embedding table 50,304 (OLMo's 50,280-token tokenizer padded to a multiple of 128).
 
 MLP width. The paper's ffw is 8192 and it counts the MLP as 2*d*ffw parameters per layer. A
 SwiGLU MLP has three d x h matrices, so the same count needs h = 2/3 * 8192 = 5461.3; like
@@ -19,16 +19,26 @@ HBM per chip (compiled in 39 s on a 2-core machine), 66.3 GiB with remat='save_d
 GiB (does not fit) with 'none'. num_steps = 50,000 (210B tokens) is our choice: set it to your
 token budget / 4.19M.
 
-The data and the tokenizer are yours to supply (the paper uses Dolma and OLMo's tokenizer):
-ArrayRecord files of int32 token ids (scone_jax.data.sources.write_token_arrayrecord) plus
-data.tokenizer_path, the SentencePiece model (<= 50,304 pieces) that produced them. On a
-v5p-128:
+The data and the tokenizer are yours to supply (the paper uses Dolma and OLMo's tokenizer). The
+tokenizer is allenai's gpt-neox-olmo-dolma-v1_5: the tokenizer.json of the Hugging Face repo
+allenai/OLMo-1B-hf (https://huggingface.co/allenai/OLMo-1B-hf/resolve/main/tokenizer.json;
+nothing is downloaded at run time, so fetch it once). It has exactly 50,280 tokens (added tokens
+included), and data.tokenizer_size=50280 refuses a tokenizer of any other size at start (set it
+to 0 to train with another one). Special ids by default (data/tokenizer.py): eos = bos =
+<|endoftext|>, pad = <|padding|> (OLMo publishes eos 50279, pad 1). Pre-tokenize the text once
+with it (the shards record its fingerprint; training refuses shards made with another one):
+
+  python tools/pretokenize.py --format=jsonl --input='/mnt/data/dolma/train/*.jsonl' \
+      --tokenizer=/mnt/data/olmo/tokenizer.json --output=/mnt/data/dolma/train --workers=-1
+  (and the same for the validation documents into /mnt/data/dolma/valid)
+
+On a v5p-128:
 
   python launch/tpu.py run --name=scone-v5p --zone=us-east5-a --project=my-project \
       --config=configs/olmo_paper.py:1b --workdir=gs://my-bucket/runs/olmo-1b \
-      --config.data.train_files='/mnt/data/dolma/train-*.arrayrecord' \
-      --config.data.eval_files='/mnt/data/dolma/valid-*.arrayrecord' \
-      --config.data.tokenizer_path=/mnt/data/dolma/tokenizer.model
+      --config.data.train_files='/mnt/data/dolma/train/tokens-*.arrayrecord' \
+      --config.data.eval_files='/mnt/data/dolma/valid/tokens-*.arrayrecord' \
+      --config.data.tokenizer_path=/mnt/data/olmo/tokenizer.json
 
 (`python -m scone_jax.main` takes the same flags on one host.) data.*_files are globbed on
 each worker's local file system: mount a bucket there (e.g. gcsfuse) to read from GCS.
@@ -65,7 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     name, options = split_variant(arg, VARIANTS, "configs/olmo_paper.py")
     config = base_config()
     m = config.model
-    m.vocab_size = 50304
+    m.vocab_size = 50304  # OLMo's 50,280 tokens rounded up to a multiple of 128
     m.d_model, m.num_layers, m.num_heads, m.d_ff = D_MODEL, _LAYERS[name], 16, SWIGLU_HIDDEN
     m.max_seq_len = 2048
     m.norm, m.mlp, m.position = "nonparametric_layernorm", "swiglu", "rope"
@@ -74,7 +84,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     d = config.data
     d.source, d.train_files, d.eval_files, d.tokenizer_path = "arrayrecord", "", "", ""
-    d.vocab_size = 50304
+    d.vocab_size = 50280  # a tokenizer trained into the workdir (no tokenizer_path) gets OLMo's size
+    d.tokenizer_size = 50280  # OLMo's tokenizer.json exactly (see the docstring); the model pads it to 50,304
     d.seq_len, d.global_batch_size = 2048, 2048
 
     t = config.train

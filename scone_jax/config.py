@@ -61,8 +61,19 @@ def base_config() -> ml_collections.ConfigDict:
     d.text_field = "text"  # jsonl field holding the document
     d.document_unit = "line"  # text files: one document per 'line' or per 'file'
     d.eval_fraction = 0.02  # kjv: fraction of documents held out
-    d.tokenizer_path = ""  # '' = train one into <workdir>/tokenizer.model on first run
+    d.tokenizer_path = ""  # a SentencePiece .model or a Hugging Face tokenizer.json (local or gs://; the kind is
+    #                        read from the content); '' = train a SentencePiece model into <workdir>/tokenizer.model
     d.vocab_size = 8000  # only used to train the tokenizer
+    d.tokenizer_size = 0  # 0: any tokenizer of at most model.vocab_size tokens; else the exact number of tokens
+    #                       (added tokens included) the tokenizer must have: paper configs pin their tokenizers
+    # The pipeline's special ids (data/tokenizer.py): each document is packed as [bos] + ids + [eos]; pad fills
+    # only positions masked out of the loss, so it may equal eos. '' = the tokenizer's own: a SentencePiece
+    # model's pieces; a tokenizer.json's declared bos/eos/pad, and a lone special token such as GPT-2's
+    # <|endoftext|> serves as all three. Else a token of its vocabulary, e.g. --config.data.pad_token='<pad>'.
+    # The resolved ids are part of the tokenizer's fingerprint (and travel into export bundles).
+    d.bos_token = ""
+    d.eos_token = ""
+    d.pad_token = ""
     d.seq_len = 128
     d.global_batch_size = 16
     d.shuffle_seed = 0
@@ -155,7 +166,7 @@ NUMERIC_RULES = {
     "scone.max_len": ">= 2", "scone.num_fgrams": ">= 1", "scone.min_count": ">= 1",
     "scone.extract_max_tokens": ">= 1", "scone.fgram_capacity": ">= 1", "scone.num_layers": ">= 1",
     "scone.d_model": ">= 0", "scone.num_heads": ">= 0", "scone.d_ff": ">= 0",
-    "data.eval_fraction": "in (0, 1)", "data.vocab_size": ">= 1", "data.seq_len": ">= 1",
+    "data.eval_fraction": "in (0, 1)", "data.vocab_size": ">= 1", "data.tokenizer_size": ">= 0", "data.seq_len": ">= 1",
     "data.global_batch_size": ">= 1", "data.worker_count": ">= -1", "data.prefetch_buffer": ">= 1",
     "train.num_steps": ">= 1", "train.max_steps_per_run": ">= 0", "train.learning_rate": "> 0",
     "train.warmup_steps": ">= 0", "train.min_lr_ratio": "in [0, 1]", "train.weight_decay": ">= 0",
@@ -175,6 +186,7 @@ _RULE_HINTS = {
     "train.checkpoint_every": " (steps between checkpoints; the last step is always saved)",
     "train.log_every": " (steps between log lines)",
     "train.grad_accum_steps": " (1 = no accumulation)",
+    "data.tokenizer_size": " (0 = any tokenizer that fits model.vocab_size)",
     "data.worker_count": " (-1 = half the cores, 0 = a thread of the training process)",
     "mesh.data": " (-1 = all devices the other axes leave)", "mesh.fsdp": " (-1 = all devices the other axes leave)",
     "mesh.tensor": " (-1 = all devices the other axes leave)",
@@ -189,11 +201,22 @@ def _check_numbers(config: ml_collections.ConfigDict) -> None:
             raise ValueError(f"{key}={value!r} is not valid: it must be {rule}{_RULE_HINTS.get(key, '')}.")
 
 
+def _check_special_tokens(d: ml_collections.ConfigDict) -> None:
+    """data.bos_token/eos_token/pad_token are token strings; whether the tokenizer has them is checked when it
+    loads (data/tokenizer.py), with the same key named."""
+    for role in ("bos", "eos", "pad"):
+        value = d.get(f"{role}_token", "")
+        if not isinstance(value, str):
+            raise ValueError(f"data.{role}_token={value!r} is not valid: it must be '' (the tokenizer's own) or the "
+                             f"spelling of one token of its vocabulary, e.g. --config.data.{role}_token='<|endoftext|>'.")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Every numeric key's range (NUMERIC_RULES), then cross-field checks that ml_collections
     cannot express; each error names the key and says the fix."""
     _check_numbers(config)
     m, d, t = config.model, config.data, config.train
+    _check_special_tokens(d)
     if m.d_model % m.num_heads and not m.head_dim:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; set model.head_dim.")
     if m.position == "learned" and d.seq_len > m.max_seq_len:

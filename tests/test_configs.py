@@ -183,3 +183,20 @@ def test_paper_shapes():
     assert (olmo.model.position, olmo.model.mlp, olmo.model.norm, olmo.model.use_bias) == (
         "rope", "swiglu", "nonparametric_layernorm", False)
     assert olmo.model.d_ff % 128 == 0 and abs(3 * olmo.model.d_ff - 2 * 8192) < 128 * 3
+
+
+def test_paper_configs_pin_their_tokenizers_and_refuse_another(tokenizer_path):
+    """GPT-2's tokenizer.json has 50,257 tokens, OLMo's 50,280 (its embedding pads to 50,304); a tokenizer of
+    another size (here the tests' 512-piece model) stops the run at start with the fix."""
+    from scone_jax.data.tokenizer import Tokenizer
+    from scone_jax.training import assets
+
+    tok = Tokenizer.load(tokenizer_path)
+    for path, variant, tokens, embedding in (("configs/gpt2_paper.py", "128m", 50257, 50257),
+                                             ("configs/olmo_paper.py", "1b", 50280, 50304)):
+        config = load(path, variant)
+        assert (config.data.tokenizer_size, config.data.vocab_size, config.model.vocab_size) == (
+            tokens, tokens, embedding)
+        with pytest.raises(ValueError, match=rf"has 512 tokens but data.tokenizer_size={tokens}: the config was made "
+                                             r"for another tokenizer. Fix: point data.tokenizer_path at"):
+            assets.resolve_vocab_size(config, tok)

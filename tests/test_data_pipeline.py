@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from scone_jax.data import corpus, documents, pipeline, sources, tokenizer
+from scone_jax.data import corpus, documents, pipeline, sources, tokenizer_training
 
 KEYS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
         "loss_mask": np.float32}
@@ -16,7 +16,7 @@ KEYS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "posit
 @pytest.fixture(scope="session")
 def tok(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "kjv500.model"
-    return tokenizer.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(path), vocab_size=500)
+    return tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(path), vocab_size=500)
 
 
 def _data_cfg(**overrides):

@@ -9,14 +9,14 @@ import ml_collections
 import numpy as np
 import pytest
 
-from scone_jax.data import corpus, sources, tokenizer
+from scone_jax.data import corpus, sources, tokenizer, tokenizer_training
 from scone_jax.training import assets
 
 
 @pytest.fixture(scope="session")
 def tok(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "kjv500.model"
-    return tokenizer.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(path), vocab_size=500)
+    return tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(path), vocab_size=500)
 
 
 def _data_cfg(**overrides):
@@ -49,7 +49,7 @@ def test_exact_round_trip_on_real_and_awkward_text(tok):
 
 def test_fingerprint_stable_across_loads_and_pickles(tok, tmp_path):
     path = tmp_path / "copy.model"
-    other = tokenizer.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(path), vocab_size=400)
+    other = tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(path), vocab_size=400)
     assert len(tok.fingerprint) == 16
     assert other.fingerprint != tok.fingerprint
     assert tokenizer.Tokenizer.load(str(path)).fingerprint == other.fingerprint
@@ -60,13 +60,13 @@ def test_fingerprint_stable_across_loads_and_pickles(tok, tmp_path):
 
 
 def test_training_writes_only_the_model_file(tmp_path):
-    tokenizer.train_tokenizer(corpus.kjv_documents("train", 0.02)[:100], str(tmp_path / "t.model"), 400)
+    tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:100], str(tmp_path / "t.model"), 400)
     assert os.listdir(tmp_path) == ["t.model"]
 
 
 def test_vocab_too_small_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="vocab_size=200 is too small"):
-        tokenizer.train_tokenizer(["some text"], str(tmp_path / "t.model"), 200)
+        tokenizer_training.train_tokenizer(["some text"], str(tmp_path / "t.model"), 200)
 
 
 def test_ensure_tokenizer_trains_once_then_reuses(tmp_path):
@@ -85,9 +85,9 @@ def test_ensure_tokenizer_trains_once_then_reuses(tmp_path):
 
 
 def test_sample_documents_caps_characters():
-    docs = tokenizer.sample_documents(corpus.kjv_documents("train", 0.02), max_chars=10_000)
+    docs = tokenizer_training.sample_documents(corpus.kjv_documents("train", 0.02), max_chars=10_000)
     assert sum(map(len, docs)) == 10_000
-    assert docs == tokenizer.sample_documents(corpus.kjv_documents("train", 0.02), max_chars=10_000)
+    assert docs == tokenizer_training.sample_documents(corpus.kjv_documents("train", 0.02), max_chars=10_000)
 
 
 def test_missing_tokenizer_path_is_a_clear_error(tmp_path):
@@ -116,3 +116,23 @@ def test_command_line_tool_trains_and_checks_round_trip(tmp_path):
     assert tokenizer.Tokenizer.load(str(output)).fingerprint in done.stdout
     failed = subprocess.run(tool + [f"--input={tmp_path}/*.txt", f"--output={output}"], capture_output=True, text=True)
     assert failed.returncode == 2 and "error: No files match the pattern" in failed.stderr
+
+
+def test_a_model_without_pad_or_eos_pieces(tmp_path):
+    """Llama-style models have no pad piece: pad falls back to eos (it only fills masked positions), and the
+    changed ids make it the wrapped serialized form; with no eos either, the error names data.eos_token."""
+    import io
+
+    import sentencepiece as spm
+
+    def train(**ids):
+        writer = io.BytesIO()
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus.kjv_documents("train", 0.02)[:200]),
+                                       model_writer=writer, vocab_size=400, minloglevel=2, **ids)
+        return writer.getvalue()
+
+    no_pad = tokenizer.Tokenizer(train(pad_id=-1, unk_id=0, bos_id=1, eos_id=2))
+    assert no_pad.special_ids == {"bos": 1, "eos": 2, "pad": 2} and no_pad.proto.startswith(b"scone-tokenizer\n")
+    with pytest.raises(ValueError, match=r"declares no end-of-document token .*Fix: set data.eos_token to a token of "
+                                         r"its vocabulary \(or train one with tools/train_tokenizer.py\)\.$"):
+        tokenizer.Tokenizer(train(pad_id=-1, unk_id=0, bos_id=1, eos_id=-1))

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from scone_jax import sharding
-from scone_jax.data import corpus, tokenizer as tokenizer_lib
+from scone_jax.data import corpus, tokenizer_training
 from scone_jax.fgram.vocab import FgramVocab, save_vocab
 from scone_jax.serving import bundle, evaluate, inference
 from scone_jax.training import assets, checkpoint, state as state_lib, steps, train
@@ -128,7 +128,7 @@ def test_pieces_of_another_model_vocabulary_or_tokenizer_are_refused(tmp_path_fa
     original = serving_run.exported(tmp_path_factory, "float32")
     served = inference.load(original)
 
-    other_tokenizer = tokenizer_lib.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(tmp_path / "t.model"),
+    other_tokenizer = tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(tmp_path / "t.model"),
                                                     400, model_type="bpe")
     with pytest.raises(ValueError, match="not the tokenizer the export was trained with"):
         evaluate.data_config(served, {"data.tokenizer_path": other_tokenizer.path})

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator (the [test] extra)")
 
 from scone_jax import sharding  # noqa: E402
-from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib  # noqa: E402
+from scone_jax.data import corpus, pipeline, tokenizer_training  # noqa: E402
 from scone_jax.runtime import storage  # noqa: E402
 from scone_jax.serving import bundle, evaluate, export, inference  # noqa: E402
 from scone_jax.serving.table import HostTable  # noqa: E402
@@ -87,7 +87,7 @@ def test_checkpointer_round_trips_train_state_and_data_position_through_gcs(buck
     Catches (each tried): a restore that drops the data iterator (the fresh iterator replays batch 0),
     one that restores the iterator but not the state, a save that leaves the iterator out."""
     pytest.importorskip("gcsfs", reason="orbax and grain reach gs:// directories through etils.epath: needs gcsfs")
-    tok = tokenizer_lib.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(tmp_path / "tok.model"),
+    tok = tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(tmp_path / "tok.model"),
                                         vocab_size=500)
     data_cfg = small_config().data
     with data_cfg.unlocked():

@@ -16,8 +16,7 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance
 
 from scone_jax.data import corpus
-from scone_jax.serving import evaluate, generate, inference
-from scone_jax.serving import lm_eval as harness
+from scone_jax.serving import evaluate, generate, inference, lm_eval as harness
 from tests import serving_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

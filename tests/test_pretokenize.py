@@ -116,6 +116,8 @@ def test_jsonl_corpus_trains_from_a_glob_over_the_directory_and_reruns_overwrite
     ("format", "error: --format='csv' is unknown; use one of text, jsonl."),
     ("output", "error: --output='{tmp}/blank.txt/out' is not writable (Not a directory). Fix: choose a directory"),
     ("tokenizer", "error: --tokenizer='{tmp}/none.model' does not exist. Fix: point it at a SentencePiece .model"),
+    ("not_a_tokenizer", "error: {tmp}/c.txt is neither a SentencePiece model nor a Hugging Face tokenizer.json"),
+    ("special_token", "error: --pad_token='<nope>' is not a token of "),
 ])
 def test_bad_input_is_one_line_and_exit_2(case, message, tok_path, tmp_path):
     (tmp_path / "blank.txt").write_text("\n\n")
@@ -123,7 +125,8 @@ def test_bad_input_is_one_line_and_exit_2(case, message, tok_path, tmp_path):
     args = {"input": f"{tmp_path}/c.txt", "tokenizer": tok_path, "output": f"{tmp_path}/out"}
     args.update({"no_match": {"input": f"{tmp_path}/missing-*.txt"}, "empty": {"input": f"{tmp_path}/blank.txt"},
                  "format": {"format": "csv"}, "output": {"output": f"{tmp_path}/blank.txt/out"},
-                 "tokenizer": {"tokenizer": f"{tmp_path}/none.model"}}[case])
+                 "tokenizer": {"tokenizer": f"{tmp_path}/none.model"},
+                 "not_a_tokenizer": {"tokenizer": f"{tmp_path}/c.txt"}, "special_token": {"pad_token": "<nope>"}}[case])
     result = pretokenize(*(f"--{k}={v}" for k, v in args.items()))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -20,7 +20,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from scone_jax.data import corpus, tokenizer
+from scone_jax.data import corpus, tokenizer_training
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import FgramVocab
@@ -130,7 +130,7 @@ def warm_up() -> None:
 
 def bench_kjv(work_dir: str) -> None:
     docs = corpus.kjv_documents("train", 0.02)
-    tok = tokenizer.train_tokenizer(docs, os.path.join(work_dir, "kjv.model"), 8000, model_type="bpe")
+    tok = tokenizer_training.train_tokenizer(docs, os.path.join(work_dir, "kjv.model"), 8000, model_type="bpe")
     ids = [tok.encode(d) for d in docs]
     num_tokens = sum(len(d) for d in ids)
     vocab, rate = timed_extract(ids, num_tokens, num_fgrams=100_000, min_count=5, vocab_size=tok.vocab_size)

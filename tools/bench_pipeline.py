@@ -12,9 +12,13 @@ counts (a shared 2-core machine's other load only slows a stretch). Prints `RESU
   pipeline_text_tokens_per_s_per_process  the same from the text corpus (tokenized once at start-up,
                                           which is timed separately: pipeline_text_startup_s)
   pipeline_worker_scaling                 tokens/s with 2 workers over 1 worker (ArrayRecord)
+  pipeline_machine_scaling                the ceiling for that figure on this machine: batches/s of 2
+                                          plain processes building batches side by side (no grain, no
+                                          hand-over) over 1 such process
   pipeline_host_us_per_token              the batch work alone in this process (no workers),
                                           microseconds per token: packing + match + dedup
 """
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -87,15 +91,20 @@ def main(_):
         host_us = host_microseconds_per_token(with_workers(records, 0), tokenizer, batcher, num_batches)
         one = tokens_per_s(with_workers(records, 1), tokenizer, batcher, num_batches, rounds)
         two = tokens_per_s(with_workers(records, 2), tokenizer, batcher, num_batches, rounds)
+        machine = max(side_by_side_rate(with_workers(records, 0), tokenizer, batcher, num_batches, 2)
+                      / side_by_side_rate(with_workers(records, 0), tokenizer, batcher, num_batches, 1)
+                      for _ in range(2 if _QUICK.value else 3))
         text_rate = tokens_per_s(text_cfg, tokenizer, batcher, num_batches, rounds)
 
     print(f"ArrayRecord + f-grams: 1 worker {one:,.0f} tokens/s, 2 workers {two:,.0f} tokens/s "
           f"({os.cpu_count()} cores); text: 1 worker {text_rate:,.0f} tokens/s after {startup:.1f} s of "
-          f"tokenizing the corpus; batch work {host_us:.3f} us/token in one process")
+          f"tokenizing the corpus; batch work {host_us:.3f} us/token in one process; 2 plain processes "
+          f"side by side build {machine:.2f}x the batches of one")
     print(f"RESULT pipeline_tokens_per_s_per_process {one:.0f}")
     print(f"RESULT pipeline_text_tokens_per_s_per_process {text_rate:.0f}")
     print(f"RESULT pipeline_text_startup_s {startup:.2f}")
     print(f"RESULT pipeline_worker_scaling {two / one:.3f}")
+    print(f"RESULT pipeline_machine_scaling {machine:.3f}")
     print(f"RESULT pipeline_host_us_per_token {host_us:.4f}")
 
 
@@ -113,6 +122,32 @@ def host_microseconds_per_token(data_cfg, tokenizer, batcher, num_batches: int) 
     for b in range(1, num_batches + 1):
         build(b)
     return (time.perf_counter() - start) / (num_batches * ROWS * SEQ_LEN) * 1e6
+
+
+
+def _build_side_by_side(data_cfg, tokenizer, batcher, first: int, count: int, barrier, results) -> None:
+    """In a spawned process: warm up (imports, numba), wait for the others, then build `count` batches."""
+    build = pipeline.batch_builder(data_cfg, tokenizer, batch_transform=batcher)
+    build(first)
+    barrier.wait()
+    start = time.perf_counter()
+    for b in range(first + 1, first + count + 1):
+        build(b)
+    results.put((start, time.perf_counter()))
+
+
+def side_by_side_rate(data_cfg, tokenizer, batcher, num_batches: int, processes: int) -> float:
+    """Batches/s of `processes` independent processes each building num_batches batches at the same time."""
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(processes), context.Queue()
+    procs = [context.Process(target=_build_side_by_side, args=(
+        data_cfg, tokenizer, batcher, 10_000 * i, num_batches, barrier, results)) for i in range(processes)]
+    for p in procs:
+        p.start()
+    spans = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return processes * num_batches / (max(end for _, end in spans) - min(start for start, _ in spans))
 
 
 if __name__ == "__main__":

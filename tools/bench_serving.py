@@ -28,7 +28,7 @@ from absl import app, flags
 
 from scone_jax import sharding
 from scone_jax.config import base_config
-from scone_jax.data import corpus, pipeline, tokenizer as tokenizer_lib
+from scone_jax.data import corpus, pipeline, tokenizer_training
 from scone_jax.serving import bundle, evaluate, export, generate, inference
 from scone_jax.serving.table import HostTable
 from scone_jax.training import assets, checkpoint, state as state_lib, steps
@@ -38,7 +38,7 @@ _QUICK = flags.DEFINE_bool("quick", False, "A tiny model and few batches (under 
 
 def make_run(root: str, quick: bool):
     """A SCONE run directory with a checkpoint of the initial state."""
-    tokenizer = tokenizer_lib.train_tokenizer(corpus.kjv_documents("train", 0.02)[:3000],
+    tokenizer = tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:3000],
                                               os.path.join(root, "tokenizer.model"), 1024, model_type="bpe")
     c = base_config()
     c.model.update(dict(vocab_size=1024, d_model=64 if quick else 256, num_layers=2 if quick else 4, num_heads=4,

@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from scone_jax.data import sources, tokenize, tokenizer
+from scone_jax.data import sources, tokenize, tokenizer_flags
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
@@ -34,8 +34,9 @@ flags.DEFINE_string("files", "", "Comma-separated globs (all sources but kjv).")
 flags.DEFINE_string("text_field", "text", "JSONL field holding the text.")
 flags.DEFINE_enum("document_unit", "line", ["line", "file"], "Text files: one document per line or per file.")
 flags.DEFINE_float("eval_fraction", 0.02, "kjv: fraction of documents held out (not counted).")
-flags.DEFINE_string("tokenizer", "", "The run's tokenizer; its fingerprint goes into the vocabulary and each "
-                    "document is counted as [bos] + ids, as the training run reads it.")
+TOKENIZER = tokenizer_flags.define("its fingerprint goes into the vocabulary and each document is "
+                                    "counted as [bos] + ids, as the training run reads it.")
+flags.adopt_module_key_flags(tokenizer_flags)  # listed by --help
 flags.DEFINE_integer("vocab_size", 0, "arrayrecord without --tokenizer: the tokenizer's vocabulary size (the "
                      "documents are then counted without bos).")
 flags.DEFINE_integer("max_len", 5, "K: longest f-gram, in tokens (>= 2).")
@@ -57,7 +58,7 @@ def open_documents():
         "source": FLAGS.source, "train_files": FLAGS.files, "eval_files": "", "text_field": FLAGS.text_field,
         "document_unit": FLAGS.document_unit, "eval_fraction": FLAGS.eval_fraction})
     source = sources.open_source(data, "train")
-    tok = tokenizer.Tokenizer.load(FLAGS.tokenizer) if FLAGS.tokenizer else None
+    tok = TOKENIZER.load(required=False)
     if tok is None and FLAGS.source != "arrayrecord":
         raise ValueError(f"--source={FLAGS.source} is text: pass --tokenizer=<model> (tools/train_tokenizer.py).")
     if tok is None and FLAGS.vocab_size <= 0:

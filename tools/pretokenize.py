@@ -1,6 +1,7 @@
 """Tokenize a text or JSONL corpus once, into ArrayRecord shards that training reads directly.
 
   python tools/pretokenize.py --input='corpus/*.txt' --tokenizer=tok.model --output=/data/tok
+  python tools/pretokenize.py --input='web/*.txt' --tokenizer=/models/gpt2/tokenizer.json --output=/data/gpt2
   python tools/pretokenize.py --format=jsonl --text_field=text --input='a/*.jsonl,b/*.jsonl' \
       --tokenizer=gs://bucket/tok.model --output=/data/tok --workers=16
   # then train with: --config.data.source=arrayrecord \
@@ -11,9 +12,12 @@ token ids, no bos/eos; shard i holds a contiguous range of documents in input or
 with the sidecars <shard>.lengths.npy and <shard>.json (scone_jax/data/shards.py). Every worker
 process writes whole shards, streaming them (memory stays bounded by one chunk of documents);
 the output is the same for any --workers. A shard appears under its final name only once it
-is complete, and a rerun replaces the shards. Progress (documents, tokens, tokens/s, ETA) goes
-to stderr; the last line is `RESULT pretokenize_tokens_per_s <v>`. Bad input stops with a
-one-line error and exit status 2.
+is complete, and a rerun replaces the shards. --tokenizer is a SentencePiece .model or a Hugging
+Face tokenizer.json (the kind is read from the file). The shards record its fingerprint, which
+covers the special ids too: pass the --bos_token/--eos_token/--pad_token the run sets as
+data.*_token (default: the tokenizer's own), or training refuses the shards. Progress
+(documents, tokens, tokens/s, ETA) goes to stderr; the last line is
+`RESULT pretokenize_tokens_per_s <v>`. Bad input stops with a one-line error and exit status 2.
 """
 import glob
 import math
@@ -28,8 +32,7 @@ import time
 import ml_collections
 from absl import app, flags
 
-from scone_jax.data import shards, sources, tokenize
-from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.data import shards, sources, tokenize, tokenizer_flags
 from scone_jax.runtime import storage, tool_main
 
 FLAGS = flags.FLAGS
@@ -37,7 +40,8 @@ flags.DEFINE_string("input", "", "Comma-separated globs of the corpus files.")
 flags.DEFINE_string("format", "text", "text (one document per line or per file) or jsonl.")
 flags.DEFINE_enum("document_unit", "line", ["line", "file"], "--format=text: one document per line or per file.")
 flags.DEFINE_string("text_field", "text", "--format=jsonl: the field holding each document's text.")
-flags.DEFINE_string("tokenizer", "", "SentencePiece .model (local or gs://); training must use the same one.")
+TOKENIZER = tokenizer_flags.define("training must use the same one (and the same --bos/eos/pad_token).")
+flags.adopt_module_key_flags(tokenizer_flags)  # listed by --help
 flags.DEFINE_string("output", "", "Local directory for the shards (created if missing).")
 flags.DEFINE_integer("num_shards", 0, "Shards to write (0: ~256 MB each, at least one per worker).")
 flags.DEFINE_integer("workers", -1, "Processes (-1: every core this process may use).")
@@ -68,16 +72,6 @@ def open_corpus():
     size = sum(os.path.getsize(f) for f in sources.expand_files(FLAGS.input))
     unit = {"document_unit": FLAGS.document_unit} if FLAGS.format == "text" else {"text_field": FLAGS.text_field}
     return source, size, {"input": FLAGS.input, "format": FLAGS.format, **unit}
-
-
-def load_tokenizer() -> Tokenizer:
-    if not FLAGS.tokenizer:
-        raise ValueError("--tokenizer is empty. Fix: pass a SentencePiece .model (tools/train_tokenizer.py makes one).")
-    try:
-        return Tokenizer.load(FLAGS.tokenizer)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--tokenizer={FLAGS.tokenizer!r} does not exist. Fix: point it at a "
-                                "SentencePiece .model file (tools/train_tokenizer.py makes one).") from None
 
 
 def prepare_output(directory: str, num_shards: int) -> None:
@@ -181,7 +175,7 @@ def _write_shard(task) -> tuple[int, int]:
 def run() -> None:
     start = time.time()
     source, input_bytes, description = open_corpus()
-    tok = load_tokenizer()
+    tok = TOKENIZER.load()
     workers = tokenize.resolve_workers(FLAGS.workers, "--workers")
     if FLAGS.progress_seconds <= 0:
         raise ValueError(f"--progress_seconds={FLAGS.progress_seconds} must be positive.")
@@ -194,7 +188,8 @@ def run() -> None:
               {**meta, "first_document": bounds[i]}) for i in range(num_shards)]
     processes = min(workers, num_shards)
     print(f"pretokenize: {num_docs:,} documents ({input_bytes / 1e6:.1f} MB) -> {num_shards} shard(s) in "
-          f"{FLAGS.output} with {processes} process(es); tokenizer {tok.fingerprint}", file=sys.stderr, flush=True)
+          f"{FLAGS.output} with {processes} process(es); tokenizer {tok.fingerprint} ({tok.kind}, {tok.vocab_size} "
+          f"tokens, bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id})", file=sys.stderr, flush=True)
 
     context = multiprocessing.get_context("spawn")
     counters = Counters(context)

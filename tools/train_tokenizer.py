@@ -13,7 +13,7 @@ import time
 import ml_collections
 from absl import app, flags
 
-from scone_jax.data import sources, tokenizer
+from scone_jax.data import sources, tokenizer_training
 from scone_jax.runtime import tool_main
 
 FLAGS = flags.FLAGS
@@ -24,7 +24,7 @@ flags.DEFINE_string("text_field", "text", "JSONL field holding the text (--forma
 flags.DEFINE_enum("document_unit", "line", ["line", "file"], "Text files: one document per line or per file.")
 flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size, including 4 special ids and 256 byte pieces.")
 flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "SentencePiece model type.")
-flags.DEFINE_integer("max_chars", tokenizer.DEFAULT_MAX_CHARS, "Train on a random sample of this many characters.")
+flags.DEFINE_integer("max_chars", tokenizer_training.DEFAULT_MAX_CHARS, "Train on a random sample of this many characters.")
 
 _CHECK_DOCS = 200
 
@@ -36,12 +36,12 @@ def train():
     ))
     start = time.time()
     source = sources.open_source(data_cfg, "train")
-    docs = tokenizer.sample_documents(source, FLAGS.max_chars)
+    docs = tokenizer_training.sample_documents(source, FLAGS.max_chars)
     print(f"sampled {len(docs):,} of {len(source):,} documents, {sum(map(len, docs)):,} characters "
           f"({time.time() - start:.1f} s)")
 
     start = time.time()
-    tok = tokenizer.train_tokenizer(docs, FLAGS.output, FLAGS.vocab_size, FLAGS.model_type)
+    tok = tokenizer_training.train_tokenizer(docs, FLAGS.output, FLAGS.vocab_size, FLAGS.model_type)
     print(f"trained {FLAGS.model_type} vocab {tok.vocab_size:,} in {time.time() - start:.1f} s -> "
           f"{FLAGS.output} (fingerprint {tok.fingerprint})")
 

@@ -45,24 +45,37 @@ def resolve_workers(workers: int, name: str = "workers") -> int:
     return workers
 
 
-def iter_encoded(source, tokenizer, start: int, stop: int) -> Iterator[np.ndarray]:
-    """int32 token ids of documents start..stop-1, one at a time (memory: one document); no bos/eos.
+def iter_encoded(source, tokenizer, start: int, stop: int, batch_docs: int = 64) -> Iterator[np.ndarray]:
+    """int32 token ids of documents start..stop-1, in order; no bos/eos. Memory: `batch_docs` documents.
 
-    Text items go through tokenizer.encode; token-id arrays (pre-tokenized sources) pass through.
+    Text items go through tokenizer.encode_batch, `batch_docs` consecutive texts per call (the
+    libraries' batch encoders beat one call per document); token-id arrays (pre-tokenized sources)
+    pass through.
     """
+    texts = []
     for index in range(start, stop):
         item = source[index]
         if isinstance(item, str):
-            yield tokenizer.encode(item)
-        elif isinstance(item, np.ndarray) and item.dtype.kind in "iu":
+            texts.append(item)
+            if len(texts) >= batch_docs:
+                yield from tokenizer.encode_batch(texts)
+                texts = []
+            continue
+        if texts:
+            yield from tokenizer.encode_batch(texts)
+            texts = []
+        if isinstance(item, np.ndarray) and item.dtype.kind in "iu":
             yield item.astype(np.int32, copy=False)
         else:
             raise TypeError(f"Document {index} is a {type(item).__name__}; expected str or an int32 token array.")
+    if texts:
+        yield from tokenizer.encode_batch(texts)
 
 
 def encode_documents(source, tokenizer, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids of documents start..stop-1 back to back, int32 length of each); no bos/eos."""
-    pieces = list(iter_encoded(source, tokenizer, start, stop))
+    """(token ids of documents start..stop-1 back to back, int32 length of each); no bos/eos.
+    The whole chunk is one encode_batch: its documents are held in memory anyway."""
+    pieces = list(iter_encoded(source, tokenizer, start, stop, batch_docs=max(1, stop - start)))
     lengths = np.array([len(p) for p in pieces], np.int32)
     tokens = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, np.int32)
     return tokens, lengths

@@ -7,7 +7,12 @@
     done/<chunk>     markers: table chunk written (an interrupted export resumes from them); also
                      done/fgrams and done/decoder for those two pieces
     fgrams/          the f-gram vocabulary (scone_jax.fgram.vocab format)
-    tokenizer.model  the SentencePiece model the vocabulary and the decoder were trained with
+    tokenizer.model  the tokenizer the vocabulary and the decoder were trained with, in its serialized form
+                     (scone_jax/data/tokenizer.py, Tokenizer.proto): a SentencePiece model with its own ids
+                     is the .model file itself (as in bundles made before tokenizer.json support); anything
+                     else (a Hugging Face tokenizer.json, or overridden special ids) is that file wrapped
+                     with the run's bos/eos/pad ids, so serving uses them without the run's data config.
+                     The name stays tokenizer.model for every kind: readers tell the kind from the content.
     decoder/         orbax checkpoint of the main decoder's parameters (no f-gram model, no optimizer)
     COMPLETE         written last; readers refuse a bundle without it. JSON: export.json's fingerprint and
                      the CRC-32 of every table chunk and of every file of decoder/ and tokenizer.model

@@ -24,7 +24,7 @@ from ml_collections import config_flags
 
 from scone_jax import config as config_lib
 from scone_jax.data import pipeline, sources
-from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
 from scone_jax.model import losses
 from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import inference
@@ -102,7 +102,7 @@ def data_config(served: inference.Served, overrides: dict):
     with config.unlocked():
         config.update_from_flattened_dict(overrides)
     if "data.tokenizer_path" in overrides and config.data.tokenizer_path:
-        other = Tokenizer.load(config.data.tokenizer_path)
+        other = Tokenizer.load(config.data.tokenizer_path, special_tokens_of(config.data))
         if other.fingerprint != served.tokenizer.fingerprint:
             raise ValueError(
                 f"data.tokenizer_path={config.data.tokenizer_path!r} (fingerprint {other.fingerprint}) is not the "

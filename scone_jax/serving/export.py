@@ -35,7 +35,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from scone_jax import sharding
-from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
 from scone_jax.runtime import distributed, job_flags, logs, storage, tool_main
 from scone_jax.serving import bundle
@@ -62,7 +62,9 @@ class Run:
                 f"The checkpoint {workdir}/checkpoints/{self.step} was trained without SCONE "
                 "(scone.enabled=False): it has no f-gram model to export. Serve it as a plain decoder.")
         d = self.config.data
-        self.tokenizer = Tokenizer.load(d.tokenizer_path or os.path.join(workdir, "tokenizer.model"))
+        # The run's special-id policy too: the fingerprint (and the ids the bundle stores) must be the run's.
+        self.tokenizer = Tokenizer.load(d.tokenizer_path or os.path.join(workdir, "tokenizer.model"),
+                                        special_tokens_of(d))
         self.vocab = load_vocab(self.config.scone.vocab_path or os.path.join(workdir, "fgrams"),
                                 expected_tokenizer_fingerprint=self.tokenizer.fingerprint)
         self.expect = {"tokenizer_fingerprint": self.tokenizer.fingerprint,
@@ -244,6 +246,7 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             storage.write_bytes(output, _VOCAB_DONE, b"1")
         if chief:
             storage.write_bytes(output, bundle.META, json.dumps(meta, indent=1).encode())
+            # Tokenizer.proto: a .model's bytes, or a tokenizer.json wrapped with the run's special ids.
             storage.write_bytes(output, bundle.TOKENIZER, run.tokenizer.proto)
             ts.open(bundle.create_table_spec(output, vocab.num_fgrams, meta["d_model"], dtype, chunk_rows),
                     create=True, open=True).result()

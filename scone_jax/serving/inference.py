@@ -89,7 +89,8 @@ def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_
 
 
 def load_tokenizer(path: str, sums: bundle.Checksums | None) -> Tokenizer:
-    """The bundle's tokenizer.model, its CRC checked before it is parsed."""
+    """The bundle's tokenizer.model, its CRC checked before it is parsed: either kind, with the special ids
+    the run trained with (they are part of its serialized form; see scone_jax/data/tokenizer.py)."""
     fix = bundle.rerun_fix(path)  # the export rewrites tokenizer.model when it differs from the run's
     where = storage.join(path, bundle.TOKENIZER)
     raw = storage.read_bytes(path, bundle.TOKENIZER)
@@ -99,9 +100,10 @@ def load_tokenizer(path: str, sums: bundle.Checksums | None) -> Tokenizer:
         raise bundle.BundleError(f"{where} is damaged: it hashes to {bundle.array_checksum(raw)}, "
                                  f"{bundle.COMPLETE} records {sums.files.get(bundle.TOKENIZER)}. {fix}")
     try:
-        return Tokenizer(raw, path=None)
-    except RuntimeError as e:  # sentencepiece cannot parse it (a version 1 bundle has no CRC to catch this first)
-        raise bundle.BundleError(f"{where} is not a SentencePiece model ({bundle.brief_error(e)}). {fix}") from e
+        return Tokenizer.from_bytes(raw, path=where)
+    except (ValueError, RuntimeError) as e:  # unreadable (a version 1 bundle has no CRC to catch this first)
+        why = bundle.brief_error(e).split(" Fix: ")[0]  # the tokenizer's own fix names flags, not the bundle
+        raise bundle.BundleError(f"{where} is not a tokenizer this code reads ({why}). {fix}") from e
 
 
 def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums | None = None):

@@ -15,7 +15,7 @@ import jax
 from absl import logging
 
 from scone_jax import sharding
-from scone_jax.data import sources, tokenize, tokenizer as tokenizer_lib
+from scone_jax.data import sources, tokenize, tokenizer as tokenizer_lib, tokenizer_training
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
@@ -23,37 +23,49 @@ from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab, vocab_exis
 from scone_jax.runtime import distributed, storage
 
 
-def ensure_tokenizer(data_cfg, workdir: str, max_chars: int = tokenizer_lib.DEFAULT_MAX_CHARS) -> tokenizer_lib.Tokenizer:
+def ensure_tokenizer(data_cfg, workdir: str,
+                     max_chars: int = tokenizer_training.DEFAULT_MAX_CHARS) -> tokenizer_lib.Tokenizer:
     """The tokenizer for a run: data.tokenizer_path, else <workdir>/tokenizer.model, trained on first use.
 
     Training is deterministic in its input but not coordinated across processes:
     in a multi-process job call this on process 0 first, then on the others.
     """
+    special_tokens = tokenizer_lib.special_tokens_of(data_cfg)  # data.bos/eos/pad_token: the same ids on every load
     if data_cfg.tokenizer_path:
         try:
-            return tokenizer_lib.Tokenizer.load(data_cfg.tokenizer_path)
+            return tokenizer_lib.Tokenizer.load(data_cfg.tokenizer_path, special_tokens)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"data.tokenizer_path={data_cfg.tokenizer_path!r} does not exist. Fix: point it at a "
-                "SentencePiece .model file, or set it to '' to train one into the workdir."
+                "SentencePiece .model file or a Hugging Face tokenizer.json, or set it to '' to train one into the "
+                "workdir."
             ) from None
     path = storage.join(workdir, "tokenizer.model")
-    if tokenizer_lib.read_model(path) is not None:
-        return tokenizer_lib.Tokenizer.load(path)
-    docs = tokenizer_lib.sample_documents(sources.open_source(data_cfg, "train"), max_chars)
-    return tokenizer_lib.train_tokenizer(docs, path, data_cfg.vocab_size)
+    if tokenizer_lib.read_model(path) is None:
+        docs = tokenizer_training.sample_documents(sources.open_source(data_cfg, "train"), max_chars)
+        tokenizer_training.train_tokenizer(docs, path, data_cfg.vocab_size)
+    return tokenizer_lib.Tokenizer.load(path, special_tokens)
 
 
 def resolve_vocab_size(config, tokenizer) -> None:
-    """model.vocab_size 0 -> the tokenizer's size rounded up to 128 (TPU-friendly)."""
+    """model.vocab_size 0 -> the tokenizer's size rounded up to 128 (TPU-friendly). The tokenizer's size counts
+    every id it can produce (a tokenizer.json's added tokens too); data.tokenizer_size, if set, pins it exactly."""
+    name = f"the {tokenizer.kind} tokenizer {tokenizer.path or '(in memory)'}"
+    want = config.data.get("tokenizer_size", 0)
+    if want and tokenizer.vocab_size != want:
+        raise ValueError(
+            f"{name} has {tokenizer.vocab_size} tokens but data.tokenizer_size={want}: the config was made for "
+            "another tokenizer. Fix: point data.tokenizer_path at the tokenizer its docstring names, or set "
+            "data.tokenizer_size=0 to train with this one."
+        )
     have = config.model.vocab_size
     if have == 0:
         with config.unlocked():
             config.model.vocab_size = int(math.ceil(tokenizer.vocab_size / 128) * 128)
     elif have < tokenizer.vocab_size:
         raise ValueError(
-            f"model.vocab_size={have} is smaller than the tokenizer's {tokenizer.vocab_size} pieces; "
-            "set model.vocab_size=0 to size it from the tokenizer."
+            f"model.vocab_size={have} is smaller than the {tokenizer.vocab_size} tokens of {name}. Fix: set "
+            f"model.vocab_size=0 to size it from the tokenizer, or to at least {tokenizer.vocab_size}."
         )
 
 

@@ -149,8 +149,7 @@ def model_documents(source, tokenizer, *, bos_id: int | None, max_tokens: int = 
     """
     bounds = ((s, min(s + chunk_docs, len(source))) for s in range(0, len(source), chunk_docs))
     processes = resolve_workers(workers)
-    chunks = (encode_documents(source, tokenizer, *b) for b in bounds) if processes == 1 else run_pool(
-        _encode_chunk, bounds, processes, _init_worker, (source, tokenizer))
+    chunks = _chunks(source, tokenizer, bounds, processes)
     prefix = np.array([] if bos_id is None else [bos_id], np.int32)
     budget = max_tokens or float("inf")
     for tokens, lengths in chunks:

@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from scone_jax.data import shards, sources
+from scone_jax.data import documents, shards, sources
 
 
 def _data_cfg(**overrides):
@@ -148,7 +148,10 @@ def test_globs_skip_sidecars_of_matched_files_only(tmp_path):
     assert sources.expand_files(f"{tmp_path}/*.json") == sorted(str(p) for p in tmp_path.glob("*.json"))
     source = sources.open_source(_data_cfg(source="arrayrecord", train_files=f"{tmp_path}/shard-*"), "train")
     assert [d.tolist() for d in _docs(source)] == [d for shard in SHARD_DOCS for d in shard]
-    assert [d.tolist() for d in source.read_many([4, 0, 2])] == [[2, 3], [5, 6, 7], [9] * 40]
+    assert source.read_concatenated([4, 0, 2, 4]).tolist() == [2, 3, 5, 6, 7] + [9] * 40 + [2, 3]
+    assert source.read_concatenated([]).dtype == np.int32 and source.read_concatenated([1]).size == 0
+    with pytest.raises(IndexError, match="Document 5 is outside the 5 documents of 2 shard"):
+        source.read_concatenated([0, 5])
 
 
 def test_document_lengths_come_from_the_sidecars(tmp_path, monkeypatch):
@@ -224,3 +227,14 @@ def test_an_interrupted_shard_write_leaves_the_old_shard_and_no_temporaries(tmp_
     assert [d.tolist() for d in _docs(sources.TokenArrayRecordSource([path]))] == [[4]]
     assert json.loads(open(path + ".json").read())["tokenizer_fingerprint"] == "beef"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)
+
+
+def test_lengths_sidecar_edited_after_writing_is_caught_when_read(tmp_path):
+    # Same record count, one wrong length: packing would misplace every document boundary after it.
+    paths = _write_shards(tmp_path, SHARD_DOCS)
+    np.save(paths[0] + ".lengths.npy", np.array([3, 0, 39], np.int32))
+    source = sources.TokenArrayRecordSource(paths)
+    docs = documents.RecordDocuments(source, np.arange(5), source.document_lengths(), 512, "f00d")
+    assert docs.gather(np.array([4, 0]))[0].tolist() == [2, 3, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"hold 43 tokens but their lengths sidecar \(.lengths.npy\) says 42"):
+        docs.gather(np.array([0, 2]))

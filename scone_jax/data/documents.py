@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scone_jax.data import sources, tokenize
+from scone_jax.data import shards, sources, tokenize
 from scone_jax.data.tokenizer import Tokenizer
 
 PARALLEL_TOKENIZE_DOCS = 20_000
@@ -50,8 +50,13 @@ class RecordDocuments:
         return len(self._ids)
 
     def gather(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        records = self._source.read_many(self._ids[docs])
-        ids = np.concatenate(records) if records else np.zeros(0, np.int32)
+        lengths = self.lengths[docs]
+        ids = self._source.read_concatenated(self._ids[docs])
+        if ids.size != lengths.sum():
+            raise ValueError(
+                f"Pre-tokenized documents {self._ids[docs][:8].tolist()}... hold {ids.size} tokens but their "
+                f"lengths sidecar ({shards.LENGTHS_SUFFIX}) says {int(lengths.sum())}: the shards changed "
+                "after the sidecars were written. Fix: re-run tools/pretokenize.py, or delete the sidecars.")
         if ids.size and (ids.min() < 0 or ids.max() >= self._vocab_size):
             at = int(np.flatnonzero((ids < 0) | (ids >= self._vocab_size))[0])
             record = int(self._ids[docs][np.searchsorted(np.cumsum(self.lengths[docs]), at, side="right")])
@@ -60,7 +65,7 @@ class RecordDocuments:
                 f"outside the tokenizer's vocabulary [0, {self._vocab_size}) (fingerprint {self._fingerprint}). "
                 "Fix: set data.tokenizer_path to the tokenizer that made the data, or repair that document."
             )
-        return ids, self.lengths[docs]
+        return ids, lengths
 
 
 def process_share(num_docs: int, seed: int, process_index: int, process_count: int) -> np.ndarray:

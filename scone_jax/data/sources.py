@@ -6,15 +6,14 @@ no text), so grain worker processes can read any document by index. Items are
 """
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
+import threading
 
 import numpy as np
 from absl import logging
 from array_record.python import array_record_module
-from array_record.python.array_record_data_source import ArrayRecordDataSource
 
 from scone_jax.data import corpus, shards
 
@@ -162,45 +161,63 @@ class JsonlSource:
         return text
 
 
-@dataclasses.dataclass(frozen=True)
-class _WholeFile:
-    """A file instruction for ArrayRecordDataSource: all `take` records of `filename`."""
-
-    filename: str
-    take: int
-    skip: int = 0
-
-    @property
-    def examples_in_shard(self) -> int:
-        return self.take
-
-
 class TokenArrayRecordSource:
     """Pre-tokenized documents: each ArrayRecord record is raw little-endian int32 token ids.
 
     Shards written by tools/pretokenize.py carry sidecars (shards.py) with every record's length
     and the tokenizer fingerprint; shards without them still work, at the cost of one read.
+    Each process opens its own readers on first use (readers do not pickle) and reads in the
+    calling thread: the input pipeline already runs one builder per core, so a thread pool per
+    read (grain's ArrayRecordDataSource starts one per call) only added start-ups, waits and CPU.
     """
 
     def __init__(self, files: list[str]):
         self._files = list(files)
         self._counts = [shards.num_records(f) for f in self._files]
-        # One thread per reader: the input pipeline reads from several worker processes at once,
-        # and array_record's own parallel reads then only compete with them for the cores.
-        self._records = ArrayRecordDataSource([_WholeFile(f, n) for f, n in zip(self._files, self._counts)],
-                                              reader_options={"max_parallelism": "1"})
+        self._first = np.concatenate([[0], np.cumsum(self._counts, dtype=np.int64)])
+        self._readers, self._lock = None, threading.Lock()
         self._warned_unchecked = False
 
+    def __getstate__(self):
+        return {**self.__dict__, "_readers": None, "_lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock())
+
     def __len__(self) -> int:
-        return len(self._records)
+        return int(self._first[-1])
 
     def __getitem__(self, index: int) -> np.ndarray:
-        return np.frombuffer(self._records[index], dtype="<i4").astype(np.int32)
+        return self.read_concatenated([index])
 
-    def read_many(self, indices) -> list[np.ndarray]:
-        """Documents `indices` (any order), one batched read per shard."""
-        records = self._records.__getitems__([int(i) for i in indices])
-        return [np.frombuffer(r, dtype="<i4").astype(np.int32) for r in records]
+    def read_concatenated(self, indices) -> np.ndarray:
+        """int32 tokens of documents `indices` (any order, repeats allowed), back to back.
+
+        Record by record (seek, read) in this thread: the readers' batched read hands the work to
+        array_record's thread pool, whose threads then spin for as long again as the read took."""
+        indices = np.asarray(indices, np.int64).reshape(-1)
+        if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
+            bad = int(indices[(indices < 0) | (indices >= len(self))][0])
+            raise IndexError(f"Document {bad} is outside the {len(self)} documents of {len(self._files)} shard(s).")
+        shard = np.searchsorted(self._first, indices, side="right") - 1
+        local = (indices - self._first[shard]).tolist()
+        records = []
+        with self._lock:
+            for s, position in zip(shard.tolist(), local):
+                reader = self._reader(s)
+                reader.seek(position)
+                records.append(reader.read())
+        return np.frombuffer(b"".join(records), dtype="<i4").astype(np.int32, copy=False)
+
+    def _reader(self, shard: int):
+        if self._readers is None:
+            self._readers = [None] * len(self._files)
+        if self._readers[shard] is None:
+            # Random access: no read-ahead, no parallel reads of its own.
+            self._readers[shard] = array_record_module.ArrayRecordReader(
+                self._files[shard], options="readahead_buffer_size:0,max_parallelism:1",
+                file_reader_buffer_size=32768)
+        return self._readers[shard]
 
     def document_lengths(self) -> np.ndarray:
         """int64 token count of every document, from the lengths sidecars where shards have them."""

@@ -79,7 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
     d.shuffle_seed = 0
     d.worker_count = -1  # processes building batches: -1 = half the host's cores (1..16); 0 = a thread
     #                      of the training process. Batches do not depend on it (data/packing.py).
-    d.prefetch_buffer = 2  # batches each worker keeps ready
+    d.prefetch_buffer = 8  # batches each worker (or the builder thread) keeps ready
 
     c.train = t = ml_collections.ConfigDict()
     t.seed = 0

@@ -219,6 +219,7 @@ def test_batches_do_not_depend_on_the_number_of_worker_processes(tok):
         for expected, batch in zip(want[start:], got):
             assert expected.keys() == batch.keys()
             for k in expected:
+                assert (expected[k].dtype, expected[k].shape) == (batch[k].dtype, batch[k].shape), (workers, k)
                 assert expected[k].tobytes() == batch[k].tobytes(), (workers, k)
 
 

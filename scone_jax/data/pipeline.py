@@ -125,18 +125,21 @@ def make_train_dataset(
     # One builder thread per process: a batch is numpy and numba work that holds the GIL for
     # most of its time, so grain's default (16 threads, 500 batches read ahead) only adds
     # contention with the thread that hands batches on, and memory.
-    read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=data_cfg.prefetch_buffer)
     if workers == 0:
+        read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=data_cfg.prefetch_buffer)
         ds = grain.MapDataset.range(start_batch, _ENDLESS).map(build).to_iter_dataset(read)
         return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=data_cfg.prefetch_buffer)
     logging.info("Input pipeline: %d worker processes build the batches", workers)
     # Workers hand over BATCHES_PER_ELEMENT consecutive batches at a time: grain's fixed cost
-    # per element (shared memory, queues: ~2 ms of the training process, ~3 ms of the worker)
-    # would otherwise be a third of a batch's work and keep two workers from scaling.
+    # per element (shared memory, queues) would otherwise be a large share of a batch's work
+    # and keep two workers from scaling. data.prefetch_buffer batches per worker, in
+    # whole elements, are both built ahead and queued for hand-over: batches are consumed in
+    # order, so with a single element queued any hiccup of one worker stalls all the others.
+    ahead = -(-data_cfg.prefetch_buffer // BATCHES_PER_ELEMENT)
+    read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=ahead)
     elements = grain.MapDataset.range(_ENDLESS // BATCHES_PER_ELEMENT).map(
         _BuildBatches(build, start_batch, BATCHES_PER_ELEMENT)).to_iter_dataset(read)
-    per_worker = max(1, data_cfg.prefetch_buffer // BATCHES_PER_ELEMENT)
-    options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=per_worker)
+    options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=ahead)
     return _Unstacked(elements.mp_prefetch(options))
 
 

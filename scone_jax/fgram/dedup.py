@@ -77,8 +77,7 @@ class FgramBatcher:
         # Compiled pass 1: each group's unique f-grams (ascending) and each position's entry among them.
         unique, group_start, entry = _unique_per_group(ids.ravel(), groups)
         lengths = self.vocab.lengths[unique]
-        # prefix[u, j] = id of the length-(j+1) prefix of unique f-gram u (closure: every prefix is an f-gram).
-        prefix = self.matcher.match(self.vocab.tokens[unique], (np.arange(k) < lengths[:, None]).astype(np.int32))
+        prefix = self._prefixes(unique, lengths)
         # Compiled pass 2: rows for the maximal ones, a (row, position) slot for every one.
         row, slot, rows_per_group = _rows_and_slots(unique, group_start, lengths, prefix, k)
         self._check_capacity(rows_per_group)
@@ -94,6 +93,19 @@ class FgramBatcher:
         return batch | {"fgram_ids": ids, "fgram_tokens": fgram_tokens, "fgram_lengths": fgram_lengths,
                         "fgram_index": index.reshape(ids.shape),
                         "fgram_unique": np.diff(group_start).astype(np.int32)}
+
+    def _prefixes(self, unique: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """prefix [U, K]: [u, j] = id of the length-(j+1) prefix of f-gram unique[u] (an f-gram, by
+        closure), -1 for j = 0 and j >= its length. Its full length is itself; only the proper
+        prefixes of f-grams of 3+ tokens are matched (about half the work of matching them all)."""
+        k = self.vocab.max_len
+        prefix = np.full((len(unique), k), -1, np.int32)
+        longer = np.flatnonzero(lengths > 2)
+        if longer.size:
+            proper = (np.arange(k - 1) < lengths[longer, None] - 1).astype(np.int32)
+            prefix[longer, :k - 1] = self.matcher.match(self.vocab.tokens[unique[longer], :k - 1], proper)
+        prefix[np.arange(len(unique)), lengths - 1] = unique
+        return prefix
 
     def _check_capacity(self, rows_per_group: np.ndarray) -> None:
         need = int(rows_per_group.max(initial=0))

@@ -55,9 +55,14 @@ def matches_reference_property(record=None):
         grams = closure(seeds)
         grams = [grams[i] for i in rng.permutation(len(grams))]
         tokens, segments = planted_batch(rng, grams, vocab_size, batch, length)
-        got = Matcher(make_vocab(grams, max_len, vocab_size)).match(tokens, segments)
+        matcher = Matcher(make_vocab(grams, max_len, vocab_size))
+        got = matcher.match(tokens, segments)
         assert got.dtype == np.int32 and got.shape == tokens.shape
         np.testing.assert_array_equal(got, reference_match(grams, tokens, segments, max_len))
+        longest, suffixes = matcher.match_with_suffixes(tokens, segments)
+        np.testing.assert_array_equal(longest, got)
+        assert suffixes.dtype == np.int32
+        np.testing.assert_array_equal(suffixes, reference_suffixes(grams, tokens, segments, max_len))
         if record is not None:
             record.append((int((got >= 0).sum()), max([len(grams[i]) for i in got[got >= 0]], default=0)))
 
@@ -65,6 +70,21 @@ def matches_reference_property(record=None):
 
 
 test_matches_reference = matches_reference_property()
+
+
+def reference_suffixes(fgrams, tokens, segment_ids, max_len):
+    """[b, i, n-2] = id of the n-token f-gram ending at (b, i) inside its segment, else -1. Seen to
+    catch a walk that records only the longest match, or records suffixes one column off."""
+    ids = {tuple(g): i for i, g in enumerate(fgrams)}
+    out = np.full((*tokens.shape, max_len - 1), -1, np.int32)
+    for b in range(tokens.shape[0]):
+        for i in range(tokens.shape[1]):
+            for n in range(2, max_len + 1):
+                j = i - n + 1
+                if segment_ids[b, i] == 0 or j < 0 or len(set(segment_ids[b, j:i + 1].tolist())) > 1:
+                    break
+                out[b, i, n - 2] = ids.get(tuple(int(t) for t in tokens[b, j:i + 1]), -1)
+    return out
 
 
 def match_next_property(record=None):

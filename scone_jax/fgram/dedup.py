@@ -72,40 +72,25 @@ class FgramBatcher:
                 "Fix: make the global batch size a multiple of the number of data shards"
                 + (" times train.grad_accum_steps." if self.micro_batches > 1 else ".")
             )
-        ids = self.matcher.match(tokens, segment_ids)
+        ids, suffixes = self.matcher.match_with_suffixes(tokens, segment_ids)
         k, groups, capacity = self.vocab.max_len, self.num_groups, self.group_capacity
-        # Compiled pass 1: each group's unique f-grams (ascending) and each position's entry among them.
-        unique, group_start, entry = _unique_per_group(ids.ravel(), groups)
+        # Compiled pass 1: each group's unique f-grams (ascending), a position where each is the
+        # longest match, and each position's entry among them.
+        unique, group_start, entry, first = _unique_per_group(ids.ravel(), groups)
         lengths = self.vocab.lengths[unique]
-        prefix = self._prefixes(unique, lengths)
-        # Compiled pass 2: rows for the maximal ones, a (row, position) slot for every one.
-        row, slot, rows_per_group = _rows_and_slots(unique, group_start, lengths, prefix, k)
-        self._check_capacity(rows_per_group)
-        maximal = row >= 0
-        group = np.repeat(np.arange(groups), np.diff(group_start))[maximal]
+        # Compiled pass 2: rows (tokens and lengths written in place) for the maximal ones, a
+        # (row, position) slot for every one.
         fgram_tokens = np.full((groups, capacity, k), PAD, dtype=np.int32)
-        fgram_tokens[group, row[maximal]] = self.vocab.tokens[unique[maximal]]
         fgram_lengths = np.zeros((groups, capacity), dtype=np.int32)
-        fgram_lengths[group, row[maximal]] = lengths[maximal]
+        slot, rows_per_group = _rows_and_slots(unique, group_start, lengths, first, suffixes.reshape(-1, k - 1),
+                                               self.vocab.tokens, fgram_tokens, fgram_lengths)
+        self._check_capacity(rows_per_group)
         index = np.full(entry.shape, -1, np.int32)
         matched = entry >= 0
         index[matched] = slot[entry[matched]]
         return batch | {"fgram_ids": ids, "fgram_tokens": fgram_tokens, "fgram_lengths": fgram_lengths,
                         "fgram_index": index.reshape(ids.shape),
                         "fgram_unique": np.diff(group_start).astype(np.int32)}
-
-    def _prefixes(self, unique: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """prefix [U, K]: [u, j] = id of the length-(j+1) prefix of f-gram unique[u] (an f-gram, by
-        closure), -1 for j = 0 and j >= its length. Its full length is itself; only the proper
-        prefixes of f-grams of 3+ tokens are matched (about half the work of matching them all)."""
-        k = self.vocab.max_len
-        prefix = np.full((len(unique), k), -1, np.int32)
-        longer = np.flatnonzero(lengths > 2)
-        if longer.size:
-            proper = (np.arange(k - 1) < lengths[longer, None] - 1).astype(np.int32)
-            prefix[longer, :k - 1] = self.matcher.match(self.vocab.tokens[unique[longer], :k - 1], proper)
-        prefix[np.arange(len(unique)), lengths - 1] = unique
-        return prefix
 
     def _check_capacity(self, rows_per_group: np.ndarray) -> None:
         need = int(rows_per_group.max(initial=0))
@@ -126,9 +111,11 @@ class FgramBatcher:
 def _unique_per_group(flat, groups):
     """flat [N]: f-gram id per position (-1 none), N/groups positions per group. Returns
     (unique ids, each group's ascending; group_start [groups+1] into them; entry [N]: the
-    position's index into unique, -1 where unmatched)."""
+    position's index into unique, -1 where unmatched; first [U]: a position where unique[u] is
+    the longest match)."""
     per = len(flat) // groups
     unique = np.empty(len(flat), np.int32)
+    first = np.empty(len(flat), np.int64)
     entry = np.full(len(flat), -1, np.int32)
     group_start = np.zeros(groups + 1, np.int64)
     count = 0
@@ -141,10 +128,11 @@ def _unique_per_group(flat, groups):
             if block[i] != previous:
                 previous = block[i]
                 unique[count] = previous
+                first[count] = g * per + i
                 count += 1
             entry[g * per + i] = count - 1
         group_start[g + 1] = count
-    return unique[:count].copy(), group_start, entry
+    return unique[:count].copy(), group_start, entry, first[:count].copy()
 
 
 @compiled
@@ -155,34 +143,44 @@ def _find(unique, start, stop, value):
 
 
 @compiled
-def _rows_and_slots(unique, group_start, lengths, prefix, max_len):
+def _prefix(suffixes, first, lengths, u, n):
+    """Id of the n-token prefix of unique f-gram u: it ends n-1 tokens after u's start, at a
+    position where it is a suffix of the longest match (by closure), so the matcher recorded it."""
+    return suffixes[first[u] - lengths[u] + n, n - 2]
+
+
+@compiled
+def _rows_and_slots(unique, group_start, lengths, first, suffixes, vocab_tokens, fgram_tokens, fgram_lengths):
     """Per group: the unique f-grams that are no proper prefix of another unique f-gram of the
-    group (maximal) get rows 0, 1, ... in ascending id order; every unique f-gram's slot is
-    row*K + length-1 of the first row whose f-gram begins with it. Returns (row within the group
-    per unique f-gram, -1 if not maximal; slot per unique f-gram; rows per group)."""
+    group (maximal) get rows 0, 1, ... in ascending id order, their tokens and lengths written to
+    fgram_tokens/fgram_lengths [G, C(, K)] while rows remain; every unique f-gram's slot is
+    row*K + length-1 of the first row whose f-gram begins with it. Returns (slot per unique
+    f-gram; rows each group needs, which may exceed C: the caller raises)."""
+    max_len, capacity = vocab_tokens.shape[1], fgram_tokens.shape[1]
     covered = np.zeros(len(unique), np.bool_)
-    row = np.full(len(unique), -1, np.int32)
     slot = np.full(len(unique), -1, np.int32)
     rows_per_group = np.zeros(len(group_start) - 1, np.int64)
     for g in range(len(group_start) - 1):
         start, stop = group_start[g], group_start[g + 1]
         for u in range(start, stop):
-            for j in range(1, lengths[u] - 1):  # proper prefixes of length 2 .. length-1
-                at = _find(unique, start, stop, prefix[u, j])
+            for n in range(2, lengths[u]):  # proper prefixes of 2 .. length-1 tokens
+                at = _find(unique, start, stop, _prefix(suffixes, first, lengths, u, n))
                 if at >= 0:
                     covered[at] = True
         rows = 0
         for u in range(start, stop):
             if covered[u]:
                 continue
-            row[u] = rows
-            for j in range(1, lengths[u]):  # its prefixes of length 2 .. length (itself)
-                at = _find(unique, start, stop, prefix[u, j])
+            if rows < capacity:
+                fgram_tokens[g, rows, :] = vocab_tokens[unique[u], :]
+                fgram_lengths[g, rows] = lengths[u]
+            for n in range(2, lengths[u] + 1):  # its prefixes of 2 .. length (itself) tokens
+                at = _find(unique, start, stop, _prefix(suffixes, first, lengths, u, n))
                 if at >= 0 and slot[at] < 0:
-                    slot[at] = rows * max_len + j
+                    slot[at] = rows * max_len + n - 1
             rows += 1
         rows_per_group[g] = rows
-    return row, slot, rows_per_group
+    return slot, rows_per_group
 
 
 def _round_up(n: int, multiple: int = 128) -> int:

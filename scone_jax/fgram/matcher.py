@@ -22,8 +22,11 @@ _FEW_KEYS = 32  # up to this many keys, match_next works in plain Python (faster
 
 
 @compiled
-def _longest_ids(flat, pair_ok, keys, num_buckets, vocab_size, max_len, fgram_id, out):
+def _longest_ids(flat, pair_ok, keys, num_buckets, vocab_size, max_len, fgram_id, out, suffix_out):
     """out[e] = id of the longest f-gram ending at e (-1: none); pair_ok[e]: e-1 and e are in one segment.
+    Unless suffix_out is None, also suffix_out[e, j] = id of the (j+2)-gram ending at e, for every j
+    below the longest match's length - 1 (the caller fills it with -1 first). numba compiles the
+    None case separately, without the branch, so plain matching pays nothing for it.
 
     Walks the positions once, keeping chain[j] = slot of the (j+2)-gram ending at the previous
     position for j < depth. The (j+3)-gram ending at e is that (j+2)-gram plus token e, so its key
@@ -48,6 +51,9 @@ def _longest_ids(flat, pair_ok, keys, num_buckets, vocab_size, max_len, fgram_id
             found = trie.probe(keys, num_buckets, (np.uint64(extends) + v) * v + token)
             j += 1
         out[e] = fgram_id[chain[matched - 1]] if matched else -1
+        if suffix_out is not None:
+            for i in range(matched):
+                suffix_out[e, i] = fgram_id[chain[i]]
         depth = matched
 
 
@@ -108,11 +114,22 @@ class Matcher:
         Segment id 0 marks padding, which never matches; an f-gram never spans two
         segments (documents) nor two rows.
         """
+        return self._match(tokens, segment_ids, suffixes=False)[0]
+
+    def match_with_suffixes(self, tokens: np.ndarray, segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """match(), and int32 [B, T, K-1]: [b, t, j] = id of the (j+2)-token f-gram ending at (b, t)
+        inside its segment, else -1. Every suffix of the longest match is an f-gram (closure), so
+        row [b, t] lists them all up to the longest; the walk finds them anyway (dedup.py reads
+        f-grams' prefixes here instead of matching them again)."""
+        return self._match(tokens, segment_ids, suffixes=True)
+
+    def _match(self, tokens, segment_ids, suffixes: bool):
         tokens, segment_ids = np.asarray(tokens), np.asarray(segment_ids)
         if tokens.ndim != 2 or tokens.shape != segment_ids.shape:
             raise ValueError(f"tokens {tokens.shape} and segment_ids {segment_ids.shape} must both be [B, T].")
+        suffix_ids = np.full((*tokens.shape, self.max_len - 1), -1, np.int32) if suffixes else None
         if tokens.size == 0:
-            return np.full(tokens.shape, -1, np.int32)
+            return np.full(tokens.shape, -1, np.int32), suffix_ids
         flat, segments = tokens.ravel(), segment_ids.ravel()
         self._check_range(flat, segments != 0, tokens.shape)
         pair_ok = np.empty(flat.shape, dtype=bool)
@@ -122,8 +139,8 @@ class Matcher:
         pair_ok[:: tokens.shape[1]] = False  # a row never continues the previous one
         ids = np.empty(flat.shape, np.int32)
         _longest_ids(flat, pair_ok, self.table.keys, self.table.num_buckets, self.vocab_size, self.max_len,
-                     self.fgram_id, ids)
-        return ids.reshape(tokens.shape)
+                     self.fgram_id, ids, None if suffix_ids is None else suffix_ids.reshape(-1, self.max_len - 1))
+        return ids.reshape(tokens.shape), suffix_ids
 
     def prefix_codes(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The half of a match of the token after `context` [B, L] that does not need that token.

@@ -223,6 +223,30 @@ def test_batches_do_not_depend_on_the_number_of_worker_processes(tok):
                 assert expected[k].tobytes() == batch[k].tobytes(), (workers, k)
 
 
+
+def test_pack_hands_over_batches_in_one_array_and_unpacks_them_unchanged():
+    """Workers hand batches over packed (one shared-memory segment per element). Every dtype and
+    shape (scalar, empty, non-contiguous input) comes back bit-identical, as views into the one
+    array at aligned offsets. Seen to catch: the layout's dtype dropped (int32 bits read back as
+    float32), offsets advanced by element count instead of bytes (arrays overlapping)."""
+    rng = np.random.default_rng(0)
+    batches = [{"inputs": rng.integers(0, 500, (4, 8), dtype=np.int32),
+                "loss_mask": rng.random((4, 8)).astype(np.float32),
+                "strided": np.arange(30, dtype=np.int64).reshape(5, 6)[:, ::2],
+                "flags": rng.random(7) > 0.5, "empty": np.zeros((0, 3), np.int32),
+                "count": np.array(k, np.int32)} for k in range(3)]
+    element = pipeline.pack(batches)
+    assert set(element) == {"packed", "layout"} and element["packed"].dtype == np.uint8
+    got = pipeline.unpack(element)
+    assert len(got) == 3
+    for want, batch in zip(batches, got):
+        assert list(batch) == list(want)
+        for k in want:
+            assert (batch[k].dtype, batch[k].shape) == (want[k].dtype, want[k].shape), k
+            np.testing.assert_array_equal(batch[k], want[k])
+            assert batch[k].size == 0 or np.shares_memory(batch[k], element["packed"])
+            assert (batch[k].__array_interface__["data"][0] - element["packed"].ctypes.data) % 64 == 0
+
 def test_worker_count_minus_one_is_half_the_cores(monkeypatch):
     monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
     assert pipeline.worker_count(_data_cfg(worker_count=-1)) == 4

@@ -60,7 +60,7 @@ def train_steps(config, workdir: str):
         losses.append(float(metrics["loss"]))
     ev = train.held_out_loss(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config, tokenizer, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "ckpt"))
-    ckpt.save(NUM_STEPS, state, data_iterator(config, tokenizer), {"tokenizer_fingerprint": tokenizer.fingerprint})
+    ckpt.save(NUM_STEPS, state, {"tokenizer_fingerprint": tokenizer.fingerprint})
     ckpt.wait()
     ckpt.close()
     return state, losses, ev
@@ -96,22 +96,14 @@ def scone_pipeline(config, tokenizer, batcher, process_index: int, process_count
                                             process_count=process_count, batch_transform=batcher))
 
 
-def data_iterator(config, tokenizer):
-    """This process's training-data iterator, one batch in (so its state is not the start)."""
-    it = iter(pipeline.make_train_dataset(config.data, tokenizer, process_index=jax.process_index(),
-                                          process_count=jax.process_count()))
-    next(it)
-    return it
-
-
 def restore(config, workdir: str):
-    """Restore the checkpoint in workdir/ckpt onto this run's mesh, with a data iterator."""
+    """Restore the checkpoint in workdir/ckpt onto this run's mesh."""
     mesh = sharding.make_mesh(config.mesh)
     tokenizer = tokenizer_lib.Tokenizer.load(config.data.tokenizer_path)
     spec = state_lib.state_spec(config, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "ckpt"))
     state, meta = ckpt.restore(ckpt.latest_step(), state_lib.abstract_with_shardings(spec),
-                               data_iterator(config, tokenizer), {"tokenizer_fingerprint": tokenizer.fingerprint})
+                               {"tokenizer_fingerprint": tokenizer.fingerprint})
     ckpt.close()
     return state, meta
 

@@ -27,7 +27,7 @@ def _save_initial_checkpoint(config, tokenizer, vocab, workdir: str) -> None:
     """A checkpoint of the initial state at step 1, as train.run would leave it."""
     spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    ckpt.save(1, state_lib.init_state(config, spec), None, {
+    ckpt.save(1, state_lib.init_state(config, spec), {
         "tokenizer_fingerprint": tokenizer.fingerprint, "fgram_vocab_fingerprint": vocab.fingerprint,
         "config": config.to_dict(), "step": 1})
     ckpt.wait()

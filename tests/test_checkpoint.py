@@ -20,7 +20,7 @@ def make_state(mesh_shape, devices):
 def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path):
     _, saved = make_state((2, 2, 2), jax.devices())
     ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=True)
-    ckpt.save(7, saved, None, {"tokenizer_fingerprint": "abc", "step": 7})
+    ckpt.save(7, saved, {"tokenizer_fingerprint": "abc", "step": 7})
     ckpt.wait()
 
     spec4, _ = make_state((1, 2, 2), jax.devices()[:4])
@@ -35,7 +35,7 @@ def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path):
 def test_mismatched_fingerprint_is_refused(tmp_path):
     spec, saved = make_state((8, 1, 1), jax.devices())
     ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(1, saved, None, {"tokenizer_fingerprint": "abc"})
+    ckpt.save(1, saved, {"tokenizer_fingerprint": "abc"})
     with pytest.raises(checkpoint.CheckpointMismatchError, match="tokenizer_fingerprint='abc'"):
         ckpt.restore(1, state_lib.abstract_with_shardings(spec), expect={"tokenizer_fingerprint": "xyz"})
     assert ckpt.latest_step() == 1
@@ -46,7 +46,7 @@ def test_relative_directory_works(tmp_path, monkeypatch):
     spec, saved = make_state((8, 1, 1), jax.devices())
     monkeypatch.chdir(tmp_path)
     ckpt = checkpoint.Checkpointer("workdirs/run/checkpoints", async_save=True)
-    ckpt.save(2, saved, None, {"step": 2})
+    ckpt.save(2, saved, {"step": 2})
     ckpt.wait()
     restored, _ = ckpt.restore(2, state_lib.abstract_with_shardings(spec))
     assert (tmp_path / "workdirs/run/checkpoints/2").is_dir()
@@ -73,7 +73,7 @@ def test_a_checkpoint_of_the_other_block_layout_is_converted_on_restore(tmp_path
     config, _, _, saved = layout_state(saved_scanned)
     config.model.scan_layers = saved_scanned
     ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(5, saved, None, {"config": config.to_dict(), "step": 5})
+    ckpt.save(5, saved, {"config": config.to_dict(), "step": 5})
     run_config, mesh, spec, _ = layout_state(not saved_scanned, seed=1)
     restored, meta = state_lib.restore(ckpt, 5, run_config, spec, mesh)
     ckpt.close()
@@ -113,7 +113,7 @@ def test_a_checkpoint_of_another_model_shape_is_refused_in_one_line(tmp_path):
     a CheckpointMismatchError naming the first array that differs and both shapes."""
     spec, saved = make_state((8, 1, 1), jax.devices())
     ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(1, saved, None, {"step": 1})
+    ckpt.save(1, saved, {"step": 1})
     wider = small_config(d_ff=256)
     other = state_lib.state_spec(wider, sharding.make_mesh(wider.mesh))
     with pytest.raises(checkpoint.CheckpointMismatchError,
@@ -129,7 +129,7 @@ def test_state_checksums_cover_every_array_and_see_swaps_and_small_changes(tmp_p
     mesh: integer sums). Tried: a checksum without position weights (the swap then passes)."""
     spec, saved = make_state((8, 1, 1), jax.devices())
     ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
-    ckpt.save(1, saved, None, {"step": 1})
+    ckpt.save(1, saved, {"step": 1})
     meta = ckpt.read_meta(1)
     path = "[0]['token_embed']['embedding'].value"
     assert set(meta["state_checksums"]) == {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved)}

@@ -8,7 +8,6 @@ the one-process run's batches; these tests feed fixed global batches instead (ea
 its block of rows), which isolates what multi-process changes: assembly and collectives.
 """
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -93,12 +92,10 @@ def test_two_processes_train_and_evaluate_like_one_with_the_same_devices(one_pro
     np.testing.assert_allclose(result["eval"]["loss"], ev["loss"], rtol=0.02)
 
 
-def test_checkpoint_from_two_processes_restores_in_one(one_process, two_processes, tokenizer_path, caplog):
+def test_checkpoint_from_two_processes_restores_in_one(one_process, two_processes, tokenizer_path):
     _, params, _, _ = one_process
-    with caplog.at_level(logging.WARNING):
-        state, meta = worker.restore(worker.make_config(tokenizer_path), two_processes[0])
+    state, meta = worker.restore(worker.make_config(tokenizer_path), two_processes[0])
     assert meta["process_count"] == 2
-    assert "saved by 2 processes and this run has 1" in caplog.text
     # Gradient sums in another order differ in the last bits; Adam turns that into ~1e-6 moves
     # of parameters whose gradients are near zero. One step moves parameters by ~lr = 3e-3.
     for got, want in zip(jax.device_get(jax.tree.leaves(state[0])), params):

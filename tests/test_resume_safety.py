@@ -223,7 +223,7 @@ def test_a_failed_async_save_is_reported_without_waiting_for_the_next_save(tmp_p
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, hard))  # Python ignores SIGXFSZ: writes get EFBIG
     try:
-        ckpt.save(7, state, None, {"step": 7})
+        ckpt.save(7, state, {"step": 7})
         deadline = time.monotonic() + 30
         with pytest.raises(checkpoint.CheckpointWriteError, match=r"Saving checkpoint step 7 to .* failed: .*"
                                                                   r"no earlier checkpoint exists"):
@@ -250,7 +250,7 @@ def test_a_non_finite_loss_right_after_a_restore_points_at_the_checkpoint(tokeni
     ckpt.manager.delete(3)
     bad = jax.tree.map(lambda x: x, state)
     bad[0]["token_embed"]["embedding"][...] = state[0]["token_embed"]["embedding"][...].at[0, 0].set(np.inf)
-    ckpt.save(3, bad, None, {k: v for k, v in meta.items() if k not in ("state_checksums", "process_count")})
+    ckpt.save(3, bad, {k: v for k, v in meta.items() if k not in ("state_checksums", "process_count")})
     ckpt.wait()
     ckpt.close()
 

@@ -1,4 +1,4 @@
-"""Checkpoints: train state + data-iterator state + metadata, saved together by orbax.
+"""Checkpoints: train state + metadata, saved together by orbax.
 
 Metadata holds the resolved config, the fingerprints of what the state depends on (tokenizer,
 f-gram vocabulary) and a checksum of every array of the state (checksums.py). Restoring against
@@ -8,10 +8,8 @@ be read or whose arrays do not match their checksums is reported as damaged
 A save that fails (disk full, no permission, bucket gone) is reported once, as CheckpointWriteError.
 
 Every process of a multi-process job calls save and restore (orbax coordinates them). The
-data-iterator state is per process (each reads its own documents), so a checkpoint restored
-with a different process count restores the train state only: the data iterators start
-from the beginning of the data, with a warning. Refusing would strand a run whose slice
-came back with another size; re-reading data is the lesser harm.
+input pipeline has no state to save: batch b is a pure function of b (data/pipeline.py), so a
+run resumes at its step's batch, also with another process count.
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ import logging
 import os
 import time
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
@@ -28,7 +25,7 @@ from jax.experimental import multihost_utils
 from scone_jax.runtime import distributed, storage
 from scone_jax.training import checksums
 
-_STATE, _DATA, _META = "state", "data", "meta"
+_STATE, _META = "state", "meta"
 
 
 class CheckpointMismatchError(ValueError):
@@ -71,7 +68,7 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, data_iterator, meta: dict) -> None:
+    def save(self, step: int, state, meta: dict) -> None:
         """Start saving `state` (async); a failure surfaces here, in `raise_if_failed` or in `wait`."""
         self.raise_if_failed()
         items = {
@@ -79,8 +76,6 @@ class Checkpointer:
             _META: ocp.args.JsonSave({**meta, "process_count": jax.process_count(),
                                       "state_checksums": checksums.tree_checksums(state)}),
         }
-        if data_iterator is not None:
-            items[_DATA] = grain.checkpoint.CheckpointSave(data_iterator)
         try:
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:  # noqa: BLE001 - any storage failure, reported in one line
@@ -110,10 +105,10 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore(self, step: int, abstract_state, data_iterator=None, expect: dict | None = None):
+    def restore(self, step: int, abstract_state, expect: dict | None = None):
         """Restore onto `abstract_state` (ShapeDtypeStructs with the *current* shardings, so a
-        different mesh or device count works), verify every array against its saved checksum and,
-        if given, rewind `data_iterator` in place. Every process calls it (a collective)."""
+        different mesh or device count works) and verify every array against its saved checksum.
+        Every process calls it (a collective)."""
         try:
             meta = self.read_meta(step)
         except Exception as e:  # noqa: BLE001 - unreadable metadata: the step is damaged
@@ -121,15 +116,6 @@ class Checkpointer:
         check_compatible(meta, expect or {}, f"{self.directory}/{step}")
         self._check_shapes(step, abstract_state)
         items = {_STATE: ocp.args.StandardRestore(abstract_state)}
-        saved_by = meta.get("process_count", jax.process_count())
-        if data_iterator is not None and saved_by != jax.process_count():
-            logging.warning(
-                "Checkpoint %s/%d was saved by %d processes and this run has %d: restoring the train "
-                "state only; the data iterators start from the beginning of the data.",
-                self.directory, step, saved_by, jax.process_count())
-            data_iterator = None
-        if data_iterator is not None:
-            items[_DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
         failure = None
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))

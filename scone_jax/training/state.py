@@ -57,20 +57,19 @@ def abstract_with_shardings(spec: StateSpec) -> nnx.State:
     return sharding.sharded_abstract(spec.abstract, spec.shardings)
 
 
-def restore(ckpt: checkpoint.Checkpointer, step: int, config, spec: StateSpec, mesh, data_iterator=None,
-            expect: dict | None = None):
+def restore(ckpt: checkpoint.Checkpointer, step: int, config, spec: StateSpec, mesh, expect: dict | None = None):
     """Restore checkpoint `step` into `spec`'s shardings, whichever block layout it was saved in
     (model.scan_layers, layout.py): a checkpoint of the other layout is restored as saved and
     converted. Returns (state, meta)."""
     meta = ckpt.read_meta(step)
     saved_scanned = layout.is_scanned(meta.get("config", {}))
     if saved_scanned == config.model.scan_layers:
-        return ckpt.restore(step, abstract_with_shardings(spec), data_iterator, expect)
+        return ckpt.restore(step, abstract_with_shardings(spec), expect)
     saved = config.copy_and_resolve_references()
     with saved.unlocked():
         saved.model.scan_layers = saved_scanned
     saved_spec = state_spec(saved, mesh)
-    state, meta = ckpt.restore(step, abstract_with_shardings(saved_spec), data_iterator, expect)
+    state, meta = ckpt.restore(step, abstract_with_shardings(saved_spec), expect)
     converted = layout.convert(state, spec.abstract)
     return jax.device_put(converted, spec.shardings), meta
 

@@ -196,7 +196,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                 logging.info("eval step %d: loss %.4f ppl %.2f over %d tokens", step, ev["loss"], ev["perplexity"], ev["tokens"])
                 summary.update({f"eval_{k}": v for k, v in ev.items()})
             if step % t.checkpoint_every == 0 or last or preempted:
-                ckpt.save(step, state, None, {**meta, "step": step})
+                ckpt.save(step, state, {**meta, "step": step})
             if preempted and not last:
                 raise preemption.Preempted(step)
     finally:
@@ -279,7 +279,7 @@ def _next_batch(inputs, step: int, save):
 
 def _save_after_input_failure(ckpt, step, state, meta, pending, writer):
     writer.write_steps(pending.flush())
-    ckpt.save(step, state, None, {**meta, "step": step})
+    ckpt.save(step, state, {**meta, "step": step})
     ckpt.wait()
 
 

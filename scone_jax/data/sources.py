@@ -191,7 +191,8 @@ class TokenArrayRecordSource:
         return self.read_concatenated([index])
 
     def read_concatenated(self, indices) -> np.ndarray:
-        """int32 tokens of documents `indices` (any order, repeats allowed), back to back.
+        """int32 tokens of documents `indices` (any order, repeats allowed), back to back (a read-only
+        view of the records' bytes on little-endian hosts).
 
         Record by record (seek, read) in this thread: the readers' batched read hands the work to
         array_record's thread pool, whose threads then spin for as long again as the read took."""

@@ -87,7 +87,7 @@ def test_cli_refuses_a_checkpoint_without_fgram_model(tmp_path):
     config = small_config()
     spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
     ckpt = checkpoint.Checkpointer(str(tmp_path / "plain" / "checkpoints"))
-    ckpt.save(1, state_lib.init_state(config, spec), None, {"config": config.to_dict(), "step": 1})
+    ckpt.save(1, state_lib.init_state(config, spec), {"config": config.to_dict(), "step": 1})
     ckpt.wait()
     ckpt.close()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -52,7 +52,7 @@ def make_run(root: str, quick: bool):
     mesh = sharding.make_mesh(c.mesh)
     spec = state_lib.state_spec(c, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    ckpt.save(1, state_lib.init_state(c, spec), None, {"tokenizer_fingerprint": tokenizer.fingerprint,
+    ckpt.save(1, state_lib.init_state(c, spec), {"tokenizer_fingerprint": tokenizer.fingerprint,
                                                        "fgram_vocab_fingerprint": vocab.fingerprint,
                                                        "config": c.to_dict(), "step": 1})
     ckpt.wait()

@@ -31,8 +31,11 @@ class _QuietLibraries(std_logging.Filter):
         if record.levelno >= std_logging.ERROR and "/orbax/checkpoint/" in record.pathname:
             return False  # a failed save or restore reaches us as an exception, reported in one line
         message = record.getMessage()
-        if record.name == "asyncio" and "/orbax/checkpoint/" in message:
-            return False  # "Task exception was never retrieved": orbax's abandoned writes, the same failure
+        if record.name == "asyncio" and "exception was never retrieved" in message and (
+                "/orbax/checkpoint/" in message or message.startswith("_GatheringFuture")):
+            # orbax's abandoned writes after a failed save (its tasks, and the gather that awaited
+            # them, which names no orbax frame): the same failure the run reports in one line.
+            return False
         first = (message.strip().splitlines() or [""])[0]
         record.msg, record.args = first[:1000], None
         record.exc_info, record.exc_text, record.stack_info = None, None, None

@@ -59,7 +59,7 @@ class RecordDocuments:
                 "after the sidecars were written. Fix: re-run tools/pretokenize.py, or delete the sidecars.")
         if ids.size and (ids.min() < 0 or ids.max() >= self._vocab_size):
             at = int(np.flatnonzero((ids < 0) | (ids >= self._vocab_size))[0])
-            record = int(self._ids[docs][np.searchsorted(np.cumsum(self.lengths[docs]), at, side="right")])
+            record = int(self._ids[docs][np.searchsorted(np.cumsum(lengths), at, side="right")])
             raise ValueError(
                 f"Pre-tokenized document {record} (record number over all shards) holds token id {int(ids[at])}, "
                 f"outside the tokenizer's vocabulary [0, {self._vocab_size}) (fingerprint {self._fingerprint}). "

@@ -111,7 +111,7 @@ def make_train_dataset(
     process_count: int = 1,
     batch_transform: Callable[[Batch], Batch] | None = None,
     start_batch: int = 0,
-) -> grain.IterDataset | _Unstacked:
+) -> grain.IterDataset | _Unpacked:
     """Endless packed training batches of one JAX process, from batch number `start_batch`.
 
     All processes split the documents the same way (documents.process_share) and each reads
@@ -141,7 +141,7 @@ def make_train_dataset(
     elements = grain.MapDataset.range(_ENDLESS // BATCHES_PER_ELEMENT).map(
         _BuildBatches(build, start_batch, BATCHES_PER_ELEMENT)).to_iter_dataset(read)
     options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=ahead)
-    return _Unstacked(elements.mp_prefetch(options))
+    return _Unpacked(elements.mp_prefetch(options))
 
 
 BATCHES_PER_ELEMENT = 4
@@ -195,17 +195,17 @@ def unpack(element: dict) -> list[Batch]:
     return batches
 
 
-class _Unstacked:
+class _Unpacked:
     """Iterates the batches inside grain's packed elements, in order; `it.close()` stops grain."""
 
     def __init__(self, elements: grain.IterDataset):
         self._elements = elements
 
     def __iter__(self) -> Iterator[Batch]:
-        return _UnstackedIterator(iter(self._elements))
+        return _UnpackedIterator(iter(self._elements))
 
 
-class _UnstackedIterator:
+class _UnpackedIterator:
     def __init__(self, elements):
         self._elements, self._ready = elements, []
 

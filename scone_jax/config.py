@@ -88,7 +88,8 @@ def base_config() -> ml_collections.ConfigDict:
     t.learning_rate = 1e-3
     t.warmup_steps = 100
     t.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
-    t.weight_decay = 0.1  # AdamW; applied to matrices only (not norms, biases, embeddings)
+    t.weight_decay = 0.1  # AdamW, decoupled; on weight matrices only (every Linear kernel, an untied head
+    #                       included), never on embeddings, norms or biases (model/roles.py)
     t.b1 = 0.9
     t.b2 = 0.95
     t.eps = 1e-8

@@ -17,6 +17,12 @@ def small_config(**model_overrides):
     return c
 
 
+def largest(tree) -> float:
+    """max |x| over every array of a tree (the `scale` of assert_sums_close for gradient trees)."""
+    import jax
+    return max(float(np.abs(np.asarray(x)).max(initial=0.0)) for x in jax.tree.leaves(tree))
+
+
 def random_batch(batch=16, seq=32, vocab=512, seed=0):
     """A batch with two packed documents per row, as the pipeline produces."""
     rng = np.random.default_rng(seed)
@@ -28,3 +34,19 @@ def random_batch(batch=16, seq=32, vocab=512, seed=0):
     mask[:, split - 1] = 0  # a document's last input has no target inside the document
     return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segments,
                 positions=positions.astype(np.int32)[None].repeat(batch, 0), loss_mask=mask)
+
+
+FP32_EPS = float(np.finfo(np.float32).eps)
+
+
+def assert_sums_close(got, want, terms: int, scale: float | None = None, err_msg: str = ""):
+    """`got` == `want` up to fp32 rounding of sums of `terms` terms taken in another order (another batch
+    split, layer layout, mesh or remat policy). Such a sum's rounding error is a few sqrt(terms) ulps of its
+    terms' magnitude; we allow 8 * sqrt(terms) * eps * scale on every element, so the bound follows the
+    reduction it guards instead of being one fixed atol for every array. `scale` bounds the terms: by
+    default max|want|, but a sum that cancels (a gradient that is zero in exact arithmetic, like the key
+    bias's) has terms far larger than its result: pass the largest value of the whole tree then."""
+    want = np.asarray(want, np.float64)
+    scale = np.abs(want).max(initial=0.0) if scale is None else scale
+    atol = 8 * np.sqrt(terms) * FP32_EPS * max(scale, np.finfo(np.float32).tiny)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=atol, err_msg=err_msg)

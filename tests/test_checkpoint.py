@@ -126,7 +126,8 @@ def test_a_checkpoint_of_another_model_shape_is_refused_in_one_line(tmp_path):
 def test_state_checksums_cover_every_array_and_see_swaps_and_small_changes(tmp_path):
     """The checksums a checkpoint saves cover every array of the state, change when two rows
     swap places or one element moves by 1e-3, and equal those of the restored state (on any
-    mesh: integer sums). Tried: a checksum without position weights (the swap then passes)."""
+    mesh: integer sums). Tried: a checksum without position weights (the swap then passes); one that skips
+    element 0 of every array (the change to the first element then passes)."""
     spec, saved = make_state((8, 1, 1), jax.devices())
     ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
     ckpt.save(1, saved, {"step": 1})
@@ -136,7 +137,10 @@ def test_state_checksums_cover_every_array_and_see_swaps_and_small_changes(tmp_p
     embedding = np.asarray(saved[0]["token_embed"]["embedding"][...])
     swapped = embedding.copy()
     swapped[[3, 4]] = embedding[[4, 3]]
-    for changed in (swapped, embedding + np.where(np.arange(embedding.size) == 7, 1e-3, 0).reshape(embedding.shape)):
+    def nudged(i):  # element i (flat) moved by 1e-3
+        return embedding + np.where(np.arange(embedding.size) == i, 1e-3, 0).reshape(embedding.shape)
+
+    for changed in (swapped, nudged(0), nudged(7), nudged(embedding.size - 1)):
         tampered = jax.tree.map(lambda x: x, saved)
         tampered[0]["token_embed"]["embedding"][...] = jax.device_put(changed, saved[0]["token_embed"]["embedding"][...].sharding)
         assert checksums.tree_checksums(tampered)[path] != meta["state_checksums"][path]

@@ -91,3 +91,16 @@ def test_bad_arguments(kwargs, message):
 def test_bad_corpus(docs, message):
     with pytest.raises(ValueError, match=message):
         extract_fgrams(docs, num_fgrams=10, vocab_size=10, num_workers=1)
+
+
+def test_the_count_cutoff_is_the_s_th_fgram_not_the_one_before():
+    """Pruning between scans drops n-grams below the count of the S-th best one so far. Here S = 4 and the
+    2-grams count 12, 12, 10, 6; the 3-gram (1, 2, 3) counts 8, between the 4th (6) and the 3rd (10), and
+    belongs in the top 4. Caught: the cutoff read at the (S-1)-th f-gram (the 3-gram was pruned and the
+    vocabulary kept (6, 7) instead; the Zipf fixtures' ties at the cutoff hide that bug)."""
+    doc = lambda *t: np.array(t, np.int32)  # noqa: E731
+    docs = [doc(1, 2, 3)] * 8 + [doc(1, 2)] * 4 + [doc(2, 3)] * 4 + [doc(4, 5)] * 10 + [doc(6, 7)] * 6
+    expected = [((1, 2), 12), ((2, 3), 12), ((4, 5), 10), ((1, 2, 3), 8)]
+    assert reference_fgrams(docs, 3, 4, 2) == expected
+    vocab = extract_fgrams(docs, max_len=3, num_fgrams=4, min_count=2, vocab_size=8, num_workers=1)
+    assert_same(vocab, expected)

@@ -12,7 +12,7 @@ from scone_jax import sharding
 from scone_jax.model.scone import SconeModel
 from scone_jax.training import state as state_lib, steps
 from scone_jax.training.steps import token_losses
-from tests.common import small_config
+from tests.common import assert_sums_close, largest, small_config
 from tests.scone_batches import K, device_arrays, production_batch
 
 
@@ -99,7 +99,7 @@ def test_production_layout_equals_the_naive_path_in_loss_and_gradients(num_shard
     assert len(flat1) == len(flat2)
     for (p1, v1), (p2, v2) in zip(flat1, flat2):
         assert p1 == p2
-        np.testing.assert_allclose(v1.get_value(), v2.get_value(), rtol=1e-4, atol=1e-6, err_msg=str(p1))
+        assert_sums_close(v1.get_value(), v2.get_value(), host["inputs"].size, largest(g2), err_msg=str(p1))
     # T gets gradient through the f-gram model too: rows of tokens seen only inside f-grams.
     table_grad = np.abs(np.asarray(g1["decoder"]["token_embed"]["embedding"].get_value())).sum(1)
     in_fgrams = np.unique(vocab.tokens[np.unique(host["fgram_ids"][host["fgram_ids"] >= 0])])

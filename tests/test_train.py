@@ -66,8 +66,8 @@ def test_resume_in_new_process_replays_the_same_batches_and_parameters(tokenizer
     assert [a[s]["batch_crc"] for s in a] == [b[s]["batch_crc"] for s in a]
     assert len({a[s]["batch_crc"] for s in a}) == 6  # six different batches
     np.testing.assert_allclose([a[s]["loss"] for s in a], [b[s]["loss"] for s in a], rtol=1e-5)
-    for x, y in zip(final_params(config, straight), final_params(config, split)):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    for x, y in zip(final_params(config, straight), final_params(config, split)):  # same program and devices
+        np.testing.assert_array_equal(x, y)
 
 
 def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tokenizer_path, tmp_path):
@@ -173,8 +173,8 @@ def test_scone_with_accumulation_resumes_exactly(tokenizer_path, tmp_path):
     ea, eb = eval_records(straight), eval_records(split)
     assert sorted(ea) == sorted(eb) == [3, 6]
     np.testing.assert_allclose([ea[s]["loss"] for s in ea], [eb[s]["loss"] for s in ea], rtol=1e-6)
-    for x, y in zip(final_params(config, straight), final_params(config, split)):
-        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    for x, y in zip(final_params(config, straight), final_params(config, split)):  # same program and devices
+        np.testing.assert_array_equal(x, y)
 
 
 def test_a_bad_document_in_a_worker_stops_the_run_at_a_saved_step(tokenizer_path, tmp_path):

@@ -20,12 +20,9 @@ import math
 import jax
 from flax import nnx
 
+from scone_jax.model import roles
 from scone_jax.model.fgram_model import fgram_block_config
 from scone_jax.model.layers import head_dim_of
-
-# The modules holding embedding tables (every nnx.Embed of the models): counted apart here, never weight-decayed
-# (training/optimizer.py).
-EMBEDDING_PARAMS = ("token_embed", "pos_embed")
 
 
 def param_counts(abstract_model_state) -> dict:
@@ -38,7 +35,7 @@ def param_counts(abstract_model_state) -> dict:
     for path, leaf in leaves:
         n = math.prod(leaf.shape)
         counts["total"] += n
-        if any(getattr(k, "key", None) in EMBEDDING_PARAMS for k in path):
+        if roles.is_embedding(path):
             counts["embedding"] += n
     counts["non_embedding"] = counts["total"] - counts["embedding"]
     return counts

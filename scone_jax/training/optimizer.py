@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from scone_jax.model.accounting import EMBEDDING_PARAMS
+from scone_jax.model import roles
 
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
@@ -17,13 +17,18 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
     )
 
 
-def _decay_mask(params):
-    """Weight decay on matrices only: norms, biases and embedding tables are left alone."""
-    def decays(path, leaf):
-        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
-        return leaf.ndim >= 2 and not names & set(EMBEDDING_PARAMS)
-
-    return jax.tree_util.tree_map_with_path(decays, params)
+def decay_mask(params, weight_decay: float = 0.0):
+    """True for the parameters weight decay applies to: the weight matrices, by role (model/roles.py), in
+    either block layout. With weight_decay > 0, a tree in which no parameter is a matrix is an error, not a
+    silent no-decay run."""
+    mask = jax.tree_util.tree_map_with_path(lambda path, _: roles.is_decayed(path), params)
+    if weight_decay > 0 and not any(jax.tree_util.tree_leaves(mask)):
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)][:5]
+        raise ValueError(
+            f"train.weight_decay > 0 but no parameter is a weight matrix (a '{roles.MATRIX_LEAVES[0]}' of a Linear "
+            f"layer; model/roles.py), so nothing would be decayed. Parameters seen: {names}. Fix: name the model's "
+            "matrices by model/roles.py's rules, or set --config.train.weight_decay=0.")
+    return mask
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
@@ -37,7 +42,8 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
             b2=train_cfg.b2,
             eps=train_cfg.eps,
             weight_decay=train_cfg.weight_decay,
-            mask=_decay_mask,
+            # Always masked, so the optimizer state has one structure whatever weight_decay a resumed run sets.
+            mask=lambda params: decay_mask(params, train_cfg.weight_decay),
         )
     )
     return optax.chain(*parts)

@@ -1,0 +1,33 @@
+"""What each parameter is, decided by its name: the embedding tables, the weight matrices, and the rest.
+
+Role decides two things: which parameters count as embedding parameters (accounting.py) and which
+are weight-decayed (training/optimizer.py). It is read from the parameter's path, never from its
+rank: with scanned layers (model.scan_layers) a norm scale or a bias is stacked to [layers, d] and
+looks like a matrix.
+
+  embedding  the tables of nnx.Embed modules named in EMBEDDING_MODULES (token embedding T, the
+             decoder's learned positions, the f-gram model's K positions): not decayed
+  matrix     the `kernel` of every nnx.Linear (attention and MLP projections, the f-gram model's
+             width projections, an untied output head): decayed
+  other      norm scales and every bias: not decayed
+"""
+from __future__ import annotations
+
+EMBEDDING_MODULES = ("token_embed", "pos_embed")
+MATRIX_LEAVES = ("kernel",)
+
+
+def _names(path) -> list:
+    """The module and parameter names along a jax tree path of an nnx state (dictionary keys only: the
+    list index of an unscanned block and a Variable's `.value` attribute are not names)."""
+    return [k.key for k in path if isinstance(getattr(k, "key", None), str)]
+
+
+def is_embedding(path) -> bool:
+    return any(name in EMBEDDING_MODULES for name in _names(path))
+
+
+def is_decayed(path) -> bool:
+    """True for weight matrices (module docstring): the parameters AdamW's weight decay applies to."""
+    names = _names(path)
+    return bool(names) and names[-1] in MATRIX_LEAVES and not is_embedding(path)

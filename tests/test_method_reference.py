@@ -1,0 +1,212 @@
+"""The production model and optimizer against tests/method_reference.py, a plain-numpy reading of docs/method.md.
+
+Every other model test compares two of our own paths (naive vs deduplicated, scanned vs loop, export vs
+training graph), so a deviation they share passes them all. Here the same parameters go into an
+implementation that shares no code with scone_jax/model/, with its own longest-match search.
+Bugs each test was seen to catch when injected into production code:
+  - the f-gram model without its position embeddings (FgramModel.all_positions skipping pos_embed):
+    loss differences of ~1e-1; and permuted f-grams getting the same embedding (test below);
+  - T(token) added to the f-gram embedding instead of replaced by it (SconeModel.input_embeddings);
+  - weight decay on norms and biases of scanned blocks (the old rank >= 2 mask), on embeddings, or on none.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from scone_jax import sharding
+from scone_jax.training import optimizer, state as state_lib, steps
+from tests import method_reference as ref
+from tests.common import small_config
+from tests.scone_batches import K, device_arrays, planted_grams, production_batch
+
+GPT2 = {}
+OLMO = dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False)
+
+
+def scone_config(main, scan_layers=True, **scone):
+    config = small_config(scan_layers=scan_layers, **main)
+    config.scone.update(dict(enabled=True, max_len=K, fgram_capacity=48, num_layers=2) | scone)
+    return config
+
+
+def perturbed_model(config, seed=0):
+    """The production model with every parameter moved off its initial value (norm scales off 1, biases
+    off 0), so a parameter the computation ignores changes the loss."""
+    model = state_lib.build_model(config)
+    params = nnx.state(model, nnx.Param)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    nnx.update(model, jax.tree.unflatten(tree, noisy))
+    return model
+
+
+def _blocks(stack: dict, num_layers: int) -> list:
+    blocks = stack["blocks"]
+    if 0 in blocks:  # unscanned: one dict per layer
+        return [blocks[i] for i in range(num_layers)]
+    return [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(num_layers)]  # scanned: [layers, ...]
+
+
+def reference_params(model, config) -> dict:
+    """The production parameters as the reference reads them (numpy float64, one dict per block)."""
+    pure = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    dec, fg = pure["decoder"], pure["fgram_model"]
+    out = {"token_embed": dec["token_embed"]["embedding"], "blocks": _blocks(dec["stack"], config.model.num_layers),
+           "final_norm": dec["stack"]["final_norm"]}
+    if "pos_embed" in dec:
+        out["pos_embed"] = dec["pos_embed"]["embedding"]
+    if "head" in dec:
+        out["head"] = dec["head"]["kernel"]
+    out["fgram"] = {"pos_embed": fg["pos_embed"]["embedding"], "blocks": _blocks(fg["stack"], config.scone.num_layers),
+                    "final_norm": fg["stack"]["final_norm"]}
+    for name in ("in_proj", "out_proj"):
+        if name in fg:
+            out["fgram"][name] = fg[name]
+    return out
+
+
+def arch_of(config) -> dict:
+    m = config.model
+    return {"num_heads": m.num_heads, "fgram_num_heads": config.scone.num_heads or m.num_heads, "norm": m.norm,
+            "mlp": m.mlp, "rope": m.position == "rope", "rope_theta": m.rope_theta}
+
+
+@pytest.mark.parametrize("main,scone,scan_layers", [
+    (GPT2, {}, True),
+    (GPT2, {"d_model": 32, "num_heads": 2, "d_ff": 48}, False),  # narrower f-gram model: width projections
+    (OLMO, {}, True),
+    (OLMO, {"num_layers": 1}, False),
+], ids=["gpt2", "gpt2-narrow-fgram-unscanned", "olmo", "olmo-unscanned"])
+def test_production_losses_equal_the_method_reference(main, scone, scan_layers):
+    config = scone_config(main, scan_layers, **scone)
+    model = perturbed_model(config)
+    batch, _ = production_batch(num_shards=2, capacity=48)
+    got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(
+        *nnx.split(model), device_arrays(batch)))
+    want = ref.token_losses(reference_params(model, config), batch, arch_of(config), planted_grams(), K)
+    matched = batch["fgram_ids"] >= 0
+    assert matched.mean() > 0.2 and (~matched & (batch["loss_mask"] > 0)).any()  # both kinds of position
+    assert len(np.unique(batch["segment_ids"][0])) >= 3  # several documents in a row
+    assert (want > 0).mean() > 0.5
+    # fp32 against float64: a loss sums ~log(vocab) terms through a few d=64 layers; 1e-5 relative is
+    # ~30 fp32 ulps, while the bugs in the module docstring move losses by >= 1e-2.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fgram_model_tells_permutations_apart():
+    """Two f-grams with the same tokens in another order and the same last token get different
+    embeddings: only the f-gram model's own position embeddings (§4) can tell them apart, since
+    attention over a set of tokens is order-blind without them."""
+    config = scone_config(GPT2, num_layers=1)
+    model = perturbed_model(config)
+    tokens = jnp.array([[301, 302, 303, 0], [302, 301, 303, 0]], jnp.int32)
+    lengths = jnp.array([3, 3], jnp.int32)
+    emb = np.asarray(model.fgram_embeddings(tokens, lengths))
+    assert np.abs(emb[0] - emb[1]).max() > 1e-2
+    params = reference_params(model, config)
+    for row in range(2):
+        np.testing.assert_allclose(emb[row], ref.fgram_embedding(tuple(np.asarray(tokens[row, :3])), params,
+                                                                 arch_of(config)), rtol=1e-5, atol=1e-5)
+
+
+# --- AdamW -----------------------------------------------------------------------------------------------
+
+def _flat(tree) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(x, np.float64) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _layer_free(path: str) -> str:
+    """A parameter's name without the layer index of unscanned blocks or the `.value` attribute."""
+    return path.replace(".value", "").replace("['blocks'][0]", "['blocks']").replace("['blocks'][1]", "['blocks']")
+
+
+def decayed_names(config) -> list:
+    model = nnx.eval_shape(lambda: state_lib.build_model(config))
+    mask = optimizer.decay_mask(nnx.state(model, nnx.Param), config.train.weight_decay)
+    return sorted({_layer_free(jax.tree_util.keystr(p)) for p, on in jax.tree_util.tree_leaves_with_path(mask) if on})
+
+
+def _names(prefix, modules):
+    return [f"{prefix}{m}['kernel']" for m in modules]
+
+
+ATTN = ["['attn']['key']", "['attn']['out']", "['attn']['query']", "['attn']['value']"]
+GELU_MLP = ["['mlp']['down']", "['mlp']['up']"]
+SWIGLU_MLP = ["['mlp']['down']", "['mlp']['gate']", "['mlp']['up']"]
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_weight_decay_covers_exactly_the_weight_matrices(scan_layers):
+    """The decayed parameters, by name, for each model kind and both layouts (model/roles.py): every
+    Linear kernel, never an embedding table, a norm scale or a bias."""
+    gpt2 = scone_config(GPT2, scan_layers)
+    assert decayed_names(gpt2) == sorted(
+        _names("['decoder']['stack']['blocks']", ATTN + GELU_MLP)
+        + _names("['fgram_model']['stack']['blocks']", ATTN + GELU_MLP))
+    narrow = scone_config(GPT2, scan_layers, d_model=32, num_heads=2)
+    assert set(decayed_names(narrow)) - set(decayed_names(gpt2)) == {
+        "['fgram_model']['in_proj']['kernel']", "['fgram_model']['out_proj']['kernel']"}
+    olmo = scone_config(OLMO, scan_layers)
+    assert decayed_names(olmo) == sorted(
+        ["['decoder']['head']['kernel']"]
+        + _names("['decoder']['stack']['blocks']", ATTN + SWIGLU_MLP)
+        + _names("['fgram_model']['stack']['blocks']", ATTN + SWIGLU_MLP))
+    baseline = small_config(scan_layers=scan_layers)
+    assert decayed_names(baseline) == sorted(_names("['stack']['blocks']", ATTN + GELU_MLP))
+
+
+def test_a_model_without_weight_matrices_is_refused_when_decay_is_on():
+    params = {"token_embed": {"embedding": jnp.zeros((4, 2))}, "norm": {"scale": jnp.ones((3, 2))}}
+    with pytest.raises(ValueError, match="no parameter is a weight matrix.*weight_decay=0"):
+        optimizer.decay_mask(params, 0.1)
+    assert not any(jax.tree.leaves(optimizer.decay_mask(params, 0.0)))
+
+
+@pytest.mark.parametrize("main,scan_layers", [(GPT2, True), (OLMO, False)], ids=["gpt2", "olmo-unscanned"])
+def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers):
+    """The production train step (mean-loss gradients, clipping, warmup-cosine schedule, moments, decay
+    mask) from a state at step 3 with non-zero moments equals ref.adamw_step on the same gradients."""
+    config = scone_config(main, scan_layers)
+    t = config.train
+    t.weight_decay, t.grad_clip_norm, t.warmup_steps, t.num_steps = 0.5, 0.05, 2, 6  # clipping active
+    mesh = sharding.make_mesh(config.mesh)
+    spec = state_lib.state_spec(config, mesh)
+    model = perturbed_model(config)
+    count, rng = 3, np.random.default_rng(0)
+    params0 = _flat(nnx.state(model, nnx.Param))
+    mu0 = {k: rng.normal(0, 1e-3, v.shape) for k, v in params0.items()}
+    nu0 = {k: rng.uniform(0, 1e-5, v.shape) for k, v in params0.items()}
+
+    opt = nnx.Optimizer(model, optimizer.make_optimizer(t), wrt=nnx.Param)
+    state = nnx.state((model, opt))
+
+    def seeded(path, x):
+        key = jax.tree_util.keystr(path)
+        for name, values in (("['mu']", mu0), ("['nu']", nu0)):
+            if name in key:
+                return jnp.asarray(values[key.split(name, 1)[1]], x.dtype)
+        return jnp.full_like(x, count) if key.endswith("['count'].value") or key == "[1]['step'].value" else x
+
+    state = jax.tree_util.tree_map_with_path(seeded, state)
+    batch = device_arrays(production_batch(num_shards=sharding.num_batch_shards(mesh), capacity=48)[0])
+
+    grads = _flat(nnx.grad(lambda m: steps.token_losses(m, batch).sum() / batch["loss_mask"].sum())(model))
+    state = jax.device_put(state, spec.shardings)
+    new_state, metrics = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)(
+        state, sharding.global_batch({k: np.asarray(v) for k, v in batch.items()}, mesh))
+    got = _flat(nnx.state(state_lib.model_of(spec.graphdef, new_state), nnx.Param))
+
+    decayed = {k for k in params0 if k.endswith("['kernel'].value")}  # the weight matrices, by the test's own rule
+    hp = {"lr": t.learning_rate, "warmup": t.warmup_steps, "total": t.num_steps, "min_ratio": t.min_lr_ratio,
+          "b1": t.b1, "b2": t.b2, "eps": t.eps, "weight_decay": t.weight_decay, "clip": t.grad_clip_norm}
+    want, _, _, lr, grad_norm = ref.adamw_step(params0, grads, mu0, nu0, count, decayed, hp)
+    assert grad_norm > 2 * t.grad_clip_norm  # the clip is exercised
+    assert abs(float(metrics["learning_rate"]) - lr) < 1e-9 and 0 < lr < t.learning_rate
+    np.testing.assert_allclose(float(metrics["grad_norm"]), grad_norm, rtol=1e-4)
+    for name in params0:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+        moved = np.abs(want[name] - params0[name]).max()
+        assert moved > 1e-6, name

@@ -37,5 +37,7 @@ setup(
         "aot": ["libtpu==0.0.52"],
         # lm_eval: the EleutherAI harness for scone_jax.serving.lm_eval (its core needs no torch).
         "harness": ["lm_eval==0.4.13"],
+        # matplotlib: the plot of tools/bench_quality.py (the study runs without it, minus the figure).
+        "plot": ["matplotlib>=3.7,<4"],
     },
 )

@@ -1,4 +1,8 @@
 """Small configs and synthetic batches shared by the tests."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 
 from scone_jax.config import base_config
@@ -50,3 +54,14 @@ def assert_sums_close(got, want, terms: int, scale: float | None = None, err_msg
     scale = np.abs(want).max(initial=0.0) if scale is None else scale
     atol = 8 * np.sqrt(terms) * FP32_EPS * max(scale, np.finfo(np.float32).tiny)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=atol, err_msg=err_msg)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_tool(script: str, args, timeout: float = 600):
+    """`python <script> <args>` (a tools/ script, or `-m module`) from the repository root on the CPU;
+    the CompletedProcess with text stdout and stderr."""
+    command = [sys.executable, *script.split(), *map(str, args)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -23,3 +23,7 @@ def tokenizer_path(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("tok"))
     assets.ensure_tokenizer(small_config().data, workdir)
     return os.path.join(workdir, "tokenizer.model")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts processes or runs whole jobs; `-m 'not slow'` is the fast tier")

@@ -95,19 +95,37 @@ def test_export_never_overwrites_a_different_export(run, fp32_export, tmp_path):
     assert json.loads(before)["dtype"] == "float32"
 
 
-def test_cli_refuses_a_checkpoint_without_fgram_model(tmp_path):
-    from scone_jax.training import checkpoint
+def test_a_run_without_scone_exports_a_decoder_only_bundle_served_like_any_other(tmp_path, tokenizer_path):
+    """A baseline's bundle has an empty f-gram set (S = 0): the CLI exports it (it used to refuse), and
+    serving.evaluate's perplexity equals the training graph's held-out loss of that checkpoint (fp32), so a
+    study compares baseline and SCONE through the same serving programs."""
+    from scone_jax.serving import evaluate, inference
+    from scone_jax.training import assets, checkpoint, steps, train
 
-    config = small_config()
-    spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
+    config = small_config(init_std=0.5)  # far from uniform logits, so a wrong decoder shows
+    config.data.tokenizer_path = tokenizer_path
+    mesh = sharding.make_mesh(config.mesh)
+    tokenizer = assets.ensure_tokenizer(config.data, str(tmp_path))
+    spec = state_lib.state_spec(config, mesh)
+    state = state_lib.init_state(config, spec)
     ckpt = checkpoint.Checkpointer(str(tmp_path / "plain" / "checkpoints"))
-    ckpt.save(1, state_lib.init_state(config, spec), {"config": config.to_dict(), "step": 1})
+    ckpt.save(1, state, {"config": config.to_dict(), "step": 1, "tokenizer_fingerprint": tokenizer.fingerprint,
+                         "fgram_vocab_fingerprint": None})
     ckpt.wait()
     ckpt.close()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-m", "scone_jax.serving.export", f"--workdir={tmp_path / 'plain'}",
-                             f"--output={tmp_path / 'out'}"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "trained without SCONE" in result.stderr and "Traceback" not in result.stderr
-    assert not (tmp_path / "out").exists()
+                             f"--output={tmp_path / 'out'}", "--dtype=float32"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exported 0 f-grams" in result.stdout
+    served = inference.load(str(tmp_path / "out"))
+    assert served.meta["num_fgrams"] == 0 and served.meta["fgram_model_fingerprint"] is None
+    config.train.eval_batches = 0
+    served_eval = evaluate.evaluate(served, config.data)
+    assert served_eval["hit_rate"] == 0.0
+    graph = train.held_out_loss(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config,
+                                tokenizer, mesh)
+    assert served_eval["tokens"] == graph["tokens"] > 1000
+    np.testing.assert_allclose(served_eval["perplexity"], graph["perplexity"], rtol=1e-5)
+    assert served_eval["perplexity"] > 2 * 512  # init_std 0.5: the untrained decoder is far worse than uniform

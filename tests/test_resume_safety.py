@@ -82,7 +82,8 @@ def test_every_numeric_key_out_of_range_is_a_one_line_error_naming_it():
     """Each key of NUMERIC_RULES set just outside its range fails validate() with a message naming
     that key and the rule. Tried: a '>= 1' predicate written as v >= 0 (0 then passes)."""
     bad_values = {">= 0": -1, ">= 1": 0, ">= 2": 1, "> 0": 0, ">= -1": -2, "-1 | >= 1": 0,
-                  "in (0, 1)": 1.0, "in [0, 1)": 1.0, "in [0, 1]": 1.5}
+                  "in (0, 1)": 1.0, "in [0, 1)": 1.0, "in [0, 1]": 1.5,
+                  "in (0, 1]": 0.0}
     for key, rule in config_lib.NUMERIC_RULES.items():
         config = small_config()
         section, name = key.split(".")

@@ -1,62 +1,459 @@
-"""Held-out perplexity of baseline, SCONE and 2x-depth baseline trained on the same tokens.
+"""SCONE's protocol on any corpus: baselines of growing depth against SCONE arms, at equal token budgets.
 
-  python tools/bench_quality.py [--quick] [--num_steps=600] [--variants=scone --num_fgrams=2000 --max_len=3]
-All three share the tiny config's main model, data order, tokenizer and schedule:
-  baseline     the main model alone
-  scone        + an f-gram model as large as the main model's blocks (1x non-embedding size)
-  baseline_2x  the main model with twice the layers (the paper's doubled-size baseline)
-Perplexity is measured over the whole held-out split of the embedded corpus.
+  python tools/split_corpus.py --input=/usr/share/doc/linux-doc-6.1/html/_sources --pattern='**/*.txt' \\
+      --output=/data/linux_doc
+  python tools/bench_quality.py --source=jsonl --train_files=/data/linux_doc/train.jsonl \\
+      --validation_files=/data/linux_doc/validation.jsonl --eval_files=/data/linux_doc/test.jsonl \\
+      --workdir=/data/quality --tokens=10m --ablation_tokens=3m --record=docs/quality_results.json
+  python tools/bench_quality.py ... --quick      # a smoke run: 2 small arms, minutes
+
+Arms (configs/quality.py defines the models): the baseline family `baseline`, `baseline_2x`,
+`baseline_4x` (2 / 4 / 8 decoder blocks: about 1x / 2x / 4x inference FLOPs per token) and the SCONE
+arms on the 1x decoder: `scone` (f-gram model of 2 blocks = 1x, S = 20k, K = 5), `scone_fgram0.5x`,
+`scone_fgram2x`, `scone_s5k`, `scone_s100k`, `scone_k3`. All share one tokenizer (trained on the training
+split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
+--ablation_tokens for the rest).
+
+Protocol: `baseline` and `scone` each train at every --learning_rates value and keep the one with the
+lowest validation perplexity; the other arms of each family train at their family's rate. Every arm is
+then exported (`python -m scone_jax.serving.export`, bf16 table) and scored on the test split by
+`python -m scone_jax.serving.evaluate`, the way a user serves it: SCONE with the f-gram table in host
+RAM, baselines as decoder-only bundles. Nothing is tuned on the test split.
+
+Each run lives in WORKDIR/<arm>/lr<rate>/ (a workdir of `python -m scone_jax.main`, its log in
+train.log): a rerun skips finished runs, resumes a half-trained one from its checkpoint, and prints
+progress and an ETA. Results go to WORKDIR/results.json (and --record, after every run), a plot of test
+perplexity against inference and training FLOPs to WORKDIR/quality.png (needs matplotlib: the [plot]
+extra), and RESULT lines: ppl_<arm>, inference_flops_per_token_<arm>, train_flops_<arm>.
+Bad input (an unknown arm, a budget under one step, splits that share documents, a corpus smaller than
+the budget without --allow_epochs) is one line and exit 2, before anything trains.
 """
-import os
-import tempfile
+from __future__ import annotations
 
-from absl import app, flags, logging
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
 
 from scone_jax.config import load_config_file
-from scone_jax.training import train
+from scone_jax.data import documents, pipeline, sources
+from scone_jax.fgram.dedup import FgramBatcher
+from scone_jax.fgram.matcher import Matcher
+from scone_jax.model import accounting
+from scone_jax.runtime import tool_main
+from scone_jax.training import assets, state as state_lib
 
-_QUICK = flags.DEFINE_bool("quick", False, "30 steps per model (a smoke run, not a comparison).")
-_STEPS = flags.DEFINE_integer("num_steps", 600, "Training steps per model (same tokens for all).")
-_FGRAM_LAYERS = flags.DEFINE_integer("fgram_layers", 4, "F-gram model depth for the scone run (4 = 1x).")
-_NUM_FGRAMS = flags.DEFINE_integer("num_fgrams", 0, "S for the scone run (0 = the config's 20,000).")
-_MAX_LEN = flags.DEFINE_integer("max_len", 0, "K for the scone run (0 = the config's 5).")
-_LEARNING_RATE = flags.DEFINE_float("learning_rate", 0.0, "Peak learning rate of every model (0 = the config's 2e-3).")
-_VARIANTS = flags.DEFINE_list("variants", "baseline,scone,baseline_2x", "Which models to train.")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "configs", "quality.py")
+ARMS = ("baseline", "baseline_2x", "baseline_4x", "scone", "scone_fgram0.5x", "scone_fgram2x", "scone_s5k",
+        "scone_s100k", "scone_k3")
+SWEPT = {"baseline": "baseline", "scone": "scone"}  # arm -> the family whose swept learning rate it uses
+MAIN_ARMS = ("baseline", "scone", "baseline_2x")  # trained for --tokens; the others for --ablation_tokens
+
+_SOURCE = flags.DEFINE_enum("source", "jsonl", ["text", "jsonl", "arrayrecord"], "Corpus format (data.source).")
+_TRAIN = flags.DEFINE_string("train_files", None, "Training split: comma-separated globs.")
+_VALIDATION = flags.DEFINE_string("validation_files", None, "Validation split (learning-rate choice).")
+_TEST = flags.DEFINE_string("eval_files", None, "Test split: the reported perplexity.")
+_UNIT = flags.DEFINE_enum("document_unit", "line", ["line", "file"], "text source: one document per line or file.")
+_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "jsonl source: the field holding the document.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "", "A tokenizer to use instead of training one on the training "
+                                 "split (required for arrayrecord: the shards' tokenizer).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Root of the study's runs and results.")
+_ARMS = flags.DEFINE_list("arms", list(ARMS), f"Arms to run, among {', '.join(ARMS)}.")
+_TOKENS = flags.DEFINE_string("tokens", "10m", "Training tokens of baseline, scone and baseline_2x (e.g. 10m).")
+_ABLATION_TOKENS = flags.DEFINE_string("ablation_tokens", "", "Training tokens of the other arms ('' = --tokens).")
+_LEARNING_RATES = flags.DEFINE_list("learning_rates", ["1e-3", "2e-3", "4e-3"],
+                                    "Peak learning rates swept by baseline and scone.")
+_ALLOW_EPOCHS = flags.DEFINE_bool("allow_epochs", False, "Allow budgets larger than one pass over the corpus.")
+_RECORD = flags.DEFINE_string("record", "", "Also write results.json here after every run (e.g. into the repo).")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke run: baseline and scone, one learning rate, 64 x 8-token-rows "
+                           "steps for ~50k tokens; exercises every stage, compares nothing.")
+_OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra --config.KEY=VALUE for every run (e.g. "
+                                       "data.worker_count=1).")
 
 
-def config_for(variant: str, num_steps: int, tokenizer_path: str):
-    config = load_config_file(f"configs/tiny.py:{variant}")
-    t = config.train
-    t.num_steps, t.eval_every, t.eval_batches, t.checkpoint_every = num_steps, num_steps, 0, num_steps
-    t.log_every = max(1, num_steps // 10)
-    t.warmup_steps = max(1, num_steps // 10)
-    config.data.tokenizer_path = tokenizer_path
-    t.learning_rate = _LEARNING_RATE.value or t.learning_rate
-    if variant == "scone":
-        config.scone.num_layers = _FGRAM_LAYERS.value
-        config.scone.num_fgrams = _NUM_FGRAMS.value or config.scone.num_fgrams
-        config.scone.max_len = _MAX_LEN.value or config.scone.max_len
-    return config
+def parse_tokens(text: str) -> int:
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9}.get(text[-1:].lower(), 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a token count; write e.g. 3m or 500000.") from None
 
 
-def main(_):
-    logging.set_verbosity(logging.WARNING)
-    num_steps = 30 if _QUICK.value else _STEPS.value
-    results = {}
-    with tempfile.TemporaryDirectory() as root:
-        tokenizer_path = os.path.join(root, "tokenizer.model")
-        for variant in _VARIANTS.value:
-            config = config_for(variant, num_steps, tokenizer_path if results else "")
-            workdir = os.path.join(root, variant)
-            summary = train.run(config, workdir)
-            if not results:  # the first run trained the tokenizer (deterministically); the others reuse it
-                os.replace(os.path.join(workdir, "tokenizer.model"), tokenizer_path)
-            results[variant] = summary["eval_perplexity"]
-            tokens = num_steps * config.data.global_batch_size * config.data.seq_len
-            print(f"{variant:12s} {num_steps} steps ({tokens:,} tokens): held-out ppl {results[variant]:.2f}", flush=True)
-    for variant, ppl in results.items():
-        print(f"RESULT ppl_{variant} {ppl:.3f}")
+class Study:
+    """The runs of one invocation and where their results go (module docstring)."""
+
+    def __init__(self, root: str, arms: list[str], tokens: int, ablation_tokens: int, rates: list[str],
+                 data: dict, test_files: str, quick: bool, overrides: list[str]):
+        self.root, self.arms, self.rates, self.data, self.quick = root, arms, rates, data, quick
+        self.test_files = test_files  # never part of a run's config: nothing in training can see it
+        self.budget = {a: tokens if a in MAIN_ARMS else ablation_tokens for a in arms}
+        self.overrides = list(overrides)
+        if quick:
+            self.overrides += ["data.seq_len=64", "model.max_seq_len=64", "data.global_batch_size=8",
+                               "data.vocab_size=1024"]
+        self.results_path = os.path.join(root, "results.json")
+        self.results = _read_json(self.results_path) or {"runs": {}, "arms": {}}
+        self.started, self.tokens_done = time.time(), 0
+
+    # --- configs -----------------------------------------------------------------------------------
+    def config(self, arm: str, rate: str | None = None, extra: dict | None = None, tokenizer=None):
+        config = load_config_file(f"{CONFIG}:{arm}")
+        with config.unlocked():
+            for item in self.overrides:
+                key, _, value = item.partition("=")
+                _set(config, key, value)
+            config.data.update(self.data)
+            rows = config.data.global_batch_size * config.data.seq_len
+            t = config.train
+            t.num_steps = max(1, -(-self.budget[arm] // rows))  # at least the budget
+            t.warmup_steps = max(1, t.num_steps // 20)
+            t.log_every = max(1, min(50, t.num_steps // 20))
+            t.eval_every = t.num_steps
+            t.checkpoint_every = max(1, min(200, t.num_steps))
+            if rate is not None:
+                t.learning_rate = float(rate)
+            for key, value in (extra or {}).items():
+                _set(config, key, value)
+        if tokenizer is not None:
+            assets.resolve_vocab_size(config, tokenizer)
+        return config
+
+    def flags_for(self, config, arm: str) -> list[str]:
+        """The main job's command line for this arm: the variant plus every key the study sets."""
+        flat = _flatten(config.to_dict())
+        base = _flatten(load_config_file(f"{CONFIG}:{arm}").to_dict())
+        return [f"--config.{k}={v}" for k, v in flat.items() if base.get(k) != v]
+
+    # --- progress ----------------------------------------------------------------------------------
+    def progress(self, planned: list[tuple[str, str]]) -> str:
+        left = sum(self.budget[a] for a, r in planned if f"{a}/lr{r}" not in self.results["runs"])
+        elapsed = time.time() - self.started
+        rate = self.tokens_done / elapsed if self.tokens_done else 0
+        eta = f"{left / rate / 60:.0f} min" if rate else "?"
+        return f"{len(planned) - sum(f'{a}/lr{r}' not in self.results['runs'] for a, r in planned)}/{len(planned)} " \
+               f"runs done, {left / 1e6:.1f}M tokens left, ETA {eta}"
+
+    def save(self, record: str):
+        _write_json(self.results_path, self.results)
+        if record:
+            _write_json(record, self.results)
+
+
+def _set(config, dotted: str, value):
+    *parents, leaf = dotted.split(".")
+    node = config
+    for p in parents:
+        node = node[p]
+    old = node[leaf]
+    node[leaf] = type(old)(value) if not isinstance(old, bool) else str(value).lower() in ("1", "true")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _read_json(path: str):
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return None
+
+
+def _write_json(path: str, value):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+# --- checks before anything trains -------------------------------------------------------------------
+
+def document_hashes(data_cfg, split: str) -> set[str]:
+    source = sources.open_source(data_cfg, split)
+    out = set()
+    for i in range(len(source)):
+        doc = source[i]
+        out.add(hashlib.sha1(doc.encode() if isinstance(doc, str) else np.asarray(doc, "<i4").tobytes()).hexdigest())
+    return out
+
+
+def check_splits(config, test_files: str) -> None:
+    """Refuse splits that share a document (by content), naming the pair and the count."""
+    d = config.data
+    hashes = {"train": document_hashes(d, "train")}
+    for name, files in (("validation", d.eval_files), ("test", test_files)):
+        held = config.data.copy_and_resolve_references()
+        held.eval_files = files
+        hashes[name] = document_hashes(held, "eval")
+    names = list(hashes)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            shared = len(hashes[a] & hashes[b])
+            if shared:
+                raise ValueError(f"The {a} and {b} splits share {shared} documents (by content): perplexity on a split "
+                                 "the model trained on means nothing. Fix: split the corpus by document "
+                                 "(tools/split_corpus.py does, by a hash of each file's path).")
+
+
+def train_positions(config, tokenizer) -> int:
+    """Positions one pass over the training split gives: sum of (tokens + 1) over its documents."""
+    docs = documents.load(config.data, "train", tokenizer, np.arange)
+    return int(docs.lengths.sum()) + len(docs.lengths)
+
+
+def fgram_capacity(config, tokenizer, vocab, sample: int = 64) -> int:
+    """Rows per step the f-gram model needs (maximal unique f-grams of a batch) over `sample` batches spread
+    over the run, with 25% headroom, rounded up to 128. A batch that needs more still fails loudly; the study
+    then raises the capacity and resumes (run_arm)."""
+    rows = config.data.global_batch_size * config.data.seq_len
+    batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=1, capacity=rows)
+    build = pipeline.batch_builder(config.data, tokenizer, batch_transform=batcher)
+    steps = config.train.num_steps
+    used = [int((build(int(b))["fgram_lengths"] > 0).sum()) for b in np.linspace(0, steps - 1, min(sample, steps))]
+    return int(math.ceil(max(used) * 1.25 / 128) * 128)
+
+
+def flops(config) -> tuple[float, float]:
+    """(inference FLOPs per token of the served decoder, training FLOPs of the whole run): the model formula
+    of scone_jax/model/accounting.py; inference is one forward pass (a third of training's 6N) through the
+    decoder, whose input at matched positions is a table row (no f-gram model at inference)."""
+    from flax import nnx
+
+    abstract = nnx.state(nnx.eval_shape(lambda: state_lib.build_model(config)), nnx.Param)
+    decoder = abstract["decoder"] if config.scone.enabled else abstract
+    per_token = accounting.decoder_flops_per_token(config.model, config.data.seq_len,
+                                                   accounting.param_counts(decoder)["non_embedding"])
+    step = accounting.train_step_flops(config, abstract, 1)["total"]
+    return per_token / 3.0, step * config.train.num_steps
+
+
+# --- running one arm ----------------------------------------------------------------------------------
+
+def run_cli(args: list[str], log_path: str, show) -> int:
+    """Run a program of this package, its output appended to log_path; `show(line)` sees each line."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            show(line.rstrip("\n"))
+        return proc.wait()
+
+
+def _error_line(log_path: str) -> str:
+    with open(log_path) as f:
+        lines = [x.strip() for x in f if x.strip()]
+    errors = [x for x in lines if "error:" in x.lower()]
+    return (errors or lines or ["(no output)"])[-1][:500]
+
+
+def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> dict:
+    """Train (or resume) one run, export it and score it on the test split; returns its record."""
+    key = f"{arm}/lr{rate}"
+    workdir = os.path.join(study.root, arm, f"lr{rate}")
+    os.makedirs(workdir, exist_ok=True)
+    log = os.path.join(workdir, "train.log")
+    start = time.time()
+    print(f"[{key}] training {config.train.num_steps:,} steps ({study.budget[arm] / 1e6:.1f}M tokens) in {workdir}; "
+          f"{study.progress(planned)}", flush=True)
+
+    def show(line):
+        if " step " in line and " loss " in line or "eval step" in line:
+            print(f"[{key}] " + line.split("] ", 1)[-1], flush=True)
+
+    allow = []
+    for _ in range(4):  # a capacity overflow: raise it and resume from the checkpoint the run saved
+        rc = run_cli(["-m", "scone_jax.main", f"--config={CONFIG}:{arm}", f"--workdir={workdir}",
+                      *study.flags_for(config, arm), *([f"--allow_config_change={','.join(allow)}"] if allow else [])],
+                     log, show)
+        if rc == 0:
+            break
+        last = _error_line(log)
+        if "scone.fgram_capacity" in last and config.scone.enabled:
+            with config.unlocked():
+                config.scone.fgram_capacity = int(config.scone.fgram_capacity * 1.5 // 128 * 128)
+            allow = ["scone.fgram_capacity"]
+            print(f"[{key}] capacity overflow; resuming with scone.fgram_capacity={config.scone.fgram_capacity}")
+            continue
+        raise RuntimeError(f"training {key} failed (exit {rc}): {last} (log: {log})")
+    else:
+        raise RuntimeError(f"training {key} kept overflowing scone.fgram_capacity (log: {log})")
+    trained = time.time() - start
+    metrics = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
+    validation = [m for m in metrics if m.get("split") == "eval"][-1]
+    export = os.path.join(workdir, "export")
+    rc = run_cli(["-m", "scone_jax.serving.export", f"--workdir={workdir}", f"--output={export}"], log, lambda _: None)
+    if rc:
+        raise RuntimeError(f"exporting {key} failed (exit {rc}): {_error_line(log)} (log: {log})")
+    result_path = os.path.join(workdir, "test_eval.json")
+    rc = run_cli(["-m", "scone_jax.serving.evaluate", f"--export={export}", f"--result={result_path}",
+                  f"--config.data.eval_files={study.test_files}"], log, lambda _: None)
+    if rc:
+        raise RuntimeError(f"evaluating {key} failed (exit {rc}): {_error_line(log)} (log: {log})")
+    test = _read_json(result_path)
+    inference, train_flops = flops(config)
+    record = {
+        "arm": arm, "learning_rate": float(rate), "tokens": config.train.num_steps * config.data.global_batch_size
+        * config.data.seq_len, "steps": config.train.num_steps, "validation_ppl": validation["perplexity"],
+        "test_ppl": test["perplexity"], "test_bits_per_byte": test["bits_per_byte"], "test_tokens": test["tokens"],
+        "hit_rate": test["hit_rate"], "inference_flops_per_token": inference, "train_flops": train_flops,
+        "fgram_capacity": config.scone.fgram_capacity if config.scone.enabled else 0,
+        "train_seconds": round(trained, 1), "commit": _commit(),
+    }
+    study.tokens_done += study.budget[arm]
+    study.results["runs"][key] = record
+    print(f"[{key}] validation ppl {record['validation_ppl']:.2f}, test ppl {record['test_ppl']:.2f} "
+          f"({trained / 60:.1f} min); {study.progress(planned)}", flush=True)
+    return record
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except OSError:
+        return ""
+
+
+def plot(results: dict, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    families = {"baseline (depth 1x/2x/4x)": [a for a in ("baseline", "baseline_2x", "baseline_4x")],
+                "SCONE, f-gram model 0.5x/1x/2x": [a for a in ("scone_fgram0.5x", "scone", "scone_fgram2x")],
+                "SCONE, S 5k/20k/100k": [a for a in ("scone_s5k", "scone", "scone_s100k")],
+                "SCONE, K 3/5": [a for a in ("scone_k3", "scone")]}
+    arms = results["arms"]
+    for ax, x_key, label in ((axes[0], "inference_flops_per_token", "inference FLOPs per token"),
+                             (axes[1], "train_flops", "training FLOPs (whole run)")):
+        for (name, members), marker in zip(families.items(), "osD^"):
+            pts = [(arms[a][x_key], arms[a]["test_ppl"], a) for a in members if a in arms]
+            if not pts:
+                continue
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name)
+            for x, y, a in pts:
+                ax.annotate(a, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("test perplexity")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Test perplexity after equal token budgets (tools/bench_quality.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main():
+    tool_main.require(train_files=_TRAIN.value, validation_files=_VALIDATION.value, eval_files=_TEST.value,
+                      workdir=_WORKDIR.value)
+    unknown = [a for a in _ARMS.value if a not in ARMS]
+    if unknown:
+        raise ValueError(f"Unknown arm(s) {unknown}; --arms takes {', '.join(ARMS)}.")
+    arms = ["baseline", "scone"] if _QUICK.value else list(_ARMS.value)
+    rates = [str(float(r)) for r in _LEARNING_RATES.value]
+    if _QUICK.value:
+        rates = rates[:1]
+    tokens = 50_000 if _QUICK.value else parse_tokens(_TOKENS.value)
+    ablation = tokens if _QUICK.value or not _ABLATION_TOKENS.value else parse_tokens(_ABLATION_TOKENS.value)
+    root = os.path.abspath(_WORKDIR.value)
+    data = {"source": _SOURCE.value, "train_files": _TRAIN.value, "eval_files": _VALIDATION.value,
+            "document_unit": _UNIT.value, "text_field": _TEXT_FIELD.value,
+            "tokenizer_path": _TOKENIZER.value or os.path.join(root, "tokenizer.model")}
+    study = Study(root, arms, tokens, ablation, rates, data, _TEST.value, _QUICK.value, _OVERRIDES.value)
+    probe = study.config(arms[0])
+    rows = probe.data.global_batch_size * probe.data.seq_len
+    if min(study.budget.values()) < rows:  # (num_steps rounds up: refuse budgets under one whole step)
+        raise ValueError(f"A budget of {min(study.budget.values()):,} tokens is less than one step "
+                         f"({probe.data.global_batch_size} x {probe.data.seq_len} = {rows:,} tokens). Fix: raise "
+                         "--tokens / --ablation_tokens.")
+    check_splits(probe, _TEST.value)
+    os.makedirs(root, exist_ok=True)
+    if not _TOKENIZER.value:
+        tok_cfg = probe.data.copy_and_resolve_references()
+        tok_cfg.tokenizer_path = ""
+        assets.ensure_tokenizer(tok_cfg, root)  # trained once, on the training split, into root/tokenizer.model
+    tokenizer = assets.ensure_tokenizer(probe.data, root)
+    positions = train_positions(probe, tokenizer)
+    epochs = max(study.budget.values()) / positions
+    print(f"training split: {positions:,} positions; the largest budget is {epochs:.2f} epochs", flush=True)
+    if epochs > 1 and not _ALLOW_EPOCHS.value:
+        raise ValueError(f"The largest budget ({max(study.budget.values()):,} tokens) is {epochs:.2f} passes over the "
+                         f"training split ({positions:,} positions). Fix: lower --tokens, give more text, or pass "
+                         "--allow_epochs to repeat it.")
+
+    # Plan: the swept arms first (their rates decide the others'), then the rest.
+    planned = [(a, r) for a in ("baseline", "scone") if a in arms for r in rates]
+    best = {}
+
+    def chosen(family):
+        runs = [study.results["runs"].get(f"{family}/lr{r}") for r in rates]
+        done = [r for r in runs if r]
+        return min(done, key=lambda r: r["validation_ppl"])["learning_rate"] if done else float(rates[0])
+
+    for arm in arms:
+        if arm not in SWEPT:
+            planned.append((arm, None))
+    resolved = []
+    for arm, rate in planned:
+        if rate is None:
+            family = "scone" if arm.startswith("scone") else "baseline"
+            rate = str(best.get(family) or chosen(family))
+        resolved.append((arm, rate))
+        key = f"{arm}/lr{rate}"
+        if key not in study.results["runs"]:
+            extra = {}
+            config = study.config(arm, rate, tokenizer=tokenizer)
+            if config.scone.enabled:
+                vocab_dir = os.path.join(root, f"fgrams_s{config.scone.num_fgrams}_k{config.scone.max_len}")
+                vocab = assets.ensure_vocab(config.scone, config.data, tokenizer, vocab_dir)
+                extra["scone.vocab_path"] = os.path.join(vocab_dir, "fgrams")
+                saved = _read_json(os.path.join(vocab_dir, "capacity.json"))
+                if saved is None or saved["rows"] != config.data.global_batch_size * config.data.seq_len:
+                    saved = {"capacity": fgram_capacity(config, tokenizer, vocab),
+                             "rows": config.data.global_batch_size * config.data.seq_len}
+                    _write_json(os.path.join(vocab_dir, "capacity.json"), saved)
+                extra["scone.fgram_capacity"] = saved["capacity"]
+                config = study.config(arm, rate, extra, tokenizer)
+            study.results["runs"][key] = run_arm(study, arm, rate, config, tokenizer, resolved + planned[len(resolved):])
+            study.save(_RECORD.value)
+        if arm in SWEPT and all(f"{arm}/lr{r}" in study.results["runs"] for r in rates):
+            best[arm] = chosen(arm)
+    for arm in arms:
+        family = "scone" if arm.startswith("scone") else "baseline"
+        rate = best.get(family) or chosen(family)
+        run = study.results["runs"].get(f"{arm}/lr{float(rate)}")
+        if run:
+            study.results["arms"][arm] = run
+    study.save(_RECORD.value)
+    if plot(study.results, os.path.join(root, "quality.png")):
+        print(f"plot: {os.path.join(root, 'quality.png')}")
+    for arm, r in study.results["arms"].items():
+        if arm in arms:
+            print(f"RESULT ppl_{arm} {r['test_ppl']:.3f}")
+            print(f"RESULT inference_flops_per_token_{arm} {r['inference_flops_per_token']:.4g}")
+            print(f"RESULT train_flops_{arm} {r['train_flops']:.4g}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(tool_main.main_of(main, program="bench_quality"))

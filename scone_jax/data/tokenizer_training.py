@@ -28,9 +28,11 @@ def _training_pieces(documents: Iterable[str]) -> Iterator[str]:
 
 
 def train_tokenizer(
-    documents: Iterable[str], model_path: str, vocab_size: int, model_type: str = "unigram"
+    documents: Iterable[str], model_path: str, vocab_size: int, model_type: str = "unigram",
+    character_coverage: float = 0.9995,
 ) -> tokenizer.Tokenizer:
-    """Trains a lossless SentencePiece model on `documents` and writes only `model_path`.
+    """Trains a lossless SentencePiece model on `documents` and writes only `model_path`. Characters outside
+    `character_coverage` of the text get no piece and are spelled with byte pieces.
 
     Ids: pad=0, unk=1, bos=2, eos=3, then 256 byte-fallback pieces, then learned pieces.
     """
@@ -49,6 +51,7 @@ def train_tokenizer(
             normalization_rule_name="identity",
             remove_extra_whitespaces=False,
             byte_fallback=True,
+            character_coverage=character_coverage,
             pad_id=PAD_ID,
             unk_id=UNK_ID,
             bos_id=BOS_ID,
@@ -57,8 +60,10 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as e:
+        fix = (" Fix: lower data.character_coverage (e.g. 0.99; the rest is spelled in bytes) or raise "
+               "data.vocab_size." if "required_chars" in str(e) else "")
         raise ValueError(
-            f"SentencePiece training (vocab_size={vocab_size}, model_type={model_type!r}) failed: {e}"
+            f"SentencePiece training (vocab_size={vocab_size}, model_type={model_type!r}) failed: {e}{fix}"
         ) from e
     tokenizer.write_atomically(model_path, writer.getvalue())
     return tokenizer.Tokenizer(writer.getvalue(), path=model_path)

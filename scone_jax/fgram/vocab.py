@@ -80,6 +80,13 @@ class FgramVocab:
                 f"counts {self.counts.shape}, max_len {self.max_len}."
             )
 
+    @classmethod
+    def empty(cls, vocab_size: int, tokenizer_fingerprint: str = "") -> "FgramVocab":
+        """No f-grams at all: what a plain decoder is served with (every position keeps T(token))."""
+        return cls(tokens=np.zeros((0, 2), np.int32), lengths=np.zeros(0, np.int32), counts=np.zeros(0, np.int64),
+                   max_len=2, min_count=1, tokens_counted=0, vocab_size=vocab_size,
+                   tokenizer_fingerprint=tokenizer_fingerprint)
+
     @property
     def num_fgrams(self) -> int:
         return len(self.lengths)

@@ -8,8 +8,9 @@ Rerunning an interrupted export skips the batches whose chunks all carry done ma
 written last, with the checksums readers verify (bundle.py). Rerunning a finished export repairs it:
 if a done marker was deleted (what readers ask for when a piece is missing or damaged) or
 tokenizer.model differs from the run's, COMPLETE is withdrawn and those pieces are rewritten.
-Exit status: 0 done, 2 bad input (no SCONE checkpoint, a different export at PATH, peers that never
-arrived).
+A run trained without SCONE (a baseline) exports the same bundle with an empty f-gram set (S = 0: a
+table of no rows), so it is served, evaluated and compared by exactly the same programs.
+Exit status: 0 done, 2 bad input (no checkpoint, a different export at PATH, peers that never arrived).
 
 On a pod, run the same command on every host (like training: the Cloud TPU environment is detected,
 elsewhere pass --coordinator_address, --num_processes and --process_id); every device computes rows
@@ -46,7 +47,8 @@ _VOCAB_DONE, _DECODER_DONE = f"{bundle.DONE}/{bundle.FGRAMS}", f"{bundle.DONE}/{
 
 
 class Run:
-    """A training run's latest checkpoint with the tokenizer and vocabulary it was trained with."""
+    """A training run's latest checkpoint with the tokenizer and vocabulary it was trained with (an empty
+    vocabulary for a run without SCONE)."""
 
     def __init__(self, workdir: str, config: ml_collections.ConfigDict | None = None):
         self.workdir = workdir
@@ -57,21 +59,21 @@ class Run:
                                     f"(python -m scone_jax.main --workdir={workdir}).")
         meta = self.checkpointer.read_meta(self.step)
         self.config = config or bundle.stored_config(meta["config"])
-        if not self.config.scone.enabled:
-            raise bundle.BundleError(
-                f"The checkpoint {workdir}/checkpoints/{self.step} was trained without SCONE "
-                "(scone.enabled=False): it has no f-gram model to export. Serve it as a plain decoder.")
         d = self.config.data
         # The run's special-id policy too: the fingerprint (and the ids the bundle stores) must be the run's.
         self.tokenizer = Tokenizer.load(d.tokenizer_path or os.path.join(workdir, "tokenizer.model"),
                                         special_tokens_of(d))
-        self.vocab = load_vocab(self.config.scone.vocab_path or os.path.join(workdir, "fgrams"),
-                                expected_tokenizer_fingerprint=self.tokenizer.fingerprint)
+        if self.config.scone.enabled:
+            self.vocab = load_vocab(self.config.scone.vocab_path or os.path.join(workdir, "fgrams"),
+                                    expected_tokenizer_fingerprint=self.tokenizer.fingerprint)
+        else:
+            self.vocab = FgramVocab.empty(self.config.model.vocab_size, self.tokenizer.fingerprint)
         self.expect = {"tokenizer_fingerprint": self.tokenizer.fingerprint,
-                       "fgram_vocab_fingerprint": self.vocab.fingerprint}
+                       "fgram_vocab_fingerprint": self.vocab.fingerprint if self.config.scone.enabled else None}
 
     def restore_model(self, mesh) -> nnx.Module:
-        """The SconeModel of the latest checkpoint, its arrays in the run's shardings (optimizer dropped)."""
+        """The model of the latest checkpoint (SconeModel, or the Decoder of a run without SCONE), its arrays
+        in the run's shardings (optimizer dropped)."""
         spec = state_lib.state_spec(self.config, mesh)
         state, _ = state_lib.restore(self.checkpointer, self.step, self.config, spec, mesh, expect=self.expect)
         return state_lib.model_of(spec.graphdef, state)
@@ -226,14 +228,17 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
     try:
         mesh = sharding.make_mesh(run.config.mesh)
         model = run.restore_model(mesh)
-        decoder_params = nnx.state(model.decoder, nnx.Param)
+        scone = run.config.scone.enabled
+        decoder_params = nnx.state(model.decoder if scone else model, nnx.Param)
         vocab = run.vocab
         meta = {
             "format": bundle.FORMAT, "version": bundle.VERSION, "num_fgrams": vocab.num_fgrams,
             "d_model": run.config.model.d_model, "max_len": vocab.max_len, "dtype": dtype, "chunk_rows": chunk_rows,
             "model_fingerprint": bundle.params_fingerprint(decoder_params),
-            "fgram_model_fingerprint": bundle.params_fingerprint(nnx.state(model.fgram_model, nnx.Param)),
+            "fgram_model_fingerprint": bundle.params_fingerprint(nnx.state(model.fgram_model, nnx.Param))
+                                       if scone else None,
             "step": run.step, "config": run.config.to_dict(), **run.expect,
+            "fgram_vocab_fingerprint": vocab.fingerprint,
         }
         if _prepare_output(output, meta, run.tokenizer.proto):
             logging.info("export: %s is already complete", output)

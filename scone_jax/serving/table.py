@@ -127,6 +127,10 @@ class HostTable:
     def gather(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
         flat = ids.reshape(-1)
+        if self.num_rows == 0:  # a decoder-only bundle (no f-grams): nothing ever matches
+            if flat.size and flat.max() >= 0:
+                self._out_of_range(int(flat.max()))
+            return np.zeros((*ids.shape, self.width), self.dtype)
         if self._rows is not None and flat.size <= _FEW_ROWS:  # decoding: skip the ~10 numpy calls below
             few = flat.tolist()
             if few and max(few) >= self.num_rows:

@@ -43,7 +43,8 @@ def ensure_tokenizer(data_cfg, workdir: str,
     path = storage.join(workdir, "tokenizer.model")
     if tokenizer_lib.read_model(path) is None:
         docs = tokenizer_training.sample_documents(sources.open_source(data_cfg, "train"), max_chars)
-        tokenizer_training.train_tokenizer(docs, path, data_cfg.vocab_size)
+        tokenizer_training.train_tokenizer(docs, path, data_cfg.vocab_size,
+                                           character_coverage=data_cfg.character_coverage)
     return tokenizer_lib.Tokenizer.load(path, special_tokens)
 
 

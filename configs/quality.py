@@ -1,0 +1,61 @@
+"""The small models of the quality study (tools/bench_quality.py, docs/quality.md): SCONE's protocol on a CPU.
+
+  python tools/split_corpus.py --input=/usr/share/doc/linux-doc-6.1/html/_sources --pattern='**/*.txt' \\
+      --output=/data/linux_doc
+  python -m scone_jax.main --config=configs/quality.py:scone --workdir=/tmp/q_scone \\
+      --config.data.train_files=/data/linux_doc/train.jsonl --config.data.eval_files=/data/linux_doc/validation.jsonl
+trains one arm of the study by hand (the tool runs them all, with a shared tokenizer and f-gram
+vocabularies, a learning-rate sweep and test-split evaluation through the export).
+
+Main model: GPT-2 style, d 128, 2 blocks, 4 heads, ffw 512, sequences of 256 tokens, batch 32
+(8,192 tokens per step), a 2,048-piece tokenizer trained on the training split, data.source jsonl.
+Variants (the arms; inference FLOPs per token grow with the decoder's depth only):
+  baseline, baseline_2x, baseline_4x   2 / 4 / 8 decoder blocks (about 1x / 2x / 4x inference FLOPs)
+  scone                                the 2-block decoder + a 2-block f-gram model (1x its blocks),
+                                       S = 20,000 f-grams of up to K = 5 tokens
+  scone_fgram0.5x, scone_fgram2x       f-gram model of 1 / 4 blocks
+  scone_s5k, scone_s100k               S = 5,000 / 100,000
+  scone_k3                             K = 3
+The step count, learning rate, f-gram capacity and vocabulary path are set by the tool (or on the
+command line, e.g. --config.train.num_steps=1220 for 10M tokens).
+"""
+import ml_collections
+
+from scone_jax.config import base_config
+
+# arm -> (decoder blocks, f-gram model blocks (0 = no SCONE), S, K)
+ARMS = {
+    "baseline": (2, 0, 0, 0),
+    "baseline_2x": (4, 0, 0, 0),
+    "baseline_4x": (8, 0, 0, 0),
+    "scone": (2, 2, 20_000, 5),
+    "scone_fgram0.5x": (2, 1, 20_000, 5),
+    "scone_fgram2x": (2, 4, 20_000, 5),
+    "scone_s5k": (2, 2, 5_000, 5),
+    "scone_s100k": (2, 2, 100_000, 5),
+    "scone_k3": (2, 2, 20_000, 3),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    arm = arg or "scone"
+    if arm not in ARMS:
+        raise ValueError(f"Unknown variant {arg!r} of configs/quality.py; valid: {', '.join(ARMS)}.")
+    layers, fgram_layers, num_fgrams, max_len = ARMS[arm]
+    config = base_config()
+    m = config.model
+    m.d_model, m.num_layers, m.num_heads, m.d_ff, m.max_seq_len = 128, layers, 4, 512, 256
+    m.vocab_size = 0  # from the tokenizer
+    d = config.data
+    d.source, d.seq_len, d.global_batch_size, d.vocab_size = "jsonl", 256, 32, 2048
+    d.character_coverage = 0.99  # 2,048 pieces: the CJK of the kernel docs' translations goes to byte pieces
+    t = config.train
+    t.num_steps, t.warmup_steps, t.learning_rate = 1220, 61, 2e-3
+    t.log_every, t.eval_every, t.eval_batches, t.checkpoint_every, t.keep_checkpoints = 50, 1220, 0, 200, 1
+    s = config.scone
+    s.enabled = fgram_layers > 0
+    if s.enabled:
+        s.num_layers, s.num_fgrams, s.max_len, s.min_count = fgram_layers, num_fgrams, max_len, 5
+        s.fgram_capacity = 4096
+    config.lock()
+    return config

@@ -1,0 +1,114 @@
+"""tools/split_corpus.py (hash split by path) and tools/bench_quality.py (its refusals and a --quick run)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.common import run_tool
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import split_corpus  # noqa: E402
+
+
+def make_tree(root, count=60):
+    for i in range(count):
+        path = root / f"dir{i % 4}" / f"doc{i}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"Document {i}. " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(200)) + "\n")
+    (root / "empty.txt").write_text("  \n")
+
+
+def read_split(out, name):
+    with open(out / f"{name}.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_split_depends_on_paths_only_and_never_on_order(tmp_path):
+    """Every file lands in the split its path hashes to (the rule written out here from the docstring), each
+    exactly once; renaming the root or adding files moves no other file. Empty files are skipped."""
+    import hashlib
+
+    root = tmp_path / "tree"
+    make_tree(root)
+    record = split_corpus.split_files(str(root), "**/*.txt", str(tmp_path / "out"), 0.2, 0.2)
+    seen = {}
+    for name in split_corpus.SPLITS:
+        for doc in read_split(tmp_path / "out", name):
+            u = int(hashlib.sha256(doc["path"].encode()).hexdigest()[:16], 16) / 2**64
+            assert name == ("test" if u < 0.2 else "validation" if u < 0.4 else "train"), doc["path"]
+            assert doc["text"] == (root / doc["path"]).read_text()
+            seen[doc["path"]] = name
+    assert len(seen) == 60 and "empty.txt" not in seen
+    assert {n: record["splits"][n]["files"] for n in split_corpus.SPLITS} == {
+        n: sum(v == n for v in seen.values()) for n in split_corpus.SPLITS}
+    assert min(record["splits"][n]["files"] for n in split_corpus.SPLITS) >= 5
+    moved = tmp_path / "moved"
+    os.rename(root, moved)
+    (moved / "dir9").mkdir()
+    (moved / "dir9" / "new.txt").write_text("a new document\n")
+    split_corpus.split_files(str(moved), "**/*.txt", str(tmp_path / "out2"), 0.2, 0.2)
+    again = {d["path"]: n for n in split_corpus.SPLITS for d in read_split(tmp_path / "out2", n)}
+    assert {p: n for p, n in again.items() if p != "dir9/new.txt"} == seen
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--input={tmp}/nowhere", "--output={tmp}/o"], "is not a directory"),
+    (["--input={tmp}/tree", "--pattern=*.md", "--output={tmp}/o"], "No file under"),
+    (["--input={tmp}/tree", "--output={tmp}/o", "--test_fraction=0.7", "--validation_fraction=0.5"], "sum to less"),
+])
+def test_split_bad_input_is_one_line(tmp_path, args, message):
+    make_tree(tmp_path / "tree", 6)
+    result = run_tool("tools/split_corpus.py", [a.format(tmp=tmp_path) for a in args])
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    make_tree(root / "tree", 80)
+    split_corpus.split_files(str(root / "tree"), "**/*.txt", str(root / "split"), 0.15, 0.15)
+    return root / "split"
+
+
+def quality_args(corpus, workdir, *extra):
+    return [f"--train_files={corpus}/train.jsonl", f"--validation_files={corpus}/validation.jsonl",
+            f"--eval_files={corpus}/test.jsonl", f"--workdir={workdir}", *extra]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--arms=baseline,scone_huge"], "Unknown arm(s) ['scone_huge']; --arms takes baseline,"),
+    (["--tokens=1000"], "is less than one step (32 x 256 = 8,192 tokens)"),
+    (["--tokens=5m"], "passes over the training split"),
+    (["--validation_files={corpus}/train.jsonl"], "The train and validation splits share"),
+])
+def test_bench_quality_refuses_bad_input_before_training(corpus, tmp_path, extra, message):
+    args = quality_args(corpus, tmp_path / "study", *[e.format(corpus=corpus) for e in extra])
+    result = run_tool("tools/bench_quality.py", args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "study" / "baseline").exists()  # nothing trained
+
+
+@pytest.mark.slow
+def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(corpus, tmp_path):
+    """--quick trains baseline and scone, exports both and scores the test split through serving.evaluate;
+    the RESULT lines carry the test perplexities it recorded, and a rerun trains nothing."""
+    args = quality_args(corpus, tmp_path / "study", "--quick", "--allow_epochs")
+    first = run_tool("tools/bench_quality.py", args, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    results = json.loads((tmp_path / "study" / "results.json").read_text())
+    assert set(results["arms"]) == {"baseline", "scone"}
+    for arm in ("baseline", "scone"):
+        r = results["arms"][arm]
+        assert f"RESULT ppl_{arm} {r['test_ppl']:.3f}" in first.stdout
+        served = json.loads((tmp_path / "study" / arm / f"lr{r['learning_rate']}" / "test_eval.json").read_text())
+        assert served["perplexity"] == r["test_ppl"] and served["data"]["eval_files"].endswith("test.jsonl")
+        assert 1 < r["test_ppl"] < 600
+    assert results["arms"]["scone"]["hit_rate"] > 0.2 and results["arms"]["baseline"]["hit_rate"] == 0
+    assert results["arms"]["scone"]["inference_flops_per_token"] == results["arms"]["baseline"]["inference_flops_per_token"]
+    assert results["arms"]["scone"]["train_flops"] > results["arms"]["baseline"]["train_flops"]
+    again = run_tool("tools/bench_quality.py", args, timeout=600)
+    assert again.returncode == 0 and "training" not in again.stdout.replace("training split", "")

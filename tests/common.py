@@ -60,8 +60,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_tool(script: str, args, timeout: float = 600):
-    """`python <script> <args>` (a tools/ script, or `-m module`) from the repository root on the CPU;
-    the CompletedProcess with text stdout and stderr."""
+    """`python <script> <args>` (a tools/ script, or `-m module`) from the repository root, as a user runs it:
+    on the CPU's one device (not the suite's 8 virtual ones); the CompletedProcess with text stdout and stderr."""
     command = [sys.executable, *script.split(), *map(str, args)]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": ""}
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -14,10 +14,14 @@ import split_corpus  # noqa: E402
 
 
 def make_tree(root, count=60):
+    """`count` files of 25 KJV paragraphs each (real text, so a tokenizer of a few hundred pieces trains)."""
+    from scone_jax.data import corpus
+
+    paragraphs = corpus.kjv_documents("train", 0.02)
     for i in range(count):
         path = root / f"dir{i % 4}" / f"doc{i}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"Document {i}. " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(200)) + "\n")
+        path.write_text("\n".join(paragraphs[25 * i: 25 * (i + 1)]) + "\n")
     (root / "empty.txt").write_text("  \n")
 
 
@@ -81,7 +85,7 @@ def quality_args(corpus, workdir, *extra):
 @pytest.mark.parametrize("extra,message", [
     (["--arms=baseline,scone_huge"], "Unknown arm(s) ['scone_huge']; --arms takes baseline,"),
     (["--tokens=1000"], "is less than one step (32 x 256 = 8,192 tokens)"),
-    (["--tokens=5m"], "passes over the training split"),
+    (["--tokens=5m", "--override=data.vocab_size=512"], "passes over the training split"),
     (["--validation_files={corpus}/train.jsonl"], "The train and validation splits share"),
 ])
 def test_bench_quality_refuses_bad_input_before_training(corpus, tmp_path, extra, message):
@@ -96,7 +100,7 @@ def test_bench_quality_refuses_bad_input_before_training(corpus, tmp_path, extra
 def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(corpus, tmp_path):
     """--quick trains baseline and scone, exports both and scores the test split through serving.evaluate;
     the RESULT lines carry the test perplexities it recorded, and a rerun trains nothing."""
-    args = quality_args(corpus, tmp_path / "study", "--quick", "--allow_epochs")
+    args = quality_args(corpus, tmp_path / "study", "--quick", "--allow_epochs", "--override=data.vocab_size=512")
     first = run_tool("tools/bench_quality.py", args, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     results = json.loads((tmp_path / "study" / "results.json").read_text())

@@ -94,10 +94,9 @@ class Study:
         self.root, self.arms, self.rates, self.data, self.quick = root, arms, rates, data, quick
         self.test_files = test_files  # never part of a run's config: nothing in training can see it
         self.budget = {a: tokens if a in MAIN_ARMS else ablation_tokens for a in arms}
-        self.overrides = list(overrides)
-        if quick:
-            self.overrides += ["data.seq_len=64", "model.max_seq_len=64", "data.global_batch_size=8",
-                               "data.vocab_size=1024"]
+        quick_settings = ["data.seq_len=64", "model.max_seq_len=64", "data.global_batch_size=8",
+                          "data.vocab_size=1024"] if quick else []
+        self.overrides = quick_settings + list(overrides)  # the user's --override last: it wins
         self.results_path = os.path.join(root, "results.json")
         self.results = _read_json(self.results_path) or {"runs": {}, "arms": {}}
         self.started, self.tokens_done = time.time(), 0

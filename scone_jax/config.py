@@ -11,7 +11,7 @@ import os
 
 import ml_collections
 
-from scone_jax.runtime import storage
+from scone_jax.runtime import storage, workdir as workdir_layout
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -261,17 +261,6 @@ def validate_batch_split(config: ml_collections.ConfigDict, num_batch_shards: in
         )
 
 
-def upgrade_saved(saved: dict) -> dict:
-    """A config dict saved by an older version, with the keys whose meaning changed rewritten so
-    it rebuilds the same model: no model.scan_layers meant the unscanned block layout, and
-    model.remat was a bool (True = recompute whole blocks)."""
-    model = dict(saved.get("model", {}))
-    model.setdefault("scan_layers", False)
-    if isinstance(model.get("remat"), bool):
-        model["remat"] = "full" if model["remat"] else "none"
-    return {**saved, "model": model}
-
-
 # What a checkpoint's state and the batches after it mean: resuming with another value of any of
 # these is refused (train.run), unless named in --allow_config_change. Everything else (learning-rate
 # schedule, optimizer constants, mesh, attention implementation, remat, scan_layers (converted on
@@ -291,7 +280,6 @@ RESUME_KEYS = (
 def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
     """'key: saved -> now' for every RESUME_KEYS value that differs from the saved config (a plain
     dict, as checkpoints store it); keys the saved config predates are not compared."""
-    saved = upgrade_saved(saved)
     changes = []
     for key in RESUME_KEYS:
         section, name = key.split(".")
@@ -308,5 +296,5 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 
 def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Write the resolved config next to the checkpoints (local or gs://), for humans and for restarts."""
-    storage.write_bytes(workdir, "config.json", to_json(config).encode())
+    storage.write_bytes(workdir, workdir_layout.CONFIG, to_json(config).encode())
 

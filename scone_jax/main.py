@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 from scone_jax import config as config_lib
 from scone_jax.runtime import job_flags, logs
+from scone_jax.runtime.errors import one_line
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py (optionally :variant).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, config and tokenizer.")
@@ -81,7 +82,7 @@ def main(argv):
     except (ValueError, FileNotFoundError, distributed.DistributedStartError, workdir.WorkdirError,
             checkpoint.CheckpointWriteError) as e:
         logging.debug("%s", traceback.format_exc())
-        print(f"scone_jax: error: {e}", file=sys.stderr)
+        print(f"scone_jax: error: {one_line(e, limit=4000)}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
 

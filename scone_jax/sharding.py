@@ -135,9 +135,8 @@ def num_batch_shards(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
-def global_batch(local_batch: dict, mesh: Mesh) -> dict:
-    """Assemble this process's numpy batch into global jax.Arrays sharded over the mesh."""
-    return {
-        k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v)
-        for k, v in local_batch.items()
-    }
+def global_batch(local_batch, mesh: Mesh):
+    """This process's numpy batch (a data/batch.py Batch, or any tree of arrays) as global jax.Arrays sharded
+    by rows over the mesh; the transfers start now (asynchronously)."""
+    return jax.tree.map(lambda v: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v),
+                        local_batch)

@@ -6,6 +6,7 @@ import sys
 import numpy as np
 
 from scone_jax.config import base_config
+from scone_jax.data.batch import Batch
 
 
 def small_config(**model_overrides):
@@ -36,8 +37,8 @@ def random_batch(batch=16, seq=32, vocab=512, seed=0):
     positions = np.where(np.arange(seq) < split, np.arange(seq), np.arange(seq) - split)
     mask = np.ones((batch, seq), np.float32)
     mask[:, split - 1] = 0  # a document's last input has no target inside the document
-    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segments,
-                positions=positions.astype(np.int32)[None].repeat(batch, 0), loss_mask=mask)
+    return Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segments,
+                 positions=positions.astype(np.int32)[None].repeat(batch, 0), loss_mask=mask)
 
 
 FP32_EPS = float(np.finfo(np.float32).eps)
@@ -65,3 +66,84 @@ def run_tool(script: str, args, timeout: float = 600):
     command = [sys.executable, *script.split(), *map(str, args)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": ""}
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def training_graph_eval(config, tokenizer, state, mesh, batcher=None) -> dict:
+    """The training loop's held-out loss of `state` (a train state) over config.data's eval split: the eval
+    step training uses, the f-gram model (if any) run on the fly through `batcher`'s rows."""
+    import jax
+
+    from scone_jax.data import pipeline
+    from scone_jax.training import state as state_lib, steps, train
+
+    spec = state_lib.state_spec(config, mesh)
+    batches = pipeline.make_eval_batches(config.data, tokenizer, process_index=jax.process_index(),
+                                         process_count=jax.process_count())
+    return train.held_out_loss(steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh), state[0],
+                               batches, mesh, batcher, config.train.eval_batches)
+
+
+def record_list(workdir: str, split: str = "step") -> list:
+    """The workdir's metrics.jsonl records of one split ('step' or 'eval'), in file order (a step recorded
+    twice shows twice); [] before the file exists, and a last line still being written is skipped."""
+    import json
+
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [r for r in (json.loads(line) for line in f if line.endswith("\n")) if r["split"] == split]
+
+
+def step_records(workdir: str, split: str = "step") -> dict:
+    """{step: record} of record_list."""
+    return {r["step"]: r for r in record_list(workdir, split)}
+
+
+def run_main(workdir, *args, config: str = "tests/small_config.py", devices: int = 8,
+             file_size_limit_kb: int | None = None, timeout: float = 600):
+    """`python -m scone_jax.main` in a new process on `devices` virtual CPU devices (CompletedProcess, text);
+    `file_size_limit_kb` runs it under `ulimit -f` (bash, kB)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    command = [sys.executable, "-m", "scone_jax.main", f"--config={config}", f"--workdir={workdir}", *map(str, args)]
+    if file_size_limit_kb is not None:
+        command = ["bash", "-c", f'ulimit -f {file_size_limit_kb} && exec "$@"', "bash", *command]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (for a coordinator or a server the test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main_process_argv(tokenizer_path, port, process_id, num_processes, *extra) -> list:
+    """argv of one process of a multi-process `python -m scone_jax.main` job on loopback (the tests'
+    small config, its tokenizer)."""
+    return [sys.executable, "-m", "scone_jax.main", f"--config=tests/small_config.py:{tokenizer_path}",
+            f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
+            f"--process_id={process_id}", *extra]
+
+
+def run_processes(argvs: list, timeout: float = 240, devices: int = 4) -> list:
+    """Start every argv at once (`devices` virtual CPU devices each); kill all of them if any outlives
+    `timeout` (a whole two-process run takes ~30 s: far below that, far above "hung"). CompletedProcesses."""
+    import time
+
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen(a, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in argvs]
+    deadline, results = time.monotonic() + timeout, []
+    try:
+        for argv, p in zip(argvs, procs):
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(argv, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results

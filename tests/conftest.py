@@ -25,5 +25,24 @@ def tokenizer_path(tmp_path_factory):
     return os.path.join(workdir, "tokenizer.model")
 
 
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """A 500-piece tokenizer of 300 KJV paragraphs (the data tests' own), trained once per session."""
+    from scone_jax.data import corpus, tokenizer_training
+
+    path = tmp_path_factory.mktemp("tok") / "kjv500.model"
+    return tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(path), vocab_size=500)
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    """A GCS bucket URL (gs://...) served by the local emulator on loopback for one test module."""
+    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator (the [test] extra)")
+    from tests import gcs_emulator
+
+    with gcs_emulator.running() as url:
+        yield url
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes or runs whole jobs; `-m 'not slow'` is the fast tier")

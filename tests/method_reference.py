@@ -107,7 +107,7 @@ def token_losses(params, batch, arch, fgrams=(), max_len=0):
     """Per-position next-token cross-entropy [B, T] (zero where loss_mask is 0) of the decoder whose input
     at each matched position is the f-gram embedding instead of T(token) (§3)."""
     fgrams = set(map(tuple, fgrams))
-    inputs, segments = batch["inputs"], batch["segment_ids"]
+    inputs, segments = batch.inputs, batch.segment_ids
     out = np.zeros(inputs.shape)
     for r in range(inputs.shape[0]):
         for segment in np.unique(segments[r][segments[r] > 0]):
@@ -117,14 +117,14 @@ def token_losses(params, batch, arch, fgrams=(), max_len=0):
             for i, gram in enumerate(longest_matches(tokens, fgrams, max_len)):
                 if gram is not None:
                     x[i] = fgram_embedding(gram, params, arch)
-            positions = batch["positions"][r, cols]
+            positions = batch.positions[r, cols]
             if not arch["rope"]:
                 x = x + params["pos_embed"][positions]
             h = block_stack(x, params["blocks"], params["final_norm"], positions, arch)
             logits = h @ (params["head"] if "head" in params else params["token_embed"].T)
             top = logits.max(-1, keepdims=True)
             log_z = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[:, 0]
-            out[r, cols] = (log_z - logits[np.arange(len(cols)), batch["targets"][r, cols]]) * batch["loss_mask"][r, cols]
+            out[r, cols] = (log_z - logits[np.arange(len(cols)), batch.targets[r, cols]]) * batch.loss_mask[r, cols]
     return out
 
 

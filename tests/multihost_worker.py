@@ -24,8 +24,8 @@ from jax.experimental import multihost_utils
 from scone_jax import config as config_lib, sharding
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
 from scone_jax.runtime import distributed
-from scone_jax.training import assets, checkpoint, state as state_lib, steps, train
-from tests.common import random_batch, small_config
+from scone_jax.training import assets, checkpoint, state as state_lib, steps
+from tests.common import random_batch, small_config, training_graph_eval
 
 NUM_STEPS = 3
 TIMEOUT_S = 60
@@ -38,12 +38,12 @@ def make_config(tokenizer_path: str):
     return config
 
 
-def local_rows(global_batch: dict) -> dict:
+def local_rows(global_batch):
     """This process's rows of a global batch: the mesh's devices are ordered by process, so
     process p holds the p-th contiguous block of rows."""
-    n = len(global_batch["inputs"]) // jax.process_count()
+    n = len(global_batch.inputs) // jax.process_count()
     start = jax.process_index() * n
-    return {k: v[start:start + n] for k, v in global_batch.items()}
+    return jax.tree.map(lambda v: v[start:start + n], global_batch)
 
 
 def train_steps(config, workdir: str):
@@ -58,7 +58,7 @@ def train_steps(config, workdir: str):
         batch = local_rows(random_batch(seed=s, vocab=config.model.vocab_size))
         state, metrics = train_step(state, sharding.global_batch(batch, mesh))
         losses.append(float(metrics["loss"]))
-    ev = train.held_out_loss(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config, tokenizer, mesh)
+    ev = training_graph_eval(config, tokenizer, state, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "ckpt"))
     ckpt.save(NUM_STEPS, state, {"tokenizer_fingerprint": tokenizer.fingerprint})
     ckpt.wait()
@@ -85,7 +85,7 @@ def scone_train_steps(config, batches) -> list[float]:
     train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
     losses = []
     for _ in range(NUM_STEPS):
-        state, metrics = train_step(state, sharding.global_batch(steps.step_arrays(next(batches)), mesh))
+        state, metrics = train_step(state, sharding.global_batch(next(batches).for_device(), mesh))
         losses.append(float(metrics["loss"]))
     return losses
 

@@ -3,13 +3,14 @@ packed rows, run through the real FgramBatcher for a given shard count, capacity
 number of micro-batches (the same host batch for every layout, per seed)."""
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from test_fgram_matcher import closure, make_vocab, planted_batch
 
+from scone_jax.data.batch import Batch
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
-from scone_jax.training.steps import step_arrays
 
 K = 4
 ROWS, SEQ = 16, 32
@@ -31,9 +32,9 @@ def host_batch(seed: int = 0) -> dict:
     seg_in, seg_out = segments[:, :-1], segments[:, 1:]
     start = np.concatenate([np.ones((ROWS, 1), bool), seg_in[:, 1:] != seg_in[:, :-1]], axis=1)
     positions = np.arange(SEQ)[None] - np.maximum.accumulate(np.where(start, np.arange(SEQ)[None], 0), axis=1)
-    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=seg_in,
-                positions=positions.astype(np.int32),
-                loss_mask=((seg_in > 0) & (seg_out == seg_in)).astype(np.float32))
+    return Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=seg_in,
+                 positions=positions.astype(np.int32),
+                 loss_mask=((seg_in > 0) & (seg_out == seg_in)).astype(np.float32))
 
 
 def production_batch(num_shards, capacity, micro_batches=1, seed=0):
@@ -46,5 +47,5 @@ def production_batch(num_shards, capacity, micro_batches=1, seed=0):
 
 
 def device_arrays(batch):
-    """What the train step receives (host-only keys dropped), as jax arrays."""
-    return {k: jnp.asarray(v) for k, v in step_arrays(batch).items()}
+    """What the train step receives (host-only fields dropped), as jax arrays."""
+    return jax.tree.map(jnp.asarray, batch.for_device())

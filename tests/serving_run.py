@@ -91,13 +91,16 @@ def exported(tmp_path_factory, dtype: str) -> str:
     return _CACHE[key]
 
 
-def make_version_1(path: str) -> None:
-    """Turn the bundle at `path` into what the code before checksums wrote: export.json at version 1 and
-    COMPLETE holding only its fingerprint (its done markers held b"1"; readers never look at them)."""
+def reseal(path: str) -> None:
+    """Rewrite COMPLETE with the CRCs of the decoder files and tokenizer.model now on disk, as if whoever
+    swapped or removed a file had also forged the seal: what remains to catch it is what the files mean
+    (the parameters' fingerprint) or whether they can be read at all."""
     with open(os.path.join(path, bundle.META)) as f:
         meta = json.load(f)
-    meta["version"] = 1
-    with open(os.path.join(path, bundle.META), "w") as f:
-        json.dump(meta, f, indent=1)
-    with open(os.path.join(path, bundle.COMPLETE), "w") as f:
-        f.write(bundle.meta_fingerprint(meta))
+    with open(os.path.join(path, bundle.COMPLETE)) as f:
+        record = json.load(f)
+    files = bundle.file_checksums(path, bundle.DECODER)
+    with open(os.path.join(path, bundle.TOKENIZER), "rb") as f:
+        files[bundle.TOKENIZER] = bundle.array_checksum(f.read())
+    with open(os.path.join(path, bundle.COMPLETE), "wb") as f:
+        f.write(bundle.complete_marker(meta, record["table"], files))

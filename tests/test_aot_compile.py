@@ -26,6 +26,7 @@ def results(stdout: str) -> dict:
     return {k: float(v) for k, v in re.findall(r"^RESULT (\w+) (\S+)$", stdout, re.M)}
 
 
+@pytest.mark.slow
 def test_compiles_the_train_step_for_a_v5e_slice():
     run = aot(*SMALL, "--topology=v5e-4", "--config.mesh.data=2", "--config.mesh.fsdp=2")
     assert run.returncode == 0, run.stderr[-3000:]

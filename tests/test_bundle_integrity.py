@@ -1,5 +1,5 @@
 """A damaged export bundle is a one-line error naming the file and the repair, never zero rows; the
-repair it names works; a version 1 bundle (no checksums) still serves, with a warning.
+repair it names works.
 
 Each test damages its own copy of one shared export, as a user's disk or a partial copy would, and
 runs the CLI a user runs."""
@@ -136,11 +136,12 @@ def test_deleted_decoder_array_file_is_named_and_repaired(run, bundle_copy, text
     assert bundle.params_fingerprint(served.params) == served.meta["model_fingerprint"]
 
 
-def test_version_1_bundle_missing_a_decoder_file_is_one_line(bundle_copy):
-    """Without CRCs the restore itself fails: one line with tensorstore's words naming the file, and the
-    fix (tried: no wrapper around the restore; orbax's bare Exception escaped, the CLI's traceback)."""
-    serving_run.make_version_1(bundle_copy)
+def test_a_missing_decoder_file_behind_a_forged_seal_is_one_line(bundle_copy):
+    """With COMPLETE resealed over the removed file, the restore itself fails: one line with tensorstore's
+    words naming the file, and the fix (tried: no wrapper around the restore; orbax's bare Exception
+    escaped, the CLI's traceback)."""
     os.remove(os.path.join(bundle_copy, DECODER_CHUNK))
+    serving_run.reseal(bundle_copy)
     with pytest.raises(bundle.BundleError, match=f"The decoder at {bundle_copy}/decoder cannot be restored "
                                                  f"\\(NOT_FOUND: .*{DECODER_CHUNK}\" is missing\\)\\. "
                                                  f"Fix: delete {bundle_copy}/done/decoder, then re-run") as error:
@@ -181,17 +182,7 @@ def test_corrupted_fgram_vocabulary_array_is_named(bundle_copy, text):
     assert f"Fix: delete {bundle_copy}/done/fgrams, then re-run" in line and "extract_fgrams" not in line
 
 
-def test_version_1_bundle_serves_with_one_warning(bundle_copy, text):
-    """Bundles written before checksums keep working; the warning says what is not checked. Catches
-    (tried): open_checked refusing version 1 (exit 2) and a warning that is never printed."""
-    serving_run.make_version_1(bundle_copy)
-    result = cli("evaluate", bundle_copy, text)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "perplexity" in result.stdout
-    warnings = [line for line in result.stderr.splitlines() if "without checksums" in line]
-    assert len(warnings) == 1 and "version 1 export" in warnings[0], result.stderr[-3000:]
-
-
+@pytest.mark.slow
 def test_damaged_chunk_on_gcs_is_named_and_repaired(run, tmp_path_factory):
     """The same on gs:// (the emulator): the export's CRCs, both readers' checks, the marker repair
     (tried: an export rerun that trusts COMPLETE and ignores deleted markers; 0 rows recomputed)."""

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from scone_jax.data import packing, pipeline
+from scone_jax.data.batch import BASE_DTYPES
 from scone_jax.data.documents import InMemoryDocuments
 
 BOS, EOS, PAD = 2, 3, 0
@@ -34,7 +35,7 @@ def reference_batch(docs, seed, batch_index, rows, seq_len, finite=False):
         if finite:
             break
     window = stream[batch_index * rows * seq_len: need]
-    out = {k: np.zeros((rows, seq_len), dtype) for k, dtype in packing.DTYPES.items()}
+    out = {k: np.zeros((rows, seq_len), dtype) for k, dtype in BASE_DTYPES.items()}
     for r in range(rows):
         segment = position = 0
         for c in range(seq_len):
@@ -72,9 +73,10 @@ def test_batches_equal_the_position_by_position_reference(lengths, rows, seq_len
     for b in range(12):
         got = built(store, lengths, 7, b, rows, seq_len)
         want = reference_batch(docs, 7, b, rows, seq_len)
-        for key in packing.KEYS:
-            np.testing.assert_array_equal(got[key], want[key], err_msg=f"batch {b} {key}")
-            assert got[key].dtype == packing.DTYPES[key]
+        assert sorted(got.arrays()) == sorted(BASE_DTYPES)
+        for key, array in got.arrays().items():
+            np.testing.assert_array_equal(array, want[key], err_msg=f"batch {b} {key}")
+            assert array.dtype == BASE_DTYPES[key]
 
 
 def test_a_finite_stream_pads_its_last_row_and_stops():
@@ -82,12 +84,12 @@ def test_a_finite_stream_pads_its_last_row_and_stops():
     docs, store = corpus(lengths)
     got = built(store, lengths, None, 0, 3, 8, finite=True)  # 19 positions in 24
     want = reference_batch(docs, None, 0, 3, 8, finite=True)
-    for key in packing.KEYS:
-        np.testing.assert_array_equal(got[key], want[key])
-    assert got["loss_mask"].sum() == 19 and (got["segment_ids"][2, 3:] == 0).all()
-    assert (got["inputs"][2, 3:] == PAD).all() and (got["positions"][2, 3:] == 0).all()
+    for key, array in got.arrays().items():
+        np.testing.assert_array_equal(array, want[key])
+    assert got.loss_mask.sum() == 19 and (got.segment_ids[2, 3:] == 0).all()
+    assert (got.inputs[2, 3:] == PAD).all() and (got.positions[2, 3:] == 0).all()
     empty = built(store, lengths, None, 1, 3, 8, finite=True)
-    assert empty["loss_mask"].sum() == 0 and (empty["inputs"] == PAD).all()
+    assert empty.loss_mask.sum() == 0 and (empty.inputs == PAD).all()
 
 
 def test_every_epoch_visits_each_document_once_in_a_new_order():
@@ -96,7 +98,7 @@ def test_every_epoch_visits_each_document_once_in_a_new_order():
     firsts = []
     for b in range(5):  # 5 batches x 2 rows x 4 positions = 40 positions = 2 epochs
         batch = built(store, lengths, 3, b, 2, 4)
-        firsts += [int(t) for t, p in zip(batch["inputs"].ravel(), batch["positions"].ravel()) if p == 1]
+        firsts += [int(t) for t, p in zip(batch.inputs.ravel(), batch.positions.ravel()) if p == 1]
     first_ids = [int(d[0]) for d in docs]
     assert sorted(firsts[:10]) == sorted(first_ids) == sorted(firsts[10:])
     assert firsts[:10] != firsts[10:]

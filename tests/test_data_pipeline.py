@@ -7,16 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from scone_jax.data import corpus, documents, pipeline, sources, tokenizer_training
-
-KEYS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
-        "loss_mask": np.float32}
-
-
-@pytest.fixture(scope="session")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "kjv500.model"
-    return tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(path), vocab_size=500)
+from scone_jax.data import corpus, documents, pipeline, sources
+from scone_jax.data.batch import BASE_DTYPES as KEYS, Batch
 
 
 def _data_cfg(**overrides):
@@ -40,28 +32,28 @@ def _doc_ids(batches):
     """The document token of each (bos, token) segment, in order."""
     ids = []
     for batch in batches:
-        for inputs, positions in zip(batch["inputs"].reshape(-1), batch["positions"].reshape(-1)):
+        for inputs, positions in zip(batch.inputs.reshape(-1), batch.positions.reshape(-1)):
             if positions == 1:
                 ids.append(int(inputs))
     return ids
 
 
 def _check_packing_invariants(batch, tok):
-    seg, pos, mask = batch["segment_ids"], batch["positions"], batch["loss_mask"]
+    seg, pos, mask = batch.segment_ids, batch.positions, batch.loss_mask
     np.testing.assert_array_equal(mask, (seg > 0).astype(np.float32))
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
-    np.testing.assert_array_equal(batch["targets"][:, :-1][same], batch["inputs"][:, 1:][same])
+    np.testing.assert_array_equal(batch.targets[:, :-1][same], batch.inputs[:, 1:][same])
     np.testing.assert_array_equal(pos[:, 1:][same], pos[:, :-1][same] + 1)
     np.testing.assert_array_equal(pos[:, 1:][~same & (seg[:, 1:] > 0)], 0)
-    assert (batch["inputs"][seg == 0] == tok.pad_id).all()
+    assert (batch.inputs[seg == 0] == tok.pad_id).all()
 
 
 def test_train_batches_shapes_dtypes_and_packing(tok):
     batches = pipeline.first_batches(pipeline.make_train_dataset(_data_cfg(), tok), 4)
     for batch in batches:
-        assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {k: ((4, 32), d) for k, d in KEYS.items()}
+        assert {k: (v.shape, v.dtype) for k, v in batch.arrays().items()} == {k: ((4, 32), d) for k, d in KEYS.items()}
         _check_packing_invariants(batch, tok)
-    assert all(b["loss_mask"].all() for b in batches)  # an endless stream has no padding
+    assert all(b.loss_mask.all() for b in batches)  # an endless stream has no padding
 
 
 def test_rows_unpack_to_the_shuffled_tokenized_documents(tok, tmp_path):
@@ -79,7 +71,7 @@ def test_rows_unpack_to_the_shuffled_tokenized_documents(tok, tmp_path):
         ("inputs", np.concatenate([np.append(tok.bos_id, tok.encode(d)) for d in expected])),
         ("targets", np.concatenate([np.append(tok.encode(d), tok.eos_id) for d in expected])),
     ]:
-        rows = np.concatenate([b[key] for b in batches]).reshape(-1)  # 6 rows of 256
+        rows = np.concatenate([getattr(b, key) for b in batches]).reshape(-1)  # 6 rows of 256
         np.testing.assert_array_equal(rows, stream[: rows.size])
     for batch in batches:
         _check_packing_invariants(batch, tok)
@@ -90,7 +82,7 @@ def test_process_slices_are_disjoint_and_cover_each_epoch(tok, single_token_docs
     for p in range(4):
         ds = pipeline.make_train_dataset(single_token_docs, tok, process_index=p, process_count=4)
         batches = pipeline.first_batches(ds, 6)  # 12 documents x 2 tokens = 3 rows of 8 per epoch; local batch 1
-        assert batches[0]["inputs"].shape == (1, 8)
+        assert batches[0].inputs.shape == (1, 8)
         ids = _doc_ids(batches)
         assert len(ids) == 24
         epochs[0] += ids[:12]
@@ -103,17 +95,17 @@ def test_process_slices_are_disjoint_and_cover_each_epoch(tok, single_token_docs
 def test_starting_at_a_batch_number_resumes_exactly_and_the_transform_applies(tok):
     """Batch b is a function of b alone: a dataset started at batch 5 continues an uninterrupted
     one exactly (what resume relies on), and batch_transform runs on every batch."""
-    def add_doubled(batch):
-        return {**batch, "doubled": batch["inputs"] * 2}
+    def add_doubled(batch):  # any field the transform adds, e.g. the matcher's ids
+        return batch.replace(fgram_ids=batch.inputs * 2)
 
     straight = pipeline.first_batches(pipeline.make_train_dataset(_data_cfg(), tok, batch_transform=add_doubled), 10)
     resumed = pipeline.first_batches(pipeline.make_train_dataset(_data_cfg(), tok, batch_transform=add_doubled, start_batch=5), 5)
     for expected, got in zip(straight[5:], resumed):
-        assert expected.keys() == got.keys()
-        for k in expected:
-            assert expected[k].tobytes() == got[k].tobytes()
-    np.testing.assert_array_equal(straight[0]["doubled"], straight[0]["inputs"] * 2)
-    assert len({b["inputs"].tobytes() for b in straight}) == 10
+        assert expected.arrays().keys() == got.arrays().keys()
+        for k, array in expected.arrays().items():
+            assert array.tobytes() == got.arrays()[k].tobytes()
+    np.testing.assert_array_equal(straight[0].fgram_ids, straight[0].inputs * 2)
+    assert len({b.inputs.tobytes() for b in straight}) == 10
 
 
 def test_batches_are_prepared_ahead_on_a_background_thread(tok):
@@ -148,11 +140,11 @@ def test_eval_covers_every_held_out_document_once(tok, single_token_docs):
         batches = list(ev)
         assert len(batches) == ev.num_batches == 2  # process 0 needs 2 rows of 6 tokens
         for b in batches:
-            assert {k: (v.shape, v.dtype) for k, v in b.items()} == {k: ((1, 6), d) for k, d in KEYS.items()}
+            assert {k: (v.shape, v.dtype) for k, v in b.arrays().items()} == {k: ((1, 6), d) for k, d in KEYS.items()}
         if p > 0:  # 6 tokens fill one row; the second batch is padding only
-            assert batches[1]["segment_ids"].sum() == 0 and batches[1]["loss_mask"].sum() == 0
+            assert batches[1].segment_ids.sum() == 0 and batches[1].loss_mask.sum() == 0
         seen += _doc_ids(batches)
-        tokens += int(sum(b["loss_mask"].sum() for b in batches))
+        tokens += int(sum(b.loss_mask.sum() for b in batches))
         totals.add(ev.num_tokens)
     assert sorted(seen) == list(range(200, 210))
     assert totals == {tokens} == {20}
@@ -164,14 +156,14 @@ def test_eval_on_kjv_pads_the_last_batch_and_counts_tokens(tok):
     batches = list(ev)
     expected_tokens = sum(len(tok.encode(d)) + 1 for d in corpus.kjv_documents("eval", 0.02))
     assert ev.num_tokens == ev.local_num_tokens == expected_tokens
-    assert sum(b["loss_mask"].sum() for b in batches) == expected_tokens
+    assert sum(b.loss_mask.sum() for b in batches) == expected_tokens
     assert len(batches) == ev.num_batches == -(-expected_tokens // (64 * 8))
     last = batches[-1]
-    assert last["segment_ids"][-1].sum() == 0 and last["loss_mask"][-1].sum() == 0
+    assert last.segment_ids[-1].sum() == 0 and last.loss_mask[-1].sum() == 0
     for b in batches:
         _check_packing_invariants(b, tok)
     again = list(ev)
-    assert all(a["inputs"].tobytes() == b["inputs"].tobytes() for a, b in zip(batches, again))
+    assert all(a.inputs.tobytes() == b.inputs.tobytes() for a, b in zip(batches, again))
 
 
 def test_more_processes_than_held_out_documents_still_agree_on_batch_count(tok, single_token_docs):
@@ -179,7 +171,7 @@ def test_more_processes_than_held_out_documents_still_agree_on_batch_count(tok, 
     runs = [list(pipeline.make_eval_batches(single_token_docs, tok, process_index=p, process_count=12))
             for p in (0, 11)]  # process 11 has no documents
     assert [len(r) for r in runs] == [1, 1]
-    assert runs[0][0]["loss_mask"].sum() == 2 and runs[1][0]["loss_mask"].sum() == 0
+    assert runs[0][0].loss_mask.sum() == 2 and runs[1][0].loss_mask.sum() == 0
 
 
 def test_batch_must_divide_across_processes(tok):
@@ -205,7 +197,7 @@ def test_pre_tokenized_ids_outside_the_vocabulary_are_rejected(tok, tmp_path):
 
 def _add_row_sums(batch):
     """A batch transform that runs in the workers (module level: workers unpickle it by name)."""
-    return {**batch, "row_sums": batch["inputs"].sum(axis=1)}
+    return batch.replace(fgram_unique=batch.inputs.sum(axis=1))
 
 
 def test_batches_do_not_depend_on_the_number_of_worker_processes(tok):
@@ -217,35 +209,37 @@ def test_batches_do_not_depend_on_the_number_of_worker_processes(tok):
         got = pipeline.first_batches(pipeline.make_train_dataset(_data_cfg(worker_count=workers, prefetch_buffer=1), tok,
                                                 batch_transform=_add_row_sums, start_batch=start), 6 - start)
         for expected, batch in zip(want[start:], got):
-            assert expected.keys() == batch.keys()
-            for k in expected:
-                assert (expected[k].dtype, expected[k].shape) == (batch[k].dtype, batch[k].shape), (workers, k)
-                assert expected[k].tobytes() == batch[k].tobytes(), (workers, k)
+            assert expected.arrays().keys() == batch.arrays().keys()
+            for k, array in expected.arrays().items():
+                assert (array.dtype, array.shape) == (batch.arrays()[k].dtype, batch.arrays()[k].shape), (workers, k)
+                assert array.tobytes() == batch.arrays()[k].tobytes(), (workers, k)
 
 
 
-def test_pack_hands_over_batches_in_one_array_and_unpacks_them_unchanged():
-    """Workers hand batches over packed (one shared-memory segment per element). Every dtype and
+def test_batches_travel_joined_in_one_array_and_split_back_unchanged():
+    """Workers hand batches over joined (one shared-memory segment per element). Every dtype and
     shape (scalar, empty, non-contiguous input) comes back bit-identical, as views into the one
     array at aligned offsets. Seen to catch: the layout's dtype dropped (int32 bits read back as
     float32), offsets advanced by element count instead of bytes (arrays overlapping)."""
     rng = np.random.default_rng(0)
-    batches = [{"inputs": rng.integers(0, 500, (4, 8), dtype=np.int32),
-                "loss_mask": rng.random((4, 8)).astype(np.float32),
-                "strided": np.arange(30, dtype=np.int64).reshape(5, 6)[:, ::2],
-                "flags": rng.random(7) > 0.5, "empty": np.zeros((0, 3), np.int32),
-                "count": np.array(k, np.int32)} for k in range(3)]
-    element = pipeline.pack(batches)
-    assert set(element) == {"packed", "layout"} and element["packed"].dtype == np.uint8
-    got = pipeline.unpack(element)
+    batches = [Batch(inputs=rng.integers(0, 500, (4, 8), dtype=np.int32),
+                     loss_mask=rng.random((4, 8)).astype(np.float32),
+                     fgram_rows=np.arange(30, dtype=np.float64).reshape(5, 6)[:, ::2],
+                     fgram_matched=rng.random(7) > 0.5, fgram_tokens=np.zeros((0, 3), np.int32),
+                     fgram_unique=np.array(k, np.int32)) for k in range(3)]
+    element = pipeline.join_batches(batches)
+    assert set(element) == {"bytes", "layout"} and element["bytes"].dtype == np.uint8
+    got = pipeline.split_element(element)
     assert len(got) == 3
     for want, batch in zip(batches, got):
-        assert list(batch) == list(want)
-        for k in want:
-            assert (batch[k].dtype, batch[k].shape) == (want[k].dtype, want[k].shape), k
-            np.testing.assert_array_equal(batch[k], want[k])
-            assert batch[k].size == 0 or np.shares_memory(batch[k], element["packed"])
-            assert (batch[k].__array_interface__["data"][0] - element["packed"].ctypes.data) % 64 == 0
+        assert list(batch.arrays()) == list(want.arrays())
+        for k, expected in want.arrays().items():
+            array = batch.arrays()[k]
+            assert (array.dtype, array.shape) == (expected.dtype, expected.shape), k
+            np.testing.assert_array_equal(array, expected)
+            assert array.size == 0 or np.shares_memory(array, element["bytes"])
+            assert (array.__array_interface__["data"][0] - element["bytes"].ctypes.data) % 64 == 0
+
 
 def test_worker_count_minus_one_is_half_the_cores(monkeypatch):
     monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)

@@ -13,15 +13,9 @@ from scone_jax.data import corpus, sources, tokenizer, tokenizer_training
 from scone_jax.training import assets
 
 
-@pytest.fixture(scope="session")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "kjv500.model"
-    return tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:300], str(path), vocab_size=500)
-
-
 def _data_cfg(**overrides):
     cfg = dict(source="kjv", train_files="", eval_files="", text_field="text", document_unit="line",
-               eval_fraction=0.02, tokenizer_path="", vocab_size=400)
+               eval_fraction=0.02, tokenizer_path="", vocab_size=400, character_coverage=0.9995)
     cfg.update(overrides)
     return ml_collections.ConfigDict(cfg)
 

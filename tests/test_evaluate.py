@@ -17,8 +17,9 @@ from scone_jax import sharding
 from scone_jax.data import corpus, tokenizer_training
 from scone_jax.fgram.vocab import FgramVocab, save_vocab
 from scone_jax.serving import bundle, evaluate, inference
-from scone_jax.training import assets, checkpoint, state as state_lib, steps, train
+from scone_jax.training import assets, checkpoint, state as state_lib
 from tests import serving_run
+from tests.common import training_graph_eval as held_out_of_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,8 +51,7 @@ def training_graph_eval(run, text):
     ckpt = checkpoint.Checkpointer(os.path.join(run["workdir"], "checkpoints"))
     state, _ = ckpt.restore(ckpt.latest_step(), state_lib.abstract_with_shardings(spec))
     ckpt.close()
-    return train.held_out_loss(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config,
-                          run["tokenizer"], mesh, batcher)
+    return held_out_of_state(config, run["tokenizer"], state, mesh, batcher)
 
 
 def check_counts(result, training_graph_eval, text):
@@ -109,6 +109,7 @@ def test_bf16_table_evaluates_as_the_float32_table_rounded_to_bf16(tmp_path_fact
     np.testing.assert_allclose(result["perplexity"], training_graph_eval["perplexity"], rtol=2e-3)
 
 
+@pytest.mark.slow
 def test_cli_writes_the_json_result(tmp_path_factory, text, training_graph_eval, tmp_path):
     path = serving_run.exported(tmp_path_factory, "float32")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -142,7 +143,7 @@ def test_pieces_of_another_model_vocabulary_or_tokenizer_are_refused(tmp_path_fa
                    force=True)
     with pytest.raises(bundle.BundleError, match="swapped_decoder/decoder/.* is damaged: it hashes to .* COMPLETE"):
         inference.load(path)  # the files' CRCs catch it first
-    serving_run.make_version_1(path)  # no CRCs: the parameters' fingerprint still does
+    serving_run.reseal(path)  # a forged seal: the parameters' fingerprint still catches it
     with pytest.raises(bundle.BundleError, match="belongs to another model"):
         inference.load(path)
 

@@ -16,7 +16,7 @@ from scone_jax.serving import bundle, export
 from scone_jax.serving.table import HostTable
 from scone_jax.training import state as state_lib
 from tests import serving_run
-from tests.common import small_config
+from tests.common import small_config, training_graph_eval
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,12 +95,13 @@ def test_export_never_overwrites_a_different_export(run, fp32_export, tmp_path):
     assert json.loads(before)["dtype"] == "float32"
 
 
+@pytest.mark.slow
 def test_a_run_without_scone_exports_a_decoder_only_bundle_served_like_any_other(tmp_path, tokenizer_path):
     """A baseline's bundle has an empty f-gram set (S = 0): the CLI exports it (it used to refuse), and
     serving.evaluate's perplexity equals the training graph's held-out loss of that checkpoint (fp32), so a
     study compares baseline and SCONE through the same serving programs."""
     from scone_jax.serving import evaluate, inference
-    from scone_jax.training import assets, checkpoint, steps, train
+    from scone_jax.training import assets, checkpoint
 
     config = small_config(init_std=0.5)  # far from uniform logits, so a wrong decoder shows
     config.data.tokenizer_path = tokenizer_path
@@ -124,8 +125,7 @@ def test_a_run_without_scone_exports_a_decoder_only_bundle_served_like_any_other
     config.train.eval_batches = 0
     served_eval = evaluate.evaluate(served, config.data)
     assert served_eval["hit_rate"] == 0.0
-    graph = train.held_out_loss(steps.make_eval_step(spec.graphdef, spec.shardings, mesh), state, config,
-                                tokenizer, mesh)
+    graph = training_graph_eval(config, tokenizer, state, mesh)
     assert served_eval["tokens"] == graph["tokens"] > 1000
     np.testing.assert_allclose(served_eval["perplexity"], graph["perplexity"], rtol=1e-5)
     assert served_eval["perplexity"] > 2 * 512  # init_std 0.5: the untrained decoder is far worse than uniform

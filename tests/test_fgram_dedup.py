@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from test_fgram_matcher import closure, make_vocab, planted_batch
 
+from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
@@ -42,7 +43,7 @@ def setup():
     grams = closure([list(rng.integers(12, size=rng.integers(2, 6))) for _ in range(30)])
     vocab = make_vocab(grams, 5, 12)
     tokens, segments = planted_batch(rng, grams, 12, batch=8, length=40)
-    return vocab, Matcher(vocab), {"inputs": tokens, "segment_ids": segments}
+    return vocab, Matcher(vocab), Batch(inputs=tokens, segment_ids=segments)
 
 
 @pytest.mark.parametrize("num_shards,micro_batches", [(1, 1), (2, 1), (4, 1), (8, 1), (1, 4), (2, 2), (4, 2)])
@@ -54,28 +55,28 @@ def test_matches_reference(setup, num_shards, micro_batches):
     capacity = 200 * micro_batches
     out = FgramBatcher(matcher, vocab, num_shards=num_shards, capacity=capacity, micro_batches=micro_batches)(batch)
     groups = num_shards * micro_batches
-    ids = matcher.match(batch["inputs"], batch["segment_ids"])
-    np.testing.assert_array_equal(out["fgram_ids"], ids)
+    ids = matcher.match(batch.inputs, batch.segment_ids)
+    np.testing.assert_array_equal(out.fgram_ids, ids)
     tokens, lengths, index = reference_dedup(ids, vocab, groups, 200)
-    np.testing.assert_array_equal(out["fgram_tokens"], tokens)
-    np.testing.assert_array_equal(out["fgram_lengths"], lengths)
-    np.testing.assert_array_equal(out["fgram_index"], index)
-    assert out["inputs"] is batch["inputs"] and (out["fgram_ids"] >= 0).mean() > 0.3
-    assert (out["fgram_lengths"] > 0).sum() < (tokens_unique := out["fgram_unique"].sum())  # prefixes shared
+    np.testing.assert_array_equal(out.fgram_tokens, tokens)
+    np.testing.assert_array_equal(out.fgram_lengths, lengths)
+    np.testing.assert_array_equal(out.fgram_slot, index)
+    assert out.inputs is batch.inputs and (out.fgram_ids >= 0).mean() > 0.3
+    assert (out.fgram_lengths > 0).sum() < (tokens_unique := out.fgram_unique.sum())  # prefixes shared
     per = 8 // groups
     assert tokens_unique == sum(len(set(ids[g * per:(g + 1) * per][ids[g * per:(g + 1) * per] >= 0].tolist()))
                                 for g in range(groups))
     # What the model will see: each matched position's slot starts the tokens that end there.
-    for (b, t), slot in np.ndenumerate(out["fgram_index"]):
+    for (b, t), slot in np.ndenumerate(out.fgram_slot):
         if slot >= 0:
             group, row, n = b // per, slot // 5, slot % 5 + 1
-            assert n <= out["fgram_lengths"][group, row]
-            assert out["fgram_tokens"][group, row, :n].tolist() == batch["inputs"][b, t - n + 1 : t + 1].tolist()
+            assert n <= out.fgram_lengths[group, row]
+            assert out.fgram_tokens[group, row, :n].tolist() == batch.inputs[b, t - n + 1 : t + 1].tolist()
 
 
 def test_capacity_overflow_names_the_fix(setup):
     vocab, matcher, batch = setup
-    need = max((FgramBatcher(matcher, vocab, num_shards=2, capacity=200)(batch)["fgram_lengths"] > 0).sum(1))
+    need = max((FgramBatcher(matcher, vocab, num_shards=2, capacity=200)(batch).fgram_lengths > 0).sum(1))
     FgramBatcher(matcher, vocab, num_shards=2, capacity=need)(batch)  # exactly enough is fine
     with pytest.raises(ValueError, match=rf"needs {need} f-gram rows.*scone.fgram_capacity={need - 1}.*"
                                          rf"--config.scone.fgram_capacity=128 or more"):
@@ -85,7 +86,7 @@ def test_capacity_overflow_names_the_fix(setup):
 def test_capacity_overflow_of_a_micro_batch_names_the_per_step_fix(setup):
     vocab, matcher, batch = setup
     out = FgramBatcher(matcher, vocab, num_shards=2, capacity=400, micro_batches=2)(batch)
-    need = (out["fgram_lengths"] > 0).sum(1)
+    need = (out.fgram_lengths > 0).sum(1)
     group = int(np.argmax(need))
     with pytest.raises(ValueError, match=rf"Data shard {group // 2}, micro-batch {group % 2}, needs {need.max()} "
                                          rf"f-gram rows.*fgram_capacity={2 * need.max() - 2} / 2 micro-batches"):
@@ -106,11 +107,11 @@ def test_bad_shapes(setup):
 
 def test_stats_by_hand():
     vocab = make_vocab([(1, 2), (2, 3), (1, 2, 3)], 3, 5)
-    batch = {"inputs": np.array([[1, 2, 3, 1], [1, 2, 0, 0]], np.int32),
-             "segment_ids": np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.int32)}
+    batch = Batch(inputs=np.array([[1, 2, 3, 1], [1, 2, 0, 0]], np.int32),
+                  segment_ids=np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.int32))
     out = FgramBatcher(Matcher(vocab), vocab, num_shards=2, capacity=4)(batch)
     # Row 0 matches (1 2) and (1 2 3); row 1 matches (1 2): 3 matched of 6 real positions.
-    assert out["fgram_ids"].tolist() == [[-1, 0, 2, -1], [-1, 0, -1, -1]]
+    assert out.fgram_ids.tolist() == [[-1, 0, 2, -1], [-1, 0, -1, -1]]
     assert stats.batch_stats(out) == {
         "fgram/hit_rate": 0.5,
         "fgram/mean_matched_length": (2 + 3 + 2) / 3,
@@ -118,18 +119,18 @@ def test_stats_by_hand():
         "fgram/row_ratio": 2 / 3,  # shard 0 runs only (1 2 3): (1 2) is its prefix
         "fgram/capacity_fill": 0.25,
     }
-    assert out["fgram_index"].tolist() == [[-1, 1, 2, -1], [-1, 1, -1, -1]]  # slots row*3 + length-1
+    assert out.fgram_slot.tolist() == [[-1, 1, 2, -1], [-1, 1, -1, -1]]  # slots row*3 + length-1
     out = FgramBatcher(Matcher(vocab), vocab, num_shards=1, capacity=4)(batch)
-    assert stats.unique_ratio(out["fgram_index"], out["fgram_unique"]) == 2 / 3
-    assert stats.row_ratio(out["fgram_index"], out["fgram_lengths"]) == 1 / 3
+    assert stats.unique_ratio(out.fgram_slot, out.fgram_unique) == 2 / 3
+    assert stats.row_ratio(out.fgram_slot, out.fgram_lengths) == 1 / 3
 
 
 def test_a_batch_without_matches_has_no_rows_and_no_slots():
     """A batch in which no f-gram occurs (the old code crashed here: an empty prefix lookup)."""
     vocab = make_vocab([(1, 2), (2, 3), (1, 2, 3)], 3, 5)
-    batch = {"inputs": np.array([[4, 4, 4, 4], [0, 0, 0, 0]], np.int32),
-             "segment_ids": np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.int32)}
+    batch = Batch(inputs=np.array([[4, 4, 4, 4], [0, 0, 0, 0]], np.int32),
+                  segment_ids=np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.int32))
     out = FgramBatcher(Matcher(vocab), vocab, num_shards=2, capacity=4)(batch)
-    assert (out["fgram_ids"] == -1).all() and (out["fgram_index"] == -1).all()
-    assert out["fgram_tokens"].shape == (2, 4, 3) and not out["fgram_lengths"].any()
-    assert out["fgram_unique"].tolist() == [0, 0]
+    assert (out.fgram_ids == -1).all() and (out.fgram_slot == -1).all()
+    assert out.fgram_tokens.shape == (2, 4, 3) and not out.fgram_lengths.any()
+    assert out.fgram_unique.tolist() == [0, 0]

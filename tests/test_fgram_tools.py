@@ -1,4 +1,5 @@
 """tools/extract_fgrams.py end to end on a small pre-tokenized ArrayRecord corpus."""
+import pytest
 import os
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.vocab import load_vocab
 from scone_jax.training import assets
 from tests.common import small_config
+
+pytestmark = pytest.mark.slow  # every test here starts processes or runs whole jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,15 +15,11 @@ from scone_jax.runtime import storage  # noqa: E402
 from scone_jax.serving import bundle, evaluate, export, inference  # noqa: E402
 from scone_jax.serving.table import HostTable  # noqa: E402
 from scone_jax.training import assets, checkpoint, state as state_lib  # noqa: E402
-from tests import gcs_emulator, serving_run  # noqa: E402
+from tests import serving_run  # noqa: E402
 from tests.common import small_config  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def bucket():
-    with gcs_emulator.running() as url:
-        yield url
-
+pytestmark = pytest.mark.slow  # every test here starts processes or runs whole jobs
 
 def test_export_to_gcs_evaluates_like_the_local_export(tmp_path_factory, bucket):
     run = serving_run.trained_run(tmp_path_factory)

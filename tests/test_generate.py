@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scone_jax.model import layers, transformer
+from scone_jax.data.batch import Batch
+from scone_jax.model import layers, scone, transformer
 from scone_jax.model.transformer import Decoder
 from scone_jax.serving import generate, inference
 from tests import serving_run
@@ -49,9 +50,9 @@ def real_text_rows(served, length=24):
 def full_forward_logits(served, tokens):
     """The offloaded forward pass over whole sequences (one document each), no cache."""
     ones = np.ones_like(tokens)
-    batch = inference.host_rows(served, {"inputs": tokens, "segment_ids": ones,
-                                         "positions": np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)})
-    return np.asarray(inference.batch_logits(served.decoder, {k: jnp.asarray(v) for k, v in batch.items()})), batch
+    batch = inference.host_rows(served, Batch(inputs=tokens, segment_ids=ones,
+                                              positions=np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)))
+    return np.asarray(scone.batch_logits(served.decoder, jax.tree.map(jnp.asarray, batch.for_device()))), batch
 
 
 def test_decode_path_logits_equal_a_full_forward_pass(served):
@@ -76,7 +77,7 @@ def test_teacher_forced_decoding_of_real_text_matches_fgrams_step_by_step(served
     np.testing.assert_array_equal(out["tokens"], ids)
     full, batch = full_forward_logits(served, ids)
     np.testing.assert_allclose(out["logits"], full[:, 5:23], rtol=1e-4, atol=1e-4)
-    assert (batch["fgram_ids"][:, 6:23] >= 0).mean() > 0.3
+    assert (batch.fgram_ids[:, 6:23] >= 0).mean() > 0.3
     no_table = generate.Generator(served, use_table=False).generate(ids[:, :6], num_tokens=18, forced=ids[:, 6:])
     assert not np.allclose(no_table["logits"], out["logits"], atol=1e-3)  # the rows did reach the model
 
@@ -103,7 +104,7 @@ def test_olmo_style_decoding_equals_a_full_forward_pass(served_olmo):
     out = generate.Generator(served_olmo).generate(ids[:, :6], num_tokens=18, forced=ids[:, 6:])
     np.testing.assert_array_equal(out["tokens"], ids)
     full, batch = full_forward_logits(served_olmo, ids)
-    assert (batch["fgram_ids"][:, 6:23] >= 0).mean() > 0.3  # the steps carry table rows
+    assert (batch.fgram_ids[:, 6:23] >= 0).mean() > 0.3  # the steps carry table rows
     np.testing.assert_allclose(out["logits"], full[:, 5:23], rtol=1e-4, atol=1e-4)
 
 

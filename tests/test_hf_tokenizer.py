@@ -286,6 +286,7 @@ def test_pretokenize_records_the_fingerprint_and_training_refuses_another_tokeni
             sources.open_source(data, "train", tokenizer_fingerprint=other.fingerprint)
 
 
+@pytest.mark.slow
 def test_scone_run_with_a_tokenizer_json_trains_exports_and_serves_with_the_runs_ids(llama_json, tmp_path):
     """The run overrides bos (</s> opens documents too, GPT-2's convention): the export must load the run's
     tokenizer with that policy, and serving must read the ids from the bundle, not the file's defaults."""

@@ -16,6 +16,8 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance
 
 from scone_jax.data import corpus
+from scone_jax.data.batch import Batch
+from scone_jax.model import scone
 from scone_jax.serving import evaluate, generate, inference, lm_eval as harness
 from tests import serving_run
 
@@ -50,9 +52,9 @@ def reference_logp(served, inputs):
     """log-softmax [T, V] after each of `inputs` (one sequence from position 0): the decoder on the whole
     row (no jit, no padding, no batching), f-gram rows from inference.host_rows."""
     inputs = np.asarray(inputs, np.int32)[None]
-    batch = inference.host_rows(served, {"inputs": inputs, "segment_ids": np.ones_like(inputs),
-                                         "positions": np.arange(inputs.shape[1], dtype=np.int32)[None]})
-    logits = inference.batch_logits(served.decoder, {k: jnp.asarray(v) for k, v in batch.items()})
+    batch = inference.host_rows(served, Batch(inputs=inputs, segment_ids=np.ones_like(inputs),
+                                              positions=np.arange(inputs.shape[1], dtype=np.int32)[None]))
+    logits = scone.batch_logits(served.decoder, jax.tree.map(jnp.asarray, batch.for_device()))
     return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))[0].astype(np.float64)
 
 
@@ -230,6 +232,7 @@ def cli_env(tmp_path):
                   "HF_HOME": str(tmp_path / "hf_home")}  # datasets' cache stays in the test's directory
 
 
+@pytest.mark.slow
 def test_cli_runs_local_tasks_offline_and_reports_the_adapters_figures(lm, served, docs, export_path, tmp_path):
     """The program's metrics are the adapter's: bits per byte from its rolling log-likelihoods and the
     accuracy its loglikelihoods give, on tasks read from local JSONL with the hub switched off."""
@@ -255,6 +258,7 @@ def test_cli_runs_local_tasks_offline_and_reports_the_adapters_figures(lm, serve
     assert metrics["tiny_mc"]["acc,none"] == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_cli_refuses_hub_data_offline_in_one_line(export_path, tmp_path):
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "hub_task.yaml").write_text(

@@ -76,7 +76,7 @@ def arch_of(config) -> dict:
 
 @pytest.mark.parametrize("main,scone,scan_layers", [
     (GPT2, {}, True),
-    (GPT2, {"d_model": 32, "num_heads": 2, "d_ff": 48}, False),  # narrower f-gram model: width projections
+    pytest.param(GPT2, {"d_model": 32, "num_heads": 2, "d_ff": 48}, False, marks=pytest.mark.slow),  # width projections
     (OLMO, {}, True),
     (OLMO, {"num_layers": 1}, False),
 ], ids=["gpt2", "gpt2-narrow-fgram-unscanned", "olmo", "olmo-unscanned"])
@@ -87,9 +87,9 @@ def test_production_losses_equal_the_method_reference(main, scone, scan_layers):
     got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(
         *nnx.split(model), device_arrays(batch)))
     want = ref.token_losses(reference_params(model, config), batch, arch_of(config), planted_grams(), K)
-    matched = batch["fgram_ids"] >= 0
-    assert matched.mean() > 0.2 and (~matched & (batch["loss_mask"] > 0)).any()  # both kinds of position
-    assert len(np.unique(batch["segment_ids"][0])) >= 3  # several documents in a row
+    matched = batch.fgram_ids >= 0
+    assert matched.mean() > 0.2 and (~matched & (batch.loss_mask > 0)).any()  # both kinds of position
+    assert len(np.unique(batch.segment_ids[0])) >= 3  # several documents in a row
     assert (want > 0).mean() > 0.5
     # fp32 against float64: a loss sums ~log(vocab) terms through a few d=64 layers; 1e-5 relative is
     # ~30 fp32 ulps, while the bugs in the module docstring move losses by >= 1e-2.
@@ -165,7 +165,8 @@ def test_a_model_without_weight_matrices_is_refused_when_decay_is_on():
     assert not any(jax.tree.leaves(optimizer.decay_mask(params, 0.0)))
 
 
-@pytest.mark.parametrize("main,scan_layers", [(GPT2, True), (OLMO, False)], ids=["gpt2", "olmo-unscanned"])
+@pytest.mark.parametrize("main,scan_layers", [pytest.param(GPT2, True, marks=pytest.mark.slow), (OLMO, False)],
+                         ids=["gpt2", "olmo-unscanned"])
 def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers):
     """The production train step (mean-loss gradients, clipping, warmup-cosine schedule, moments, decay
     mask) from a state at step 3 with non-zero moments equals ref.adamw_step on the same gradients."""
@@ -193,10 +194,10 @@ def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers):
     state = jax.tree_util.tree_map_with_path(seeded, state)
     batch = device_arrays(production_batch(num_shards=sharding.num_batch_shards(mesh), capacity=48)[0])
 
-    grads = _flat(nnx.grad(lambda m: steps.token_losses(m, batch).sum() / batch["loss_mask"].sum())(model))
+    grads = _flat(nnx.grad(lambda m: steps.token_losses(m, batch).sum() / batch.loss_mask.sum())(model))
     state = jax.device_put(state, spec.shardings)
     new_state, metrics = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)(
-        state, sharding.global_batch({k: np.asarray(v) for k, v in batch.items()}, mesh))
+        state, sharding.global_batch(jax.tree.map(np.asarray, batch), mesh))
     got = _flat(nnx.state(state_lib.model_of(spec.graphdef, new_state), nnx.Param))
 
     decayed = {k for k in params0 if k.endswith("['kernel'].value")}  # the weight matrices, by the test's own rule

@@ -158,7 +158,7 @@ def test_cached_decoding_equals_the_full_forward_pass(style, scan):
 
 
 @pytest.mark.parametrize("policy", ["full", "save_dots", "save_qkv_proj"])
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_remat_policies_change_memory_not_results(policy, scan):
     """Every policy gives the loss and gradients of no remat (fp32), scanned or not."""
     cfg = small_model_cfg(scan_layers=scan)

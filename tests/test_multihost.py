@@ -9,8 +9,6 @@ its block of rows), which isolates what multi-process changes: assembly and coll
 """
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -22,36 +20,11 @@ from scone_jax.data import pipeline, tokenizer as tokenizer_lib
 from scone_jax.serving import bundle, inference
 from scone_jax.serving.table import HostTable
 from tests import multihost_worker as worker, serving_run
+from tests.common import free_port, main_process_argv as cli, run_processes
+
+pytestmark = pytest.mark.slow  # every test here starts processes or runs whole jobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEADLINE_S = 240  # a whole two-process run; far above its ~30 s, far below "hung"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env_with_devices(n: int) -> dict:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
-
-
-def run_processes(argvs: list[list[str]], timeout: float = DEADLINE_S) -> list[subprocess.CompletedProcess]:
-    """Start every argv at once (4 devices each); kill all of them if any outlives `timeout`."""
-    procs = [subprocess.Popen(a, cwd=REPO, env=env_with_devices(4), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for a in argvs]
-    deadline, results = time.monotonic() + timeout, []
-    try:
-        for argv, p in zip(argvs, procs):
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(subprocess.CompletedProcess(argv, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
 
 
 def run_workers(task: str, tokenizer_path: str, workdir: str) -> None:
@@ -140,19 +113,13 @@ def test_two_processes_train_scone_through_the_real_pipeline_like_one(tokenizer_
     def side_by_side():
         while True:
             parts = [next(it) for it in pipelines]
-            yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+            yield jax.tree.map(lambda *rows: np.concatenate(rows), *parts)
 
     losses = worker.scone_train_steps(config, side_by_side())
     for it in pipelines:
         it.close()
     assert len(set(losses)) == worker.NUM_STEPS
     np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
-
-
-def cli(tokenizer_path, port, process_id, num_processes, *extra):
-    return [sys.executable, "-m", "scone_jax.main", f"--config=tests/small_config.py:{tokenizer_path}",
-            f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
-            f"--process_id={process_id}", *extra]
 
 
 @pytest.mark.parametrize("process_id", [0, 1])

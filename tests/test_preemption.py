@@ -1,6 +1,6 @@
 """A real SIGTERM to a training process: it saves where it stopped, exits 143, and a restart
 finishes with the parameters and batches of a run that was never interrupted."""
-import json
+import pytest
 import os
 import signal
 import subprocess
@@ -12,7 +12,9 @@ import numpy as np
 
 from scone_jax import sharding
 from scone_jax.training import checkpoint, state as state_lib, train
-from tests.common import small_config
+from tests.common import free_port, main_process_argv as cli, small_config, step_records
+
+pytestmark = pytest.mark.slow  # every test here starts processes or runs whole jobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_STEPS = 8
@@ -60,15 +62,6 @@ def start_cli(tokenizer_path, workdir, gate_file=None):
          f"--workdir={workdir}", *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-
-
-def step_records(workdir):
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.endswith("\n")]
-    return {r["step"]: r for r in rows if r["split"] == "step"}
 
 
 def wait_until(proc, done, what, timeout=300):
@@ -137,7 +130,6 @@ def test_sigterm_saves_exits_143_and_the_restart_matches_an_uninterrupted_run(to
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpointed_step(tokenizer_path, tmp_path):
     """jax's preemption service (not our handler) owns SIGTERM in a multi-process job: the
     signalled process tells the other, both save the same step and exit 143."""
-    from tests.test_multihost import cli, free_port  # the two-process launch helpers
 
     workdir, port = str(tmp_path / "two"), free_port()
     args = [f"--workdir={workdir}", "--config.train.num_steps=1000", "--config.train.log_every=1",

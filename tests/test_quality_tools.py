@@ -1,7 +1,6 @@
 """tools/split_corpus.py (hash split by path) and tools/bench_quality.py (its refusals and a --quick run)."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -63,6 +62,7 @@ def test_split_depends_on_paths_only_and_never_on_order(tmp_path):
     (["--input={tmp}/tree", "--pattern=*.md", "--output={tmp}/o"], "No file under"),
     (["--input={tmp}/tree", "--output={tmp}/o", "--test_fraction=0.7", "--validation_fraction=0.5"], "sum to less"),
 ])
+@pytest.mark.slow
 def test_split_bad_input_is_one_line(tmp_path, args, message):
     make_tree(tmp_path / "tree", 6)
     result = run_tool("tools/split_corpus.py", [a.format(tmp=tmp_path) for a in args])
@@ -88,6 +88,7 @@ def quality_args(corpus, workdir, *extra):
     (["--tokens=5m", "--override=data.vocab_size=512"], "passes over the training split"),
     (["--validation_files={corpus}/train.jsonl"], "The train and validation splits share"),
 ])
+@pytest.mark.slow
 def test_bench_quality_refuses_bad_input_before_training(corpus, tmp_path, extra, message):
     args = quality_args(corpus, tmp_path / "study", *[e.format(corpus=corpus) for e in extra])
     result = run_tool("tools/bench_quality.py", args)

@@ -11,7 +11,7 @@ from flax import nnx
 from scone_jax import sharding
 from scone_jax.model.scone import SconeModel
 from scone_jax.training import state as state_lib, steps
-from scone_jax.training.steps import token_losses
+from scone_jax.model.scone import token_losses
 from tests.common import assert_sums_close, largest, small_config
 from tests.scone_batches import K, device_arrays, production_batch
 
@@ -25,40 +25,40 @@ def scone_config(**scone_overrides):
 def naive_losses(model, batch, vocab):
     """Every matched position runs its own f-gram (the global id's tokens) through the f-gram
     model: no dedup, no prefix sharing, no groups (the plain reference; tests only)."""
-    ids = batch["fgram_ids"]
+    ids = batch.fgram_ids
     b, t = ids.shape
     flat = np.maximum(ids.reshape(-1), 0)
     emb = model.fgram_embeddings(jnp.asarray(vocab.tokens[flat]), jnp.asarray(vocab.lengths[flat]))
-    x = model.decoder.embed(batch["inputs"])
+    x = model.decoder.embed(batch.inputs)
     x = jnp.where((ids >= 0)[..., None], emb.reshape(b, t, -1), x)
-    logits = model.decoder.logits(model.decoder.decode(x, batch["segment_ids"], batch["positions"]))
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]) * batch["loss_mask"]
+    logits = model.decoder.logits(model.decoder.decode(x, batch.segment_ids, batch.positions))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch.targets) * batch.loss_mask
 
 
 # Deliberate bugs in the f-gram arrays the model reads; each must move the loss far outside
 # the equivalence tolerance (checked below, so the equivalence test is known to bite).
 def _whole_fgram_everywhere(b):
     """Every matched position reads its row's last token: the maximal f-gram, not its own prefix."""
-    index = b["fgram_index"].copy()
-    groups, capacity, k = b["fgram_tokens"].shape
+    index = b.fgram_slot.copy()
+    groups, capacity, k = b.fgram_tokens.shape
     row = index // k
     group = np.arange(len(index))[:, None] // (len(index) // groups)
-    last = b["fgram_lengths"][group, np.minimum(row, capacity - 1)] - 1
-    return b | {"fgram_index": np.where(index >= 0, row * k + last, -1).astype(np.int32)}
+    last = b.fgram_lengths[group, np.minimum(row, capacity - 1)] - 1
+    return b.replace(fgram_slot=np.where(index >= 0, row * k + last, -1).astype(np.int32))
 
 
 def _shift_slot(b):
     """Each slot one row further on (the next maximal f-gram of the group)."""
-    index = b["fgram_index"]
-    capacity, k = b["fgram_tokens"].shape[1:]
-    return b | {"fgram_index": np.where(index >= 0, (index + k) % (capacity * k), -1).astype(np.int32)}
+    index = b.fgram_slot
+    capacity, k = b.fgram_tokens.shape[1:]
+    return b.replace(fgram_slot=np.where(index >= 0, (index + k) % (capacity * k), -1).astype(np.int32))
 
 
 def _swap_groups(b):
     """Groups 0 and 1 exchange their f-gram rows (two shards' rows swapped)."""
-    order = np.arange(b["fgram_tokens"].shape[0])
+    order = np.arange(b.fgram_tokens.shape[0])
     order[:2] = [1, 0]
-    return b | {"fgram_tokens": b["fgram_tokens"][order], "fgram_lengths": b["fgram_lengths"][order]}
+    return b.replace(fgram_tokens=b.fgram_tokens[order], fgram_lengths=b.fgram_lengths[order])
 
 
 CORRUPTIONS = {"whole_fgram_everywhere": _whole_fgram_everywhere, "shift_slot": _shift_slot,
@@ -75,7 +75,8 @@ def loss_and_grads(model, batch):
     return nnx.value_and_grad(lambda m: token_losses(m, batch).sum())(model)
 
 
-@pytest.mark.parametrize("num_shards,capacity,micro_batches", [(1, 96, 1), (2, 48, 1), (4, 24, 1), (2, 48, 2)])
+@pytest.mark.parametrize("num_shards,capacity,micro_batches", [
+    pytest.param(1, 96, 1, marks=pytest.mark.slow), (2, 48, 1), pytest.param(4, 24, 1, marks=pytest.mark.slow), (2, 48, 2)])
 def test_production_layout_equals_the_naive_path_in_loss_and_gradients(num_shards, capacity, micro_batches):
     """FgramBatcher's batch (per-group dedup, prefix sharing, slots) through SconeModel equals
     running the f-gram model at every matched position, in the loss and in every gradient (fp32).
@@ -86,7 +87,7 @@ def test_production_layout_equals_the_naive_path_in_loss_and_gradients(num_shard
     config.model.tie_embeddings = False  # so T's gradient comes from the inputs alone
     model = SconeModel(config.model, config.scone, nnx.Rngs(0))
     host, vocab = production_batch(num_shards, capacity, micro_batches)
-    assert (host["fgram_ids"] >= 0).mean() > 0.2 and (host["fgram_lengths"] > 0).sum() < host["fgram_unique"].sum()
+    assert (host.fgram_ids >= 0).mean() > 0.2 and (host.fgram_lengths > 0).sum() < host.fgram_unique.sum()
     batch = device_arrays(host)
     l1, g1 = loss_and_grads(model, batch)
     def naive_loss(m):
@@ -99,16 +100,16 @@ def test_production_layout_equals_the_naive_path_in_loss_and_gradients(num_shard
     assert len(flat1) == len(flat2)
     for (p1, v1), (p2, v2) in zip(flat1, flat2):
         assert p1 == p2
-        assert_sums_close(v1.get_value(), v2.get_value(), host["inputs"].size, largest(g2), err_msg=str(p1))
+        assert_sums_close(v1.get_value(), v2.get_value(), host.inputs.size, largest(g2), err_msg=str(p1))
     # T gets gradient through the f-gram model too: rows of tokens seen only inside f-grams.
     table_grad = np.abs(np.asarray(g1["decoder"]["token_embed"]["embedding"].get_value())).sum(1)
-    in_fgrams = np.unique(vocab.tokens[np.unique(host["fgram_ids"][host["fgram_ids"] >= 0])])
+    in_fgrams = np.unique(vocab.tokens[np.unique(host.fgram_ids[host.fgram_ids >= 0])])
     assert table_grad[in_fgrams[in_fgrams >= 300]].min() > 0
     assert table_grad[340:].max() == 0
     naive = np.asarray(naive)
     np.testing.assert_allclose(per_token_losses(model, batch), naive, atol=2e-5)
     for name, corrupt in CORRUPTIONS.items():
-        if name == "swap_groups" and host["fgram_tokens"].shape[0] < 2:
+        if name == "swap_groups" and host.fgram_tokens.shape[0] < 2:
             continue
         bad = np.asarray(per_token_losses(model, device_arrays(corrupt(host))))
         assert np.abs(bad - naive).max() > 0.05, name  # per-token losses agree to 2e-5 above
@@ -139,8 +140,8 @@ def compiled_hlo(mesh_shape):
     step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
     batch, _ = production_batch(sharding.num_batch_shards(mesh), 48)
     batch = device_arrays(batch)
-    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(mesh, v.ndim))
-                      for k, v in batch.items()}
+    abstract_batch = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(mesh, v.ndim)), batch)
     return step.lower(state_lib.abstract_with_shardings(spec), abstract_batch).compile().as_text()
 
 
@@ -151,6 +152,7 @@ def test_no_cross_device_fgram_traffic_on_a_data_parallel_mesh():
     assert "all-reduce" in hlo  # gradients are still averaged
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_only_parameters_never_fgram_rows():
     hlo = compiled_hlo((2, 4, 1))
     gathers = re.findall(r"= (\S+) all-gather\(", hlo) + re.findall(r"= (\S+) all-to-all\(", hlo)

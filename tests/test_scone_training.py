@@ -8,7 +8,7 @@ from flax import nnx
 from scone_jax import config as config_lib, sharding
 from scone_jax.training import state as state_lib, steps
 from tests.common import assert_sums_close, largest, small_config
-from tests.scone_batches import K, ROWS, SEQ, device_arrays, production_batch
+from tests.scone_batches import K, ROWS, SEQ, production_batch
 
 CAPACITY = 96  # f-gram rows per data shard and step; splits into 1, 2 or 4 micro-batches
 NUM_STEPS = 3
@@ -33,7 +33,7 @@ def setup(mesh_shape, accum):
 
 def batch_for(mesh, num_shards, accum, seed):
     host, _ = production_batch(num_shards, CAPACITY, micro_batches=accum, seed=seed)
-    return sharding.global_batch({k: np.asarray(v) for k, v in device_arrays(host).items()}, mesh)
+    return sharding.global_batch(host.for_device(), mesh)
 
 
 def gradients(mesh_shape, accum, seed=0):
@@ -89,6 +89,7 @@ def single_device():
     return train((1, 1, 1), 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape,accum", [((2, 2, 1), 2), ((1, 2, 2), 1), ((2, 1, 1), 4)])
 def test_training_on_a_mesh_with_accumulation_equals_one_device(single_device, mesh_shape, accum):
     """Per-step losses, gradient norms and the parameters after NUM_STEPS steps equal a

@@ -30,7 +30,7 @@ def reference():
     return train_three_steps((8, 1, 1))
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4, 1), (2, 2, 2)])
+@pytest.mark.parametrize("mesh_shape", [(2, 4, 1), pytest.param((2, 2, 2), marks=pytest.mark.slow)])
 def test_same_loss_on_every_mesh(reference, mesh_shape):
     """Losses and gradient norms agree tightly; parameters to 1e-4 after 3 Adam steps of lr 3e-3:
     Adam divides each gradient by its own magnitude, so a gradient that is ~0 in exact
@@ -45,6 +45,7 @@ def test_same_loss_on_every_mesh(reference, mesh_shape):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(reference):
     losses, leaves, norms = train_three_steps((8, 1, 1), grad_accum_steps=2)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)

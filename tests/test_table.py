@@ -8,7 +8,8 @@ import pytest
 import tensorstore as ts
 
 from scone_jax.serving import bundle
-from scone_jax.serving.table import HostTable, Prefetcher
+from scone_jax.serving.prefetch import Prefetcher
+from scone_jax.serving.table import HostTable
 from tests import serving_run
 
 

@@ -1,8 +1,5 @@
 """End-to-end training: exact resume in a new process, NaN handling, bad input via the CLI."""
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -11,7 +8,7 @@ import pytest
 from scone_jax import sharding
 from scone_jax.data import tokenizer as tokenizer_lib
 from scone_jax.training import assets, checkpoint, state as state_lib, train
-from tests.common import small_config
+from tests.common import run_main, small_config, step_records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,20 +20,6 @@ def config_with(tokenizer_path, **train_overrides):
     return config
 
 
-def run_cli(workdir, *args, config="tests/small_config.py"):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run(
-        [sys.executable, "-m", "scone_jax.main", f"--config={config}", f"--workdir={workdir}", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-
-
-def step_records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r for r in rows if r["split"] == "step"}
-
-
 def final_params(config, workdir):
     mesh = sharding.make_mesh(config.mesh)
     spec = state_lib.state_spec(config, mesh)
@@ -46,6 +29,7 @@ def final_params(config, workdir):
     return jax.device_get(jax.tree.leaves(state[0]))
 
 
+@pytest.mark.slow
 def test_resume_in_new_process_replays_the_same_batches_and_parameters(tokenizer_path, tmp_path):
     """Two grain worker processes build the batches; interrupted after 3 steps and resumed in a
     new process (where the workers start again at batch 3) == uninterrupted."""
@@ -57,7 +41,7 @@ def test_resume_in_new_process_replays_the_same_batches_and_parameters(tokenizer
     config.data.worker_count = 2
     train.run(config, split)
     assert checkpoint.Checkpointer(os.path.join(split, "checkpoints")).latest_step() == 3
-    result = run_cli(split, "--config.data.worker_count=2", config=f"tests/small_config.py:{tokenizer_path}")
+    result = run_main(split, "--config.data.worker_count=2", config=f"tests/small_config.py:{tokenizer_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Resumed from step 3" in result.stderr
 
@@ -81,6 +65,7 @@ def test_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tokenizer_pa
     assert all(np.isfinite(p).all() for p in final_params(config, str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_from_another_tokenizer(tokenizer_path, tmp_path):
     train.run(config_with(tokenizer_path, max_steps_per_run=1), str(tmp_path))
     assets.ensure_tokenizer(_other_vocab_data(), str(tmp_path / "other"))
@@ -100,17 +85,19 @@ def _other_vocab_data():
     (["--config.model.num_layrs=3"], "Valid keys there: ['attention', 'd_ff', 'd_model'"),
     (["--config.data.source=text", "--config.data.train_files=/nonexistent/*.txt"], "/nonexistent/*.txt"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_a_clear_error(tmp_path, args, message):
-    result = run_cli(str(tmp_path / "w"), *args)
+    result = run_main(str(tmp_path / "w"), *args)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_empty_corpus_is_a_clear_error(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    result = run_cli(str(tmp_path / "w"), "--config.data.source=text", f"--config.data.train_files={empty}")
+    result = run_main(str(tmp_path / "w"), "--config.data.source=text", f"--config.data.train_files={empty}")
     assert result.returncode == 2
     assert "empty" in result.stderr.lower() and "Traceback" not in result.stderr
 
@@ -122,6 +109,7 @@ def scone_config(tokenizer_path, **scone_overrides):
     return config
 
 
+@pytest.mark.slow
 def test_scone_training_extracts_fgrams_logs_their_figures_and_pins_the_vocabulary(tokenizer_path, tmp_path):
     workdir = str(tmp_path / "run")
     result = train.run(scone_config(tokenizer_path), workdir)
@@ -143,12 +131,7 @@ def test_scone_training_extracts_fgrams_logs_their_figures_and_pins_the_vocabula
         train.run(config, workdir, allow_config_changes=["scone.num_fgrams"])
 
 
-def eval_records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r for r in rows if r["split"] == "eval"}
-
-
+@pytest.mark.slow
 def test_scone_with_accumulation_resumes_exactly(tokenizer_path, tmp_path):
     """SCONE with 2 micro-batches per step, interrupted after 3 of 6 steps and resumed, equals the
     uninterrupted run: the same batches (fingerprints cover the f-gram rows, lengths and slots),
@@ -170,13 +153,14 @@ def test_scone_with_accumulation_resumes_exactly(tokenizer_path, tmp_path):
     assert len({a[s]["batch_crc"] for s in a}) == 6
     np.testing.assert_allclose([a[s]["loss"] for s in a], [b[s]["loss"] for s in a], rtol=1e-6)
     assert all(a[s]["fgram/hit_rate"] == b[s]["fgram/hit_rate"] > 0.3 for s in a)
-    ea, eb = eval_records(straight), eval_records(split)
+    ea, eb = step_records(straight, "eval"), step_records(split, "eval")
     assert sorted(ea) == sorted(eb) == [3, 6]
     np.testing.assert_allclose([ea[s]["loss"] for s in ea], [eb[s]["loss"] for s in ea], rtol=1e-6)
     for x, y in zip(final_params(config, straight), final_params(config, split)):  # same program and devices
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_a_bad_document_in_a_worker_stops_the_run_at_a_saved_step(tokenizer_path, tmp_path):
     """A worker process that fails on a document mid-run (a token id outside the vocabulary)
     stops training with one error naming the problem, after saving a checkpoint at the step

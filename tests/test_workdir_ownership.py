@@ -13,7 +13,7 @@ import time
 import pytest
 
 from scone_jax.runtime import ownership, storage
-from tests import gcs_emulator
+from tests.common import free_port, main_process_argv as cli, record_list, run_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_STEPS, GATE_STEP = 4, 2
@@ -38,13 +38,6 @@ def gated(self, step):
 preemption.Watch.reached = gated
 runpy.run_module("scone_jax.main", run_name="__main__")
 """
-
-
-@pytest.fixture(scope="module")
-def bucket():
-    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator (the [test] extra)")
-    with gcs_emulator.running() as url:
-        yield url
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -191,11 +184,7 @@ def wait_for(proc, path, timeout=240):
         time.sleep(0.05)
 
 
-def step_records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [r["step"] for r in map(json.loads, f) if r["split"] == "step"]
-
-
+@pytest.mark.slow
 def test_a_second_run_on_a_busy_workdir_exits_2_at_once_and_the_first_finishes_alone(tokenizer_path, tmp_path):
     """The first run holds the workdir at step 2 for longer than its 2 s lease (the heartbeat keeps it)."""
     workdir, gate = str(tmp_path / "run"), str(tmp_path / "at_gate")
@@ -216,11 +205,12 @@ def test_a_second_run_on_a_busy_workdir_exits_2_at_once_and_the_first_finishes_a
         if first.poll() is None:
             first.kill()
     assert first.returncode == 0, stderr[-3000:]
-    assert step_records(workdir) == list(range(1, NUM_STEPS + 1))  # one record per step, from one run
+    assert [r["step"] for r in record_list(workdir)] == list(range(1, NUM_STEPS + 1))  # one record per step, from one run
     assert not os.path.exists(os.path.join(workdir, "OWNER"))
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [str(NUM_STEPS)]
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_sigkill_is_taken_over_once_its_lease_runs_out(tokenizer_path, tmp_path):
     workdir = str(tmp_path / "run")
     killed = start_cli(tokenizer_path, workdir, lease_s=2)
@@ -237,13 +227,13 @@ def test_a_run_killed_with_sigkill_is_taken_over_once_its_lease_runs_out(tokeniz
     assert rerun.returncode == 0, stderr[-3000:]
     assert f"Took over --workdir={workdir} from a run that stopped renewing its lease (host " in stderr
     assert f"process {killed.pid}, started " in stderr
-    assert step_records(workdir) == list(range(1, NUM_STEPS + 1))
+    assert [r["step"] for r in record_list(workdir)] == list(range(1, NUM_STEPS + 1))
     assert not os.path.exists(os.path.join(workdir, "OWNER"))
 
 
+@pytest.mark.slow
 def test_both_processes_of_a_job_on_a_busy_workdir_exit_2_with_the_owner_named(tokenizer_path, tmp_path):
     """Process 0 tries and tells process 1 through jax's key-value store: neither waits for the other."""
-    from tests.test_multihost import cli, free_port, run_processes
 
     workdir, port = str(tmp_path / "run"), free_port()
     owner = ownership.acquire(workdir, lease_s=60)

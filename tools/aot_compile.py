@@ -120,25 +120,26 @@ def tpu_devices(tpu: Slice) -> list:
     return topology.devices
 
 
-def abstract_batch(config, mesh) -> dict:
-    """The device batch as train.py sends it, as ShapeDtypeStructs sharded over (data, fsdp):
+def abstract_batch(config, mesh):
+    """The device Batch as train.py sends it, as ShapeDtypeStructs sharded over (data, fsdp):
     tokens [B, T], and with SCONE each batch shard's U unique f-grams of up to K tokens."""
     import jax
     import jax.numpy as jnp
 
     from scone_jax import sharding
+    from scone_jax.data.batch import Batch
 
     rows = (config.data.global_batch_size, config.data.seq_len)
     shapes = dict(inputs=rows, targets=rows, segment_ids=rows, positions=rows, loss_mask=rows)
     if config.scone.enabled:  # FgramBatcher's layout: one group per data shard and micro-batch
         accum = config.train.grad_accum_steps
         groups = (sharding.num_batch_shards(mesh) * accum, config.scone.fgram_capacity // accum)
-        shapes.update(fgram_tokens=(*groups, config.scone.max_len), fgram_lengths=groups, fgram_index=rows)
-    return {
+        shapes.update(fgram_tokens=(*groups, config.scone.max_len), fgram_lengths=groups, fgram_slot=rows)
+    return Batch(**{
         k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                 sharding=sharding.batch_sharding(mesh, len(shape)))
         for k, shape in shapes.items()
-    }
+    })
 
 
 def compile_train_step(config, devices):

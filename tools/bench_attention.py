@@ -13,6 +13,10 @@
    --tpu_topology at T=--tpu_seq_len, bf16, B=1, N=8, H=128: XLA's temporary memory
    (memory_analysis().temp_size_in_bytes) for 'reference' and 'splash' ('xla' too without
    --quick), and whether the compiled program holds a [.., T, T] buffer.
+3. Prefill memory (this platform): a prompt of --prefill_len tokens run into an empty KV cache, as
+   serving.generate does, for one layer's attention [1, P, 8, 64] fp32: the cached formula (dense
+   fp32 [B, N, P, S] scores, what prefill used before) against the training implementation that
+   prefill now runs (layers.Attention); XLA's temporary memory of each compiled program.
 Last lines: `RESULT name value`.
 """
 import os
@@ -37,6 +41,7 @@ from scone_jax.model import attention as attention_lib  # noqa: E402
 _QUICK = flags.DEFINE_bool("quick", True, "Small sizes, 3 rounds (about a minute on 2 cores).")
 _TPU_TOPOLOGY = flags.DEFINE_string("tpu_topology", "v5e:1x1", "libtpu topology for the memory figures; '' skips.")
 _TPU_SEQ_LEN = flags.DEFINE_integer("tpu_seq_len", 8192, "Sequence length of the TPU memory figures.")
+_PREFILL_LEN = flags.DEFINE_integer("prefill_len", 8192, "Prompt length of the prefill memory figures (0 skips).")
 
 QUICK_SIZES = [(4, 512, 8, 64), (2, 1024, 8, 64)]
 FULL_SIZES = QUICK_SIZES + [(1, 2048, 8, 64), (1, 4096, 4, 128)]
@@ -121,6 +126,24 @@ def tpu_memory(topology_name: str, seq_len: int, implementations) -> dict:
     return results
 
 
+def prefill_memory(prompt: int, implementation: str) -> dict:
+    """Temporary memory of one layer's prefill attention over a `prompt`-token prompt (module docstring, 3)."""
+    shape = jax.ShapeDtypeStruct((1, prompt, 8, 64), jnp.float32)
+    paths = {
+        "dense": lambda q, k, v: attention_lib.cached_attention(q, k, v, 0),
+        "fused": lambda q, k, v: attention_lib.attention(q, k, v, jnp.ones(q.shape[:2], jnp.int32),
+                                                         implementation=implementation, packed=False),
+    }
+    results = {}
+    for name, fn in paths.items():
+        compiled = jax.jit(fn).lower(shape, shape, shape).compile()
+        mib = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        print(f"prefill of {prompt} tokens, one layer, {name} ({'cached formula' if name == 'dense' else implementation}): "
+              f"temp {mib:.1f} MiB", flush=True)
+        results[f"prefill_temp_mib_{name}_T{prompt}"] = mib
+    return results
+
+
 def main(argv):
     del argv
     platform = attention_lib.compile_platform()
@@ -130,6 +153,8 @@ def main(argv):
     print(f"{platform} ({jax.devices()[0].device_kind}, {jax.device_count()} devices): {', '.join(implementations)}")
     dtypes = [jnp.float32, jnp.bfloat16]
     results = time_sizes(implementations, QUICK_SIZES if quick else FULL_SIZES, dtypes, rounds=3 if quick else 5)
+    if _PREFILL_LEN.value:
+        results.update(prefill_memory(_PREFILL_LEN.value, "xla" if platform == "cpu" else "auto"))
     if _TPU_TOPOLOGY.value:
         if importlib.util.find_spec("libtpu") is None:
             print("libtpu not installed (pip install -e '.[aot]'): no TPU memory figures.")

@@ -221,7 +221,7 @@ def fgram_capacity(config, tokenizer, vocab, sample: int = 64) -> int:
     batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=1, capacity=rows)
     build = pipeline.batch_builder(config.data, tokenizer, batch_transform=batcher)
     steps = config.train.num_steps
-    used = [int((build(int(b))["fgram_lengths"] > 0).sum()) for b in np.linspace(0, steps - 1, min(sample, steps))]
+    used = [int((build(int(b)).fgram_lengths > 0).sum()) for b in np.linspace(0, steps - 1, min(sample, steps))]
     return int(math.ceil(max(used) * 1.25 / 128) * 128)
 
 

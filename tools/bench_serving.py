@@ -86,12 +86,12 @@ def onthefly_tokens_per_s(config, workdir, tokenizer, max_batches: int) -> float
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
     state, _ = ckpt.restore(1, state_lib.abstract_with_shardings(spec))
     ckpt.close()
-    step = steps.make_eval_step(spec.graphdef, spec.shardings, mesh)
-    batches = [sharding.global_batch(steps.step_arrays(batcher(b)), mesh)
+    step = steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh)
+    batches = [sharding.global_batch(batcher(b).for_device(), mesh)
                for _, b in zip(range(max_batches), pipeline.make_eval_batches(config.data, tokenizer))]
-    jax.block_until_ready(step(state, batches[0]))
+    jax.block_until_ready(step(state[0], batches[0]))
     start = time.perf_counter()
-    sums = [step(state, b) for b in batches[1:]]
+    sums = [step(state[0], b) for b in batches[1:]]
     tokens = float(np.sum([float(n) for _, n in jax.device_get(sums)]))
     return tokens / (time.perf_counter() - start)
 

@@ -36,7 +36,7 @@ def step_runner(config, batches, warmup: int = 2):
     spec = state_lib.state_spec(config, mesh)
     state = [state_lib.init_state(config, spec)]
     step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    device_batches = [sharding.global_batch(steps.step_arrays(b), mesh) for b in batches]
+    device_batches = [sharding.global_batch(b.for_device(), mesh) for b in batches]
 
     def run(batches_to_run):
         metrics = None
@@ -108,7 +108,7 @@ def main(_):
     paper = dedup_reduction(scone, tokenizer, batcher, 64, 1024, 1 if _QUICK.value else 4)
     print(f"dedup: naive / deduplicated f-gram-model tokens = {tiny:.2f} at 16 x 128 tokens per shard, "
           f"{paper:.2f} at 64 x 1024 (static capacity U={scone.scone.fgram_capacity} rows: "
-          f"{np.mean([(b['fgram_index'] >= 0).sum() for b in batches]) / scone.scone.fgram_capacity:.2f} at the tiny shard)")
+          f"{np.mean([(b.fgram_slot >= 0).sum() for b in batches]) / scone.scone.fgram_capacity:.2f} at the tiny shard)")
     print(f"RESULT train_tokens_per_s {tokens / base_s:.1f}")
     print(f"RESULT scone_train_tokens_per_s {tokens / scone_s:.1f}")
     print(f"RESULT scone_step_time_ratio {scone_s / base_s:.3f}")

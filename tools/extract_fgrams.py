@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from scone_jax.data import sources, tokenize, tokenizer_flags
+from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
@@ -98,13 +99,13 @@ class ProgressPrinter:
 
 
 def packed_batches(docs, rows: int, length: int):
-    """{"inputs", "segment_ids"} batches of documents laid end to end (segment ids count from 1 per row)."""
+    """Batches (inputs and segment ids) of documents laid end to end (segment ids count from 1 per row)."""
     tokens = np.concatenate(docs)
     segments = np.concatenate([np.full(len(d), i % 2**30 + 1, np.int32) for i, d in enumerate(docs)])
     per_batch = rows * length
     for start in range(0, len(tokens) - per_batch + 1, per_batch):
-        yield {"inputs": tokens[start : start + per_batch].reshape(rows, length),
-               "segment_ids": segments[start : start + per_batch].reshape(rows, length)}
+        yield Batch(inputs=tokens[start: start + per_batch].reshape(rows, length),
+                    segment_ids=segments[start: start + per_batch].reshape(rows, length))
 
 
 def report(vocab, docs) -> None:

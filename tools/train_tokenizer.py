@@ -24,6 +24,8 @@ flags.DEFINE_string("text_field", "text", "JSONL field holding the text (--forma
 flags.DEFINE_enum("document_unit", "line", ["line", "file"], "Text files: one document per line or per file.")
 flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size, including 4 special ids and 256 byte pieces.")
 flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "SentencePiece model type.")
+flags.DEFINE_float("character_coverage", 0.9995, "Share of the text's characters that get pieces of their own; the "
+                   "rest are spelled in bytes (lower it for small vocabularies over many scripts, e.g. 0.99).")
 flags.DEFINE_integer("max_chars", tokenizer_training.DEFAULT_MAX_CHARS, "Train on a random sample of this many characters.")
 
 _CHECK_DOCS = 200
@@ -41,7 +43,8 @@ def train():
           f"({time.time() - start:.1f} s)")
 
     start = time.time()
-    tok = tokenizer_training.train_tokenizer(docs, FLAGS.output, FLAGS.vocab_size, FLAGS.model_type)
+    tok = tokenizer_training.train_tokenizer(docs, FLAGS.output, FLAGS.vocab_size, FLAGS.model_type,
+                                             character_coverage=FLAGS.character_coverage)
     print(f"trained {FLAGS.model_type} vocab {tok.vocab_size:,} in {time.time() - start:.1f} s -> "
           f"{FLAGS.output} (fingerprint {tok.fingerprint})")
 

@@ -19,9 +19,7 @@ import dataclasses
 
 import numpy as np
 
-KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
-DTYPES = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
-          "loss_mask": np.float32}
+from scone_jax.data.batch import Batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +92,9 @@ def examples(ids: np.ndarray, lengths: np.ndarray, bos: int, eos: int):
 
 
 def rows(inputs: np.ndarray, targets: np.ndarray, starts: np.ndarray, num_rows: int, seq_len: int,
-         pad_id: int) -> dict:
+         pad_id: int) -> Batch:
     """A window of the stream ([num_rows * seq_len] positions, or fewer at the end of a finite
-    stream) -> the batch arrays [num_rows, seq_len], padding after the last real position."""
+    stream) -> the batch [num_rows, seq_len], padding after the last real position."""
     size = num_rows * seq_len
     real = len(inputs)
     if real < size:
@@ -110,10 +108,10 @@ def rows(inputs: np.ndarray, targets: np.ndarray, starts: np.ndarray, num_rows: 
     segment_ids = np.cumsum(piece_start, axis=1, dtype=np.int32) * live
     columns = np.arange(seq_len, dtype=np.int32)
     positions = columns - np.maximum.accumulate(np.where(piece_start, columns, 0), axis=1)
-    return {
-        "inputs": inputs.reshape(num_rows, seq_len),
-        "targets": targets.reshape(num_rows, seq_len),
-        "segment_ids": segment_ids.astype(np.int32),
-        "positions": (positions * live).astype(np.int32),
-        "loss_mask": live.astype(np.float32),
-    }
+    return Batch(
+        inputs=inputs.reshape(num_rows, seq_len),
+        targets=targets.reshape(num_rows, seq_len),
+        segment_ids=segment_ids.astype(np.int32),
+        positions=(positions * live).astype(np.int32),
+        loss_mask=live.astype(np.float32),
+    )

@@ -24,10 +24,9 @@ import numpy as np
 from absl import logging
 
 from scone_jax.data import documents, packing
-from scone_jax.data.packing import DTYPES
+from scone_jax.data.batch import Batch
 from scone_jax.data.tokenizer import Tokenizer
 
-Batch = dict[str, np.ndarray]
 # grain's MapDataset wants a length; the stream is endless, so batch numbers just stop here.
 _ENDLESS = 1 << 48
 MAX_AUTO_WORKERS = 16
@@ -111,7 +110,7 @@ def make_train_dataset(
     process_count: int = 1,
     batch_transform: Callable[[Batch], Batch] | None = None,
     start_batch: int = 0,
-) -> grain.IterDataset | _Unpacked:
+) -> grain.IterDataset | _Elements:
     """Endless packed training batches of one JAX process, from batch number `start_batch`.
 
     All processes split the documents the same way (documents.process_share) and each reads
@@ -131,7 +130,7 @@ def make_train_dataset(
         ds = grain.MapDataset.range(start_batch, _ENDLESS).map(build).to_iter_dataset(read)
         return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=data_cfg.prefetch_buffer)
     logging.info("Input pipeline: %d worker processes build the batches", workers)
-    # Workers hand over BATCHES_PER_ELEMENT consecutive batches at a time, packed into one array
+    # Workers hand over BATCHES_PER_ELEMENT consecutive batches at a time, joined into one array
     # (_BuildBatches): grain's fixed cost per element and per array (shared memory, queues) would
     # otherwise be a large share of a batch's work. data.prefetch_buffer batches per worker, in
     # whole elements, are both built ahead and queued for hand-over: batches are consumed in
@@ -141,20 +140,20 @@ def make_train_dataset(
     elements = grain.MapDataset.range(_ENDLESS // BATCHES_PER_ELEMENT).map(
         _BuildBatches(build, start_batch, BATCHES_PER_ELEMENT)).to_iter_dataset(read)
     options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=ahead)
-    return _Unpacked(elements.mp_prefetch(options))
+    return _Elements(elements.mp_prefetch(options))
 
 
 BATCHES_PER_ELEMENT = 4
-_ALIGN = 64  # byte alignment of each array inside a packed element
+_ALIGN = 64  # byte alignment of each array inside a joined element
 
 
 class _BuildBatches:
-    """Element j -> batches start + j*n .. start + j*n + n-1, packed into one byte array.
+    """Element j -> batches start + j*n .. start + j*n + n-1, joined into one byte array.
 
     grain hands each numpy array of an element over in a shared-memory segment of its own:
     creating, filling (page faults), attaching and unlinking one. Ten arrays per batch cost the
     worker ~6.5-7.2 ms per 4-batch element where one array of the same bytes costs ~5.5-5.8 ms,
-    so an element travels as one segment: {"packed": uint8 bytes, "layout": JSON}.
+    so an element travels as one segment: {"bytes": uint8 array, "layout": JSON} (join_batches).
     """
 
     def __init__(self, build: _BuildBatch, start: int, n: int):
@@ -162,50 +161,50 @@ class _BuildBatches:
 
     def __call__(self, element: int) -> dict:
         first = self._start + int(element) * self._n
-        return pack([self._build(b) for b in range(first, first + self._n)])
+        return join_batches([self._build(b) for b in range(first, first + self._n)])
 
 
-def pack(batches: list[Batch]) -> dict:
-    """Batches (dicts of numpy arrays) as one uint8 array and a JSON layout; `unpack` inverts it."""
+def join_batches(batches: list[Batch]) -> dict:
+    """Batches as one uint8 array and a JSON layout (a worker's element); `split_element` inverts it."""
     layout, offset = [], 0
     for batch in batches:
         entries = []
-        for key, array in batch.items():
+        for key, array in batch.arrays().items():
             entries.append((key, array.dtype.str, list(array.shape), offset))
             offset += -(-array.nbytes // _ALIGN) * _ALIGN
         layout.append(entries)
-    packed = np.empty(offset, np.uint8)
+    joined = np.empty(offset, np.uint8)
     for batch, entries in zip(batches, layout):
-        for (key, _, _, start), array in zip(entries, batch.values()):
-            packed[start:start + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return {"packed": packed, "layout": json.dumps(layout)}
+        for (key, _, _, start), array in zip(entries, batch.arrays().values()):
+            joined[start:start + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return {"bytes": joined, "layout": json.dumps(layout)}
 
 
-def unpack(element: dict) -> list[Batch]:
-    """The batches of a packed element, as views into its one array (no copy)."""
-    packed = element["packed"]
+def split_element(element: dict) -> list[Batch]:
+    """The batches of a joined element, as views into its one array (no copy)."""
+    joined = element["bytes"]
     batches = []
     for entries in json.loads(element["layout"]):
-        batch = {}
+        arrays = {}
         for key, dtype, shape, start in entries:
             dtype = np.dtype(dtype)
             size = math.prod(shape) * dtype.itemsize
-            batch[key] = packed[start:start + size].view(dtype).reshape(shape)
-        batches.append(batch)
+            arrays[key] = joined[start:start + size].view(dtype).reshape(shape)
+        batches.append(Batch.from_arrays(arrays))
     return batches
 
 
-class _Unpacked:
-    """Iterates the batches inside grain's packed elements, in order; `it.close()` stops grain."""
+class _Elements:
+    """Iterates the batches inside grain's joined elements, in order; `it.close()` stops grain."""
 
     def __init__(self, elements: grain.IterDataset):
         self._elements = elements
 
     def __iter__(self) -> Iterator[Batch]:
-        return _UnpackedIterator(iter(self._elements))
+        return _ElementsIterator(iter(self._elements))
 
 
-class _UnpackedIterator:
+class _ElementsIterator:
     def __init__(self, elements):
         self._elements, self._ready = elements, []
 
@@ -214,7 +213,7 @@ class _UnpackedIterator:
 
     def __next__(self) -> Batch:
         if not self._ready:
-            self._ready = unpack(next(self._elements))
+            self._ready = split_element(next(self._elements))
         return self._ready.pop(0)
 
     def close(self) -> None:
@@ -269,7 +268,7 @@ class EvalBatches:
                 yield window(self._docs, self._stream, b * size, size, self._rows, self._seq_len, *self._tokens,
                              stream_end=end)
             else:
-                yield {k: np.zeros((self._rows, self._seq_len), dtype) for k, dtype in DTYPES.items()}
+                yield Batch.empty(self._rows, self._seq_len)
 
 
 class _Slice:

@@ -67,7 +67,7 @@ def read_lengths(shard: str, num_records: int) -> np.ndarray | None:
     return lengths.astype(np.int64)
 
 
-def read_meta(shard: str, num_records: int) -> dict | None:
+def read_sidecar(shard: str, num_records: int) -> dict | None:
     """The shard's JSON sidecar, checked against its record count; None when it has none."""
     path = meta_path(shard)
     if not os.path.isfile(path):

@@ -240,7 +240,7 @@ class TokenArrayRecordSource:
         """Refuses shards whose sidecar names another tokenizer; warns once about shards without one."""
         unchecked = []
         for path, count in zip(self._files, self._counts):
-            meta = shards.read_meta(path, count)
+            meta = shards.read_sidecar(path, count)
             if meta is None:
                 unchecked.append(path)
             elif meta.get("tokenizer_fingerprint") != fingerprint:

@@ -2,11 +2,11 @@
 
 Frequent f-grams repeat heavily, so the f-gram model runs once per unique f-gram of a data
 shard (the rows of the global batch one device holds), and the model gathers the results
-back with `fgram_index`. Beyond the paper we also share prefixes: the f-gram model is causal
+back with `fgram_slot`. Beyond the paper we also share prefixes: the f-gram model is causal
 over a left-aligned f-gram, so its hidden state at position j of row (t_1..t_n) IS the output
 for the prefix f-gram (t_1..t_{j+1}). A unique f-gram that is a prefix of another unique
 f-gram of the shard therefore needs no row of its own; only the shard's maximal f-grams are
-run, and `fgram_index` addresses (row, position) slots.
+run, and `fgram_slot` addresses (row, position) slots.
 
 With gradient accumulation over A micro-batches, each shard's rows are split into A
 contiguous blocks, and every (shard, micro-batch) pair is a *group* with its own f-grams:
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from scone_jax.data.batch import Batch
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.numba_loops import compiled
 from scone_jax.fgram.vocab import PAD, FgramVocab
@@ -35,17 +36,11 @@ CAPACITY_KEY = "scone.fgram_capacity"
 
 
 class FgramBatcher:
-    """Adds fgram_ids, fgram_tokens, fgram_lengths, fgram_index and fgram_unique to a batch of numpy arrays.
-
-    fgram_ids     int32 [B, T]     global f-gram id of the longest match, or -1
-    fgram_tokens  int32 [G, C, K]  group g's maximal unique f-grams (ascending id), PAD-padded;
-                                   unused rows are all PAD
-    fgram_lengths int32 [G, C]     f-gram length per row, 0 for unused rows
-    fgram_index   int32 [B, T]     slot row*K + (length-1) inside the position's own group, or -1 where
-                                   unmatched: the f-gram model's output at that slot is this f-gram's
-    fgram_unique  int32 [G]        unique f-grams per group (host statistics only)
-    G = num_shards * micro_batches groups, C = capacity // micro_batches rows each; group g holds
-    batch rows g*B/G .. (g+1)*B/G - 1 (module docstring).
+    """Adds the trained provider's f-gram arrays to a host Batch (data/batch.py): fgram_ids, fgram_tokens
+    (group g's maximal unique f-grams in ascending id; unused rows all PAD), fgram_lengths, fgram_slot (the
+    slot row*K + (length-1) inside the position's own group whose f-gram model output is this position's
+    f-gram's) and fgram_unique. G = num_shards * micro_batches groups, C = capacity // micro_batches rows
+    each; group g holds batch rows g*B/G .. (g+1)*B/G - 1 (module docstring).
     """
 
     def __init__(self, matcher: Matcher, vocab: FgramVocab, *, num_shards: int, capacity: int,
@@ -61,8 +56,8 @@ class FgramBatcher:
         self.num_groups = num_shards * micro_batches
         self.group_capacity = capacity // micro_batches
 
-    def __call__(self, batch: dict) -> dict:
-        tokens, segment_ids = batch["inputs"], batch["segment_ids"]
+    def __call__(self, batch: Batch) -> Batch:
+        tokens, segment_ids = batch.inputs, batch.segment_ids
         rows, length = tokens.shape
         if rows % self.num_groups:
             what = f"{self.num_shards} equal data shards" + (
@@ -85,12 +80,11 @@ class FgramBatcher:
         slot, rows_per_group = _rows_and_slots(unique, group_start, lengths, first, suffixes.reshape(-1, k - 1),
                                                self.vocab.tokens, fgram_tokens, fgram_lengths)
         self._check_capacity(rows_per_group)
-        index = np.full(entry.shape, -1, np.int32)
+        slots = np.full(entry.shape, -1, np.int32)
         matched = entry >= 0
-        index[matched] = slot[entry[matched]]
-        return batch | {"fgram_ids": ids, "fgram_tokens": fgram_tokens, "fgram_lengths": fgram_lengths,
-                        "fgram_index": index.reshape(ids.shape),
-                        "fgram_unique": np.diff(group_start).astype(np.int32)}
+        slots[matched] = slot[entry[matched]]
+        return batch.replace(fgram_ids=ids, fgram_tokens=fgram_tokens, fgram_lengths=fgram_lengths,
+                             fgram_slot=slots.reshape(ids.shape), fgram_unique=np.diff(group_start).astype(np.int32))
 
     def _check_capacity(self, rows_per_group: np.ndarray) -> None:
         need = int(rows_per_group.max(initial=0))

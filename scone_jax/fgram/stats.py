@@ -14,27 +14,27 @@ from __future__ import annotations
 import numpy as np
 
 
-def hit_rate(fgram_index: np.ndarray, segment_ids: np.ndarray) -> float:
+def hit_rate(fgram_slot: np.ndarray, segment_ids: np.ndarray) -> float:
     real = segment_ids != 0
-    return float((fgram_index[real] >= 0).sum() / max(1, real.sum()))
+    return float((fgram_slot[real] >= 0).sum() / max(1, real.sum()))
 
 
-def matched_lengths(fgram_index: np.ndarray, max_len: int) -> np.ndarray:
+def matched_lengths(fgram_slot: np.ndarray, max_len: int) -> np.ndarray:
     """Length of the f-gram at each matched position (1-D, row-major): slots are row*K + length-1."""
-    return fgram_index[fgram_index >= 0] % max_len + 1
+    return fgram_slot[fgram_slot >= 0] % max_len + 1
 
 
-def mean_matched_length(fgram_index: np.ndarray, max_len: int) -> float:
-    lengths = matched_lengths(fgram_index, max_len)
+def mean_matched_length(fgram_slot: np.ndarray, max_len: int) -> float:
+    lengths = matched_lengths(fgram_slot, max_len)
     return float(lengths.mean()) if len(lengths) else 0.0
 
 
-def unique_ratio(fgram_index: np.ndarray, fgram_unique: np.ndarray) -> float:
-    return float(fgram_unique.sum() / max(1, (fgram_index >= 0).sum()))
+def unique_ratio(fgram_slot: np.ndarray, fgram_unique: np.ndarray) -> float:
+    return float(fgram_unique.sum() / max(1, (fgram_slot >= 0).sum()))
 
 
-def row_ratio(fgram_index: np.ndarray, fgram_lengths: np.ndarray) -> float:
-    return float((fgram_lengths > 0).sum() / max(1, (fgram_index >= 0).sum()))
+def row_ratio(fgram_slot: np.ndarray, fgram_lengths: np.ndarray) -> float:
+    return float((fgram_lengths > 0).sum() / max(1, (fgram_slot >= 0).sum()))
 
 
 def capacity_fill(fgram_lengths: np.ndarray) -> float:
@@ -42,13 +42,13 @@ def capacity_fill(fgram_lengths: np.ndarray) -> float:
     return float((fgram_lengths > 0).sum(axis=1).max() / fgram_lengths.shape[1])
 
 
-def batch_stats(batch: dict) -> dict[str, float]:
-    """The figures for a batch that went through FgramBatcher."""
-    index, lengths = batch["fgram_index"], batch["fgram_lengths"]
+def batch_stats(batch) -> dict[str, float]:
+    """The figures for a Batch that went through FgramBatcher."""
+    index, lengths = batch.fgram_slot, batch.fgram_lengths
     return {
-        "fgram/hit_rate": hit_rate(index, batch["segment_ids"]),
-        "fgram/mean_matched_length": mean_matched_length(index, batch["fgram_tokens"].shape[-1]),
-        "fgram/unique_ratio": unique_ratio(index, batch["fgram_unique"]),
+        "fgram/hit_rate": hit_rate(index, batch.segment_ids),
+        "fgram/mean_matched_length": mean_matched_length(index, batch.fgram_tokens.shape[-1]),
+        "fgram/unique_ratio": unique_ratio(index, batch.fgram_unique),
         "fgram/row_ratio": row_ratio(index, lengths),
         "fgram/capacity_fill": capacity_fill(lengths),
     }

@@ -16,8 +16,7 @@ purpose: padded rows can be embedded without out-of-range gathers, and `lengths`
 (not the pad value) says where an f-gram ends. vocab.json is written last and read
 first, so a directory without it is an unfinished write; the fingerprint in it is
 recomputed on load, so truncated or altered arrays are an error, not garbage. The per-array
-checksums (absent in vocabularies saved before them; the fingerprint still covers those) name the
-array that is missing chunks or damaged: zarr reads a missing chunk as zeros.
+checksums name the array that is missing chunks or damaged: zarr reads a missing chunk as zeros.
 """
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ import numpy as np
 import tensorstore as ts
 
 from scone_jax.runtime import storage
+from scone_jax.runtime.errors import one_line
 
 PAD = 0
 FORMAT = "scone_fgram_vocab"
@@ -49,14 +49,6 @@ def array_checksum(data) -> str:
     if isinstance(data, np.ndarray):
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     return f"{zlib.crc32(data):08x}"
-
-
-def brief_error(e: BaseException) -> str:
-    """An exception's message on one line, without tensorstore's appended spec and source locations."""
-    text = " ".join(str(e).split())
-    for tail in (" [tensorstore_spec=", " [source locations="):
-        text = text.split(tail)[0]
-    return text
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -230,15 +222,18 @@ def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None, *, 
             "token sequences. Fix: re-extract f-grams with this tokenizer (tools/extract_fgrams.py), or use "
             "the tokenizer the vocabulary was built with."
         )
+    if not isinstance(meta.get("checksums"), dict):
+        raise VocabError(f"{storage.join(path, _META)} holds no array checksums: it was written by a pre-release "
+                         f"version. {fix}")
     arrays = {}
     for name in _ARRAYS:
         where = storage.join(path, name)
         try:
             arrays[name] = ts.open(_array_spec(path, name), open=True).result().read().result()
         except ValueError as e:  # tensorstore: no array metadata, an unreadable or undecodable chunk
-            raise VocabError(f"The f-gram vocabulary array {where} cannot be read ({brief_error(e)}). {fix}") from e
-        want = meta.get("checksums", {}).get(name)
-        if want is not None and array_checksum(arrays[name]) != want:
+            raise VocabError(f"The f-gram vocabulary array {where} cannot be read ({one_line(e)}). {fix}") from e
+        want = meta["checksums"].get(name)
+        if array_checksum(arrays[name]) != want:
             raise VocabError(f"The f-gram vocabulary array {where} is missing chunks or damaged: it hashes to "
                              f"{array_checksum(arrays[name])}, {_META} records {want}. {fix}")
     try:

@@ -197,9 +197,10 @@ def reference_attention(q, k, v, segment_ids):
 
 
 def cached_attention(q, k, v, start):
-    """Decoding: queries [B, T, N, H] at cache slots start.. over a key/value cache [B, S, N, H]; query i
-    sees slots <= start + i, so later slots (unwritten or stale) never count. The plain formula: one
-    new token's scores are [B, N, 1, S], too small for the fused kernels to matter."""
+    """Decoding steps: queries [B, T, N, H] at cache slots start.. over a key/value cache [B, S, N, H];
+    query i sees slots <= start + i, so later slots (unwritten or stale) never count. The plain formula:
+    one new token's scores are [B, N, 1, S], too small for the fused kernels to matter (a prompt is
+    prefilled through `attention` instead, layers.Attention)."""
     visible = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(q.shape[1])[:, None]  # [T, S]
     return _masked_attention(q, k, v, visible[None, None])
 

@@ -93,9 +93,11 @@ class Attention(nnx.Module):
     """Multi-head causal self-attention restricted to tokens of the same segment (document);
     the scores are computed by model/attention.py's implementation named by cfg.attention.
 
-    With a KVCache (decoding), the new tokens' keys and values are written into it at cache.index and
-    the queries attend over the cache (attention.cached_attention); the projections and RoPE are the
-    ones training runs, so the two cannot drift apart."""
+    With a KVCache (decoding), the new tokens' keys and values are written into it at cache.index. A
+    call with several tokens is a prefill: it starts the cache (cache.index must be 0), and its tokens
+    attend among themselves through the training implementation (flash / splash / cuDNN: no [T, T]
+    score buffer for a long prompt). A one-token step attends over the cache (attention.cached_attention).
+    The projections and RoPE are the ones training runs, so the paths cannot drift apart."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
@@ -125,7 +127,11 @@ class Attention(nnx.Module):
             return checkpoint_name(self.out(y.reshape(b, t, -1)), "attention_out")
         key = jax.lax.dynamic_update_slice(cache.key, k.astype(cache.key.dtype), (0, cache.index, 0, 0))
         value = jax.lax.dynamic_update_slice(cache.value, v.astype(cache.value.dtype), (0, cache.index, 0, 0))
-        y = attention.cached_attention(q, key, value, cache.index)
+        if t > 1:  # prefill from slot 0: one document per row
+            y = attention.attention(q, k, v, jnp.ones((b, t), jnp.int32), implementation=self.implementation,
+                                    packed=False)
+        else:
+            y = attention.cached_attention(q, key, value, cache.index)
         return self.out(y.reshape(b, t, -1)), KVCache(key, value, cache.index + t)
 
 

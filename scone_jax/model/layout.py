@@ -5,8 +5,8 @@ leading 'layers' axis, at paths like (..., 'blocks', 'attn', 'query', 'kernel').
 Unscanned: one entry per layer, at (..., 'blocks', i, 'attn', 'query', 'kernel').
 The same holds for every optimizer slot that mirrors the parameters (Adam's mu and nu).
 Checkpoints and exports record the layout they were written in (the config's
-model.scan_layers; older ones had only the unscanned layout), so a run can resume or serve
-either kind: restore in the saved layout, then `convert` to the run's.
+model.scan_layers), so a run can resume or serve either kind (scan_layers=False is for
+debugging): restore in the saved layout, then `convert` to the run's.
 """
 from __future__ import annotations
 
@@ -57,6 +57,5 @@ def convert(state: nnx.State, target: nnx.State) -> nnx.State:
 
 
 def is_scanned(saved_config: dict) -> bool:
-    """The layout a checkpoint or export was written in, from its saved config (model.scan_layers;
-    configs from before the key existed were always unscanned)."""
-    return bool(saved_config.get("model", {}).get("scan_layers", False))
+    """The layout a checkpoint or export was written in, from its saved config (model.scan_layers)."""
+    return bool(saved_config["model"]["scan_layers"])

@@ -1,22 +1,44 @@
-"""SconeModel: the main decoder whose input embedding is replaced at f-gram matches.
+"""The SCONE input seam: one code path from a Batch to input embeddings, hidden states, logits and token
+losses, for every caller (train and eval steps, serving's evaluation, harness scoring, generation).
 
-The batch's rows fall into G groups of contiguous rows (one per data shard, or per data shard
-and micro-batch; see fgram/dedup.py). Per group it carries the f-grams to run
-(`fgram_tokens` [G, C, K], `fgram_lengths` [G, C]: the group's maximal unique f-grams) and,
-per position, the slot row*K + j whose f-gram-model output is that position's embedding
-(`fgram_index`, -1 = no match). The f-gram model runs once per row and the results are
-gathered back inside the group: the arrays of group g sit on the device holding its batch
-rows, so nothing crosses devices. The model reads G from the arrays' shapes.
+The decoder's input is T(token) everywhere, replaced where an f-gram ends by that f-gram's embedding
+(docs/method.md §3). The embeddings come from one of two providers, chosen by the batch's arrays
+(data/batch.py):
+  trained  the f-gram model of a SconeModel, run once per row of each group's maximal unique f-grams
+           (fgram_tokens [G, C, K], fgram_lengths [G, C]) and read back per position through its slot
+           (fgram_slot, row*K + j, -1 = no match), inside the group: the arrays of group g sit on the
+           device holding its batch rows, so nothing crosses devices (training, docs/method.md §5);
+  table    rows of the exported table gathered on the host (fgram_rows [B, T, d], fgram_matched [B, T]):
+           the device holds only the decoder (serving, docs/method.md §7).
+A batch without f-gram arrays is a plain decoder's. `model` is a SconeModel or a Decoder.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from scone_jax import sharding
 from scone_jax.model.fgram_model import FgramModel
+from scone_jax.model.layers import KVCache
 from scone_jax.model.transformer import Decoder
+
+
+class SconeModel(nnx.Module):
+    """The main decoder and the f-gram model, trained jointly (they share T)."""
+
+    def __init__(self, main_cfg, scone_cfg, rngs: nnx.Rngs):
+        self.decoder = Decoder(main_cfg, rngs)
+        self.fgram_model = FgramModel(main_cfg, scone_cfg, rngs)
+
+    def fgram_embeddings(self, fgram_tokens: jax.Array, fgram_lengths: jax.Array) -> jax.Array:
+        """F-gram model over f-gram rows [N, K] -> [N, d]; shares T with the decoder (the export's table)."""
+        return self.fgram_model(self.decoder.embed(fgram_tokens), fgram_lengths)
+
+
+def decoder_of(model) -> Decoder:
+    return model.decoder if isinstance(model, SconeModel) else model
 
 
 def _gather_in_groups(slots: jax.Array, index: jax.Array) -> jax.Array:
@@ -25,30 +47,55 @@ def _gather_in_groups(slots: jax.Array, index: jax.Array) -> jax.Array:
     return jax.vmap(lambda r, i: jnp.take(r, jnp.maximum(i, 0), axis=0))(slots, index)
 
 
-class SconeModel(nnx.Module):
-    def __init__(self, main_cfg, scone_cfg, rngs: nnx.Rngs):
-        self.decoder = Decoder(main_cfg, rngs)
-        self.fgram_model = FgramModel(main_cfg, scone_cfg, rngs)
+def trained_fgram_rows(model: SconeModel, batch) -> tuple[jax.Array, jax.Array]:
+    """The trained provider: (f-gram embedding per position [B, T, d], matched [B, T])."""
+    groups, capacity, k = batch.fgram_tokens.shape
+    tokens = batch.fgram_tokens.reshape(groups * capacity, k)
+    slots = model.fgram_model.all_positions(model.decoder.embed(tokens), batch.fgram_lengths.reshape(-1))
+    b, t = batch.fgram_slot.shape
+    per_group = slots.reshape(groups, capacity * k, -1)
+    index_per_group = batch.fgram_slot.reshape(groups, (b // groups) * t)
+    gathered = sharding.map_batch_shards(_gather_in_groups, per_group, index_per_group)
+    return gathered.reshape(b, t, -1), batch.fgram_slot >= 0
 
-    def fgram_embeddings(self, fgram_tokens: jax.Array, fgram_lengths: jax.Array) -> jax.Array:
-        """F-gram model over f-gram rows [N, K] -> [N, d]; shares T with the decoder."""
-        return self.fgram_model(self.decoder.embed(fgram_tokens), fgram_lengths)
 
-    def input_embeddings(self, batch: dict) -> jax.Array:
-        """T(token) everywhere, replaced by the f-gram embedding where a match ends."""
-        x = self.decoder.embed(batch["inputs"])
-        groups, capacity, k = batch["fgram_tokens"].shape
-        tokens = batch["fgram_tokens"].reshape(groups * capacity, k)
-        slots = self.fgram_model.all_positions(self.decoder.embed(tokens), batch["fgram_lengths"].reshape(-1))
-        index = batch["fgram_index"]
-        b, t = index.shape
-        per_group = slots.reshape(groups, capacity * k, -1)
-        index_per_group = index.reshape(groups, (b // groups) * t)
-        gathered = sharding.map_batch_shards(_gather_in_groups, per_group, index_per_group)
-        gathered = gathered.reshape(b, t, -1).astype(x.dtype)
-        return jnp.where((index >= 0)[..., None], gathered, x)
+def table_rows(batch) -> tuple[jax.Array, jax.Array]:
+    """The table provider: the rows the host gathered, and where they apply."""
+    return batch.fgram_rows, batch.fgram_matched
 
-    def batch_logits(self, batch: dict) -> jax.Array:
-        x = self.input_embeddings(batch)
-        h = self.decoder.decode(x, batch["segment_ids"], batch["positions"])
-        return self.decoder.logits(h)
+
+def input_embeddings(model, batch) -> jax.Array:
+    """T(token) everywhere, replaced by the f-gram embedding where a match ends (docs/method.md §3)."""
+    decoder = decoder_of(model)
+    x = decoder.embed(batch.inputs)
+    if batch.fgram_slot is not None:
+        if not isinstance(model, SconeModel):
+            raise ValueError("The batch carries trained f-gram slots but the model has no f-gram model.")
+        rows, matched = trained_fgram_rows(model, batch)
+    elif batch.fgram_rows is not None:
+        rows, matched = table_rows(batch)
+    else:
+        return x
+    return jnp.where(matched[..., None], rows.astype(x.dtype), x)
+
+
+def hidden_states(model, batch, cache: KVCache | None = None):
+    """Final-norm hidden states [B, T, d] of the batch; with `cache` (decoding, transformer.init_cache) the
+    batch's tokens continue the cached ones and the result is (hidden states, updated cache)."""
+    return decoder_of(model).decode(input_embeddings(model, batch), batch.segment_ids, batch.positions, cache)
+
+
+def batch_logits(model, batch) -> jax.Array:
+    """fp32 logits [B, T, vocab]."""
+    return decoder_of(model).logits(hidden_states(model, batch))
+
+
+def cross_entropy(logits: jax.Array, batch) -> jax.Array:
+    """Per-token cross-entropy [B, T] (fp32, nats) of batch.targets under `logits`, zero where loss_mask is 0."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch.targets) * batch.loss_mask
+
+
+def token_losses(model, batch) -> jax.Array:
+    """Per-token next-token loss [B, T]: the one definition behind training's loss, held-out evaluation,
+    serving's perplexity and harness scores."""
+    return cross_entropy(batch_logits(model, batch), batch)

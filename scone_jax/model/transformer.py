@@ -165,9 +165,5 @@ class Decoder(nnx.Module):
             out = self.head(h)
         return out.astype(jnp.float32)
 
-    def batch_logits(self, batch: dict) -> jax.Array:
-        """Logits for a training/eval batch dict (keys inputs, segment_ids, positions)."""
-        return self(batch["inputs"], batch["segment_ids"], batch["positions"])
-
     def __call__(self, tokens, segment_ids, positions):
         return self.logits(self.decode(self.embed(tokens), segment_ids, positions))

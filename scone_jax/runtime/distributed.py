@@ -24,6 +24,8 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from scone_jax.runtime.errors import one_line
+
 _COUNT_KEY = "scone_jax/num_processes"
 EXIT_START_FAILED = 2  # main.py's "bad input" status
 # jax's own deadline is set this much later than ours, so our clear message comes first.
@@ -91,7 +93,7 @@ def initialize(spec: JoinSpec) -> bool:
     except DistributedStartError:
         raise
     except Exception as e:  # jax raises XlaRuntimeError / ValueError with gRPC text
-        raise DistributedStartError(f"Could not join the JAX job via {where}: {_first_line(e)}. {advice}") from e
+        raise DistributedStartError(f"Could not join the JAX job via {where}: {one_line(e, 300)}. {advice}") from e
     finally:
         watchdog.cancel()
     return True
@@ -172,8 +174,3 @@ def chief_first(name: str, make):
         return result
     barrier(name)
     return make()
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:300]

@@ -37,10 +37,11 @@ import uuid
 import jax
 from absl import logging
 
-from scone_jax.runtime import distributed, storage
+from scone_jax.runtime import distributed, storage, workdir as workdir_layout
+from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.write_probe import WorkdirError
 
-OWNER_FILE = "OWNER"
+OWNER_FILE = workdir_layout.OWNER
 LEASE_ENV = "SCONE_JAX_LEASE_S"
 DEFAULT_LEASE_S = 120.0
 RENEWALS_PER_LEASE = 6
@@ -107,14 +108,14 @@ class Ownership:
                                 _owner_path(self.workdir))
         except Exception as e:  # storage errors vary by driver; the lease then runs out on its own
             logging.warning("Could not delete %s (%s); the next run can take the workdir over once its lease of "
-                            "%.0f s runs out.", _owner_path(self.workdir), _first_line(e), self.lease_s)
+                            "%.0f s runs out.", _owner_path(self.workdir), one_line(e, 300), self.lease_s)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.lease_s / RENEWALS_PER_LEASE):
             try:
                 self._renew()
             except Exception as e:  # a storage hiccup: the next renewal tries again, well within the lease
-                logging.warning("Could not renew the lease on %s: %s", _owner_path(self.workdir), _first_line(e))
+                logging.warning("Could not renew the lease on %s: %s", _owner_path(self.workdir), one_line(e, 300))
             if self._lost is not None:
                 logging.error("%s", self._lost)
                 return
@@ -205,7 +206,7 @@ def _acquire_for_job(workdir: str):
         try:
             owner = acquire(workdir)
         except Exception as e:
-            client.key_value_set(key, "error:" + _first_line(e))
+            client.key_value_set(key, "error:" + one_line(e, 300))
             raise
         client.key_value_set(key, "ok")
         return owner
@@ -213,7 +214,7 @@ def _acquire_for_job(workdir: str):
         outcome = client.blocking_key_value_get(key, _CHIEF_WAIT_S * 1000)
     except Exception as e:  # process 0 died, or never got there
         raise WorkdirError(f"Process 0 did not say within {_CHIEF_WAIT_S} s whether it owns --workdir={workdir}: "
-                           f"{_first_line(e)}") from e
+                           f"{one_line(e, 300)}") from e
     if outcome != "ok":
         raise WorkdirBusy(outcome.removeprefix("error:"))
     return _Bystander()
@@ -262,7 +263,3 @@ def _decode(raw: bytes) -> dict | None:
     except (ValueError, TypeError):
         pass
     return None
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

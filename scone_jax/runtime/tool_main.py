@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 from absl import app
 
+from scone_jax.runtime.errors import one_line
+
 EXIT_BAD_INPUT = 2
 BAD_INPUT = (ValueError, OSError)
 
@@ -24,7 +26,7 @@ def main_of(run: Callable[[], None], program: str = "", errors: tuple[type[BaseE
         try:
             run()
         except errors as e:
-            print(prefix + " ".join(str(e).split()), file=sys.stderr)
+            print(prefix + one_line(e, limit=4000), file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
 
     return main

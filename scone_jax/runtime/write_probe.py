@@ -13,6 +13,8 @@ import uuid
 
 from etils import epath
 
+from scone_jax.runtime.errors import one_line
+
 # Storage clients log each failed retry with a traceback; the probe reports one line instead.
 _NOISY_LOGGERS = ("gcsfs", "google", "fsspec")
 
@@ -54,7 +56,7 @@ def check_writable(workdir: str, timeout_s: float) -> None:
         )
     if outcome[0] is not None:
         e = outcome[0]
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        first = one_line(e, 300)
         raise WorkdirError(
             f"Cannot write to --workdir={workdir}: {type(e).__name__}: {first}. Check that it exists or can be "
             "created, and that this machine has write access (for gs://: credentials and bucket permissions)."

@@ -24,7 +24,7 @@ at load, or each chunk the bounded cache fetches), the decoder's files and token
 parsing them; the f-gram vocabulary checks its own arrays (scone_jax.fgram.vocab). A missing chunk
 reads as zeros through zarr, and zeros fail its CRC, so deleted files cannot pass as data. Repair:
 delete the done marker of the bad piece and rerun the export, which rewrites pieces without a
-marker. Version 1 bundles (no checksums) are still read, with a warning.
+marker.
 
 Every file goes through tensorstore's kvstore (or orbax), so the same code reads and writes local
 disk and GCS. The bundle is self-contained on purpose: a table can only be paired with the decoder
@@ -41,14 +41,14 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 import tensorstore as ts
-from absl import logging
 
 from scone_jax import config as config_lib
-from scone_jax.fgram.vocab import array_checksum, brief_error
+from scone_jax.fgram.vocab import array_checksum
+from scone_jax.runtime.errors import one_line
 from scone_jax.runtime import storage
+from scone_jax.training import checksums
 
-FORMAT, VERSION = "scone_export", 2  # 2: COMPLETE holds checksums
-_UNCHECKED_VERSION = 1  # still read, without checksums
+FORMAT, VERSION = "scone_export", 1  # CHANGELOG.md: a change bumps VERSION and keeps a reader of the previous one
 META, COMPLETE, TOKENIZER = "export.json", "COMPLETE", "tokenizer.model"
 TABLE, DONE, FGRAMS, DECODER = "table", "done", "fgrams", "decoder"
 DTYPES = ("bfloat16", "float32")
@@ -60,7 +60,7 @@ class BundleError(ValueError):
 
 def stored_config(saved: dict) -> ml_collections.ConfigDict:
     """A config saved with a checkpoint or an export, over today's defaults: keys added to the code
-    since it was saved take their defaults, so older runs still load."""
+    since it was saved take their defaults."""
     config = config_lib.base_config()
 
     def merge(node, values, where):
@@ -73,7 +73,7 @@ def stored_config(saved: dict) -> ml_collections.ConfigDict:
             else:
                 node[key] = value
 
-    merge(config, config_lib.upgrade_saved(saved), "")
+    merge(config, saved, "")
     return config
 
 
@@ -88,24 +88,14 @@ def meta_fingerprint(meta: dict) -> str:
 
 
 def params_fingerprint(state) -> str:
-    """Content fingerprint of a parameter tree, the same on any mesh and device count.
-
-    Each leaf's bits are summed as uint32 with position weights: integer sums wrap and are
-    associative, so sharded reductions give the same value in any order (float sums would not).
-    """
-    leaves = jax.tree_util.tree_leaves_with_path(state)
-    sums = [_bit_checksum(leaf) for _, leaf in leaves]
+    """Content fingerprint of a parameter tree, the same on any mesh and device count: each array's
+    checksum (training/checksums.py, what checkpoints record) with its path, shape and dtype, hashed."""
+    sums = checksums.tree_checksums(state)
     digest = hashlib.sha256()
-    for (path, leaf), s in zip(leaves, jax.device_get(sums)):
-        digest.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype}:{int(s)};".encode())
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        key = jax.tree_util.keystr(path)
+        digest.update(f"{key}:{leaf.shape}:{leaf.dtype}:{sums[key]};".encode())
     return digest.hexdigest()[:16]
-
-
-@jax.jit
-def _bit_checksum(x):
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32).ravel()
-    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-    return jnp.sum(bits * weights, dtype=jnp.uint32)
 
 
 def table_spec(path: str) -> dict:
@@ -121,7 +111,7 @@ def create_table_spec(path: str, rows: int, width: int, dtype: str, chunk_rows: 
     }}
 
 
-def read_meta(path: str) -> dict | None:
+def read_export_meta(path: str) -> dict | None:
     raw = storage.read_bytes(path, META)
     return None if raw is None else json.loads(raw)
 
@@ -186,7 +176,7 @@ def bad_chunks_error(path: str, meta: dict, bad: dict, sums: list[str] | None) -
     first, rows = min(bad), meta["chunk_rows"]
     lo, hi = first * rows, min((first + 1) * rows, meta["num_fgrams"])
     if isinstance(bad[first], Exception):
-        state = f"cannot be read ({brief_error(bad[first])})"
+        state = f"cannot be read ({one_line(bad[first])})"
     elif storage.read_bytes(path, chunk_key(first)) is None:
         state = "is missing (zarr would serve its rows as zeros)"
     else:
@@ -205,9 +195,9 @@ def open_complete(path: str, expect: dict | None = None) -> dict:
     return open_checked(path, expect)[0]
 
 
-def open_checked(path: str, expect: dict | None = None) -> tuple[dict, Checksums | None]:
-    """open_complete, and the checksums COMPLETE records (None for a version 1 bundle: read with a warning)."""
-    meta = read_meta(path)
+def open_checked(path: str, expect: dict | None = None) -> tuple[dict, Checksums]:
+    """open_complete, and the checksums COMPLETE records."""
+    meta = read_export_meta(path)
     marker = storage.read_bytes(path, COMPLETE)
     if meta is None or marker is None:
         state = "no export" if meta is None else "an unfinished export (no COMPLETE marker)"
@@ -215,15 +205,14 @@ def open_checked(path: str, expect: dict | None = None) -> tuple[dict, Checksums
             f"{path!r} holds {state}. Fix: run `python -m scone_jax.serving.export --workdir=RUN --output={path}` "
             "(rerunning it resumes an interrupted export)."
         )
-    if meta.get("format") != FORMAT or meta.get("version") not in (_UNCHECKED_VERSION, VERSION):
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise BundleError(f"{path!r} is format {meta.get('format')!r} v{meta.get('version')}; this code reads "
-                          f"{FORMAT!r} v{_UNCHECKED_VERSION} and v{VERSION}.")
+                          f"{FORMAT!r} v{VERSION}. Fix: export the run again with this version.")
     try:
-        record = json.loads(marker) if marker.startswith(b"{") else {"export_fingerprint": marker.decode()}
+        record = json.loads(marker)
     except ValueError:
         record = {}
-    checked = meta["version"] == VERSION
-    if record.get("export_fingerprint") != meta_fingerprint(meta) or checked != ("table" in record):
+    if not isinstance(record, dict) or record.get("export_fingerprint") != meta_fingerprint(meta) or "table" not in record:
         raise BundleError(f"{path!r}: {META} and {COMPLETE} do not match; one was changed or damaged after the export "
                           f"finished. Fix: delete {storage.join(path, COMPLETE)} and re-run the export, which rebuilds "
                           "it (if it says the export differs, export into a fresh --output).")
@@ -233,10 +222,6 @@ def open_checked(path: str, expect: dict | None = None) -> tuple[dict, Checksums
                 f"The export at {path!r} has {key}={meta.get(key)!r}, but what it is used with has {want!r}. "
                 "Fix: use the export made from this run (or export this run again)."
             )
-    if not checked:
-        logging.warning("%s is a version 1 export, without checksums: a missing or damaged table chunk would be "
-                        "served as zeros. Export the run again to get a checked bundle.", path)
-        return meta, None
     return meta, Checksums(table=record["table"], files=record["files"])
 
 

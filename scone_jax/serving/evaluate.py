@@ -28,7 +28,7 @@ from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
 from scone_jax.model import losses
 from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import inference
-from scone_jax.serving.table import Prefetcher
+from scone_jax.serving.prefetch import Prefetcher
 
 
 def document_bytes(data_cfg, tokenizer) -> int:
@@ -47,16 +47,14 @@ def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_
     batches = pipeline.make_eval_batches(data_cfg, served.tokenizer, process_index=jax.process_index(),
                                          process_count=jax.process_count())
     count = min(len(batches), max_batches) if max_batches else len(batches)
-    step = inference.make_eval_step(served, use_table)
+    step = inference.make_eval_step(served)
 
     def prepare(batch):
-        if use_table:
+        real = batch.segment_ids > 0
+        if use_table:  # else the batch carries no f-gram arrays: the decoder reads T(token) everywhere
             batch = inference.host_rows(served, batch)
-            real = batch["segment_ids"] > 0
-            stats = (int((batch["fgram_ids"][real] >= 0).sum()), int(real.sum()))
-        else:
-            stats = (0, int((batch["segment_ids"] > 0).sum()))
-        return stats, inference.device_batch(served, batch)
+        hits = int((batch.fgram_ids[real] >= 0).sum()) if use_table else 0
+        return (hits, int(real.sum())), inference.device_batch(served, batch)
 
     prefetch = Prefetcher((b for i, b in zip(range(count), batches)), prepare)
     sums, hits, positions = [], 0, 0
@@ -113,7 +111,7 @@ def data_config(served: inference.Served, overrides: dict):
 
 def _define_flags():
     """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
-    export = inference.define_export_flag("scone_jax.serving.evaluate")
+    export = inference.define_export_flag()
     config = config_flags.DEFINE_config_dict("config", config_lib.base_config(), "Data overrides: --config.data.*.")
     result = flags.DEFINE_string("result", "eval_result.json", "Where to write the JSON result ('' = nowhere).")
     max_table_bytes = flags.DEFINE_integer("max_table_bytes", 0, "Host RAM for the table; 0 = load it whole, "
@@ -125,7 +123,7 @@ def _define_flags():
 
 def run(args):
     logs.quiet_libraries()
-    path = args.export()
+    path = args.export.value
     tool_main.require(export=path)
     served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
     config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))

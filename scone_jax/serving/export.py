@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
 import time
 import types
 
@@ -38,7 +37,7 @@ from jax.experimental import multihost_utils
 from scone_jax import sharding
 from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
-from scone_jax.runtime import distributed, job_flags, logs, storage, tool_main
+from scone_jax.runtime import distributed, job_flags, logs, storage, tool_main, workdir as workdir_layout
 from scone_jax.serving import bundle
 from scone_jax.training import checkpoint, state as state_lib
 
@@ -52,19 +51,19 @@ class Run:
 
     def __init__(self, workdir: str, config: ml_collections.ConfigDict | None = None):
         self.workdir = workdir
-        self.checkpointer = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+        self.checkpointer = checkpoint.Checkpointer(workdir_layout.path(workdir, workdir_layout.CHECKPOINTS))
         self.step = self.checkpointer.latest_step()
         if self.step is None:
             raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints. Fix: train first "
                                     f"(python -m scone_jax.main --workdir={workdir}).")
-        meta = self.checkpointer.read_meta(self.step)
+        meta = self.checkpointer.read_checkpoint_meta(self.step)
         self.config = config or bundle.stored_config(meta["config"])
         d = self.config.data
         # The run's special-id policy too: the fingerprint (and the ids the bundle stores) must be the run's.
-        self.tokenizer = Tokenizer.load(d.tokenizer_path or os.path.join(workdir, "tokenizer.model"),
+        self.tokenizer = Tokenizer.load(d.tokenizer_path or workdir_layout.path(workdir, workdir_layout.TOKENIZER),
                                         special_tokens_of(d))
         if self.config.scone.enabled:
-            self.vocab = load_vocab(self.config.scone.vocab_path or os.path.join(workdir, "fgrams"),
+            self.vocab = load_vocab(self.config.scone.vocab_path or workdir_layout.path(workdir, workdir_layout.FGRAMS),
                                     expected_tokenizer_fingerprint=self.tokenizer.fingerprint)
         else:
             self.vocab = FgramVocab.empty(self.config.model.vocab_size, self.tokenizer.fingerprint)
@@ -182,7 +181,7 @@ def _prepare_output(output: str, meta: dict, tokenizer_proto: bytes) -> bool:
     """Check PATH may receive this export; True if it already holds it complete. Never overwrites
     a different export, finished or not. A finished one with a done marker deleted or a tokenizer.model
     other than the run's is under repair: the chief withdraws COMPLETE and the missing pieces get rewritten."""
-    existing = bundle.read_meta(output)
+    existing = bundle.read_export_meta(output)
     if existing is not None and bundle.meta_fingerprint(existing) != bundle.meta_fingerprint(meta):
         differ = sorted(k for k in set(meta) | set(existing) if meta.get(k) != existing.get(k))
         raise bundle.BundleError(

@@ -22,7 +22,8 @@ from absl import app, flags
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.model import transformer
+from scone_jax.data.batch import Batch
+from scone_jax.model import scone, transformer
 from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import inference
 
@@ -46,11 +47,11 @@ class Generator:
         self.max_len = served.matcher.max_len
         graphdef = served.graphdef
 
-        def run(params, cache, tokens, ids, rows, key):
+        def run(params, cache, tokens, rows, matched, key):
             decoder = nnx.merge(graphdef, params)
-            x = inference.input_embeddings(decoder, tokens, ids, rows) if use_table else decoder.embed(tokens)
             positions = cache.index + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-            h, cache = decoder.decode(x, None, positions, cache)
+            batch = Batch(inputs=tokens, positions=positions, fgram_rows=rows, fgram_matched=matched)
+            h, cache = scone.hidden_states(decoder, batch, cache)
             last = decoder.logits(h[:, -1])
             return sample(last, key, temperature, top_k), last, cache
 
@@ -58,13 +59,11 @@ class Generator:
 
     def _call(self, cache, tokens, key, ids=None):
         """Run `tokens` [B, t] after the cached ones; `ids` are their f-gram ids (None: match them here)."""
-        if self.use_table:
-            if ids is None:
-                ids = self.served.matcher.match(tokens, np.ones_like(tokens))
-            rows = self.served.table.gather(ids)
-        else:
-            ids, rows = np.full(tokens.shape, -1, np.int32), np.zeros((*tokens.shape, 1), np.float32)
-        return self._run(self.served.params, cache, tokens, ids, rows, key)
+        if not self.use_table:  # the decoder alone: T(token) everywhere
+            return self._run(self.served.params, cache, tokens, None, None, key)
+        if ids is None:
+            ids = self.served.matcher.match(tokens, np.ones_like(tokens))
+        return self._run(self.served.params, cache, tokens, self.served.table.gather(ids), ids >= 0, key)
 
     def empty_cache(self, batch: int, length: int) -> transformer.KVCache:
         return transformer.init_cache(self.served.config.model, batch, length)
@@ -106,7 +105,7 @@ class Generator:
 
 def _define_flags():
     """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
-    export = inference.define_export_flag("scone_jax.serving.generate")
+    export = inference.define_export_flag()
     prompt = flags.DEFINE_string("prompt", "", "Text to continue.")
     num_tokens = flags.DEFINE_integer("num_tokens", 64, "New tokens per sample.")
     num_samples = flags.DEFINE_integer("num_samples", 1, "Samples drawn together as one batch.")
@@ -120,7 +119,7 @@ def _define_flags():
 
 def run(args):
     logs.quiet_libraries()
-    path = args.export()
+    path = args.export.value
     tool_main.require(export=path)
     served = inference.load(path)
     tok = served.tokenizer

@@ -8,25 +8,24 @@ matching depends only on token ids, the rows of a batch are known before the dev
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import flags
 from flax import nnx
 
 from scone_jax import sharding
+from scone_jax.data.batch import Batch
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
-from scone_jax.model import losses
 from scone_jax.model.transformer import Decoder
 from scone_jax.runtime import storage
+from scone_jax.runtime.errors import one_line
 from scone_jax.serving import bundle
 from scone_jax.serving.table import HostTable
+from scone_jax.training import steps
 
 
 @dataclasses.dataclass
@@ -47,18 +46,9 @@ class Served:
         return nnx.merge(self.graphdef, self.params)
 
 
-def define_export_flag(program: str):
-    """Define --export (the bundle scone_jax.serving.export wrote) and --table, its old name, kept for one
-    release; the returned function gives the path after parsing (None if neither was passed)."""
-    export = flags.DEFINE_string("export", None, "Export directory written by scone_jax.serving.export (local or gs://).")
-    table = flags.DEFINE_string("table", None, "Deprecated: the old name of --export, removed in the next release.")
-
-    def path() -> str | None:
-        if table.value:
-            print(f"{program}: warning: --table is deprecated; pass --export={table.value}", file=sys.stderr)
-        return export.value or table.value
-
-    return path
+def define_export_flag():
+    """Define --export (the bundle scone_jax.serving.export wrote); returns the flag holder."""
+    return flags.DEFINE_string("export", None, "Export directory written by scone_jax.serving.export (local or gs://).")
 
 
 def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_fingerprint: str | None = None) -> Served:
@@ -88,7 +78,7 @@ def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_
     return Served(meta, config, mesh, graphdef, params, tokenizer, Matcher(vocab), table)
 
 
-def load_tokenizer(path: str, sums: bundle.Checksums | None) -> Tokenizer:
+def load_tokenizer(path: str, sums: bundle.Checksums) -> Tokenizer:
     """The bundle's tokenizer.model, its CRC checked before it is parsed: either kind, with the special ids
     the run trained with (they are part of its serialized form; see scone_jax/data/tokenizer.py)."""
     fix = bundle.rerun_fix(path)  # the export rewrites tokenizer.model when it differs from the run's
@@ -96,71 +86,51 @@ def load_tokenizer(path: str, sums: bundle.Checksums | None) -> Tokenizer:
     raw = storage.read_bytes(path, bundle.TOKENIZER)
     if raw is None:
         raise bundle.BundleError(f"{where} is missing. {fix}")
-    if sums is not None and bundle.array_checksum(raw) != sums.files.get(bundle.TOKENIZER):
+    if bundle.array_checksum(raw) != sums.files.get(bundle.TOKENIZER):
         raise bundle.BundleError(f"{where} is damaged: it hashes to {bundle.array_checksum(raw)}, "
                                  f"{bundle.COMPLETE} records {sums.files.get(bundle.TOKENIZER)}. {fix}")
     try:
         return Tokenizer.from_bytes(raw, path=where)
-    except (ValueError, RuntimeError) as e:  # unreadable (a version 1 bundle has no CRC to catch this first)
-        why = bundle.brief_error(e).split(" Fix: ")[0]  # the tokenizer's own fix names flags, not the bundle
+    except (ValueError, RuntimeError) as e:  # its CRC matched, yet unreadable: written by another version
+        why = one_line(e).split(" Fix: ")[0]  # the tokenizer's own fix names flags, not the bundle
         raise bundle.BundleError(f"{where} is not a tokenizer this code reads ({why}). {fix}") from e
 
 
-def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums | None = None):
-    """The decoder's parameters from the export, each restored directly into its sharding; with `sums`,
-    every file of decoder/ is first checked against its CRC."""
+def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums):
+    """The decoder's parameters from the export, each restored directly into its sharding, after every file
+    of decoder/ is checked against its CRC."""
     fix = bundle.rerun_fix(path, f"{bundle.DONE}/{bundle.DECODER}")
-    if sums is not None:
-        bundle.verify_files(path, sums, bundle.DECODER, fix)
+    bundle.verify_files(path, sums, bundle.DECODER, fix)
     graphdef, abstract = nnx.eval_shape(lambda: nnx.split(Decoder(model_cfg, nnx.Rngs(0)), nnx.Param))
     shardings = sharding.state_shardings(abstract, mesh)
     target = sharding.sharded_abstract(abstract, shardings)
     try:
         with bundle.decoder_checkpointer() as restorer:
             params = restorer.restore(storage.join(path, bundle.DECODER), args=ocp.args.StandardRestore(target))
-    except Exception as e:  # orbax's errors vary by what is missing; a version 1 bundle gets here unchecked
+    except Exception as e:  # noqa: BLE001 - orbax's errors vary by what is wrong
         cause = e
         while cause.__cause__ or cause.__context__:  # orbax wraps tensorstore's error, which names the file
             cause = cause.__cause__ or cause.__context__
         raise bundle.BundleError(f"The decoder at {storage.join(path, bundle.DECODER)} cannot be restored "
-                                 f"({bundle.brief_error(cause)[:300]}). {fix}") from e
+                                 f"({one_line(cause, 300)}). {fix}") from e
     return graphdef, params
 
 
-def host_rows(served: Served, batch: dict) -> dict:
-    """Adds fgram_ids [B, T] (longest match, -1 none) and fgram_rows [B, T, d] (zero where none)."""
-    ids = served.matcher.match(batch["inputs"], batch["segment_ids"])
-    return batch | {"fgram_ids": ids, "fgram_rows": served.table.gather(ids)}
+def host_rows(served: Served, batch: Batch) -> Batch:
+    """The table provider's arrays (data/batch.py): fgram_ids (longest match, -1 none; stays on the host),
+    fgram_rows [B, T, d] (zero where none) and fgram_matched."""
+    ids = served.matcher.match(batch.inputs, batch.segment_ids)
+    return batch.replace(fgram_ids=ids, fgram_rows=served.table.gather(ids), fgram_matched=ids >= 0)
 
 
-def input_embeddings(decoder: Decoder, tokens: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
-    """T(token), replaced by the table row where an f-gram ends (the same rule as SconeModel)."""
-    x = decoder.embed(tokens)
-    return jnp.where((ids >= 0)[..., None], rows.astype(x.dtype), x)
+def make_eval_step(served: Served):
+    """jit(batch) -> (sum of token losses, number of target tokens) of the export's decoder: the training
+    loop's eval step (training/steps.py), fed table rows instead of the f-gram model."""
+    step = steps.make_eval_step(served.graphdef, jax.tree.map(lambda a: a.sharding, served.params), served.mesh)
+    return lambda batch: step(served.params, batch)
 
 
-def batch_logits(decoder: Decoder, batch: dict) -> jax.Array:
-    x = input_embeddings(decoder, batch["inputs"], batch["fgram_ids"], batch["fgram_rows"])
-    return decoder.logits(decoder.decode(x, batch["segment_ids"], batch["positions"]))
-
-
-def make_eval_step(served: Served, use_table: bool = True):
-    """jit(params, batch) -> (sum of token losses, number of target tokens), batch sharded by rows.
-
-    use_table=False runs the same decoder on T(token) alone: the baseline the benchmark compares with."""
-    graphdef = served.graphdef
-
-    @jax.jit
-    def step(params, batch):
-        decoder = nnx.merge(graphdef, params)
-        logits = batch_logits(decoder, batch) if use_table else decoder.batch_logits(batch)
-        return losses.token_cross_entropy(logits, batch).sum(), batch["loss_mask"].sum()
-
-    run = sharding.under_mesh(served.mesh, step)
-    return lambda batch: run(served.params, batch)
-
-
-def device_batch(served: Served, batch: dict, keys=("inputs", "targets", "segment_ids", "positions", "loss_mask",
-                                                    "fgram_ids", "fgram_rows")) -> dict:
-    """This process's host arrays -> global arrays sharded by rows (the transfer starts now, async)."""
-    return sharding.global_batch({k: np.asarray(batch[k]) for k in keys if k in batch}, served.mesh)
+def device_batch(served: Served, batch: Batch) -> Batch:
+    """This process's host batch -> global arrays sharded by rows (host-only fields dropped; the transfer
+    starts now, asynchronously)."""
+    return sharding.global_batch(batch.for_device(), served.mesh)

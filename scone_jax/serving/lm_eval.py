@@ -37,10 +37,11 @@ from absl import app, flags, logging
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.model import losses
+from scone_jax.data.batch import Batch
+from scone_jax.model import scone
 from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import generate, inference
-from scone_jax.serving.table import Prefetcher
+from scone_jax.serving.prefetch import Prefetcher
 
 try:  # absolute import: the top-level harness package, not this module
     from lm_eval.api.model import TemplateLM
@@ -92,15 +93,15 @@ def document_windows(ids: Sequence[int], bos: int, eos: int, window: int) -> lis
 def make_score_step(served: inference.Served):
     """jit(batch) -> (log P(target) [B, T], target is the argmax [B, T]) with the table's rows, sharded by rows.
 
-    The log-probabilities are minus losses.token_cross_entropy, the quantity evaluate sums."""
+    The log-probabilities are minus the token losses (model/scone.py), the quantity evaluate sums."""
     graphdef = served.graphdef
 
     @jax.jit
     def step(params, batch):
         decoder = nnx.merge(graphdef, params)
-        logits = inference.batch_logits(decoder, batch)
-        greedy = jnp.argmax(logits, axis=-1) == batch["targets"]
-        return -losses.token_cross_entropy(logits, batch), greedy
+        logits = scone.batch_logits(decoder, batch)
+        greedy = jnp.argmax(logits, axis=-1) == batch.targets
+        return -scone.cross_entropy(logits, batch), greedy
 
     run = sharding.under_mesh(served.mesh, step)
     return lambda batch: run(served.params, batch)
@@ -177,17 +178,17 @@ class SconeHarnessLM(TemplateLM):
 
         def prepare(chunk):
             width = bucket_length(len(rows[chunk[0]][0]), self.max_length)
-            batch = {"inputs": np.full((self.batch_size, width), pad, np.int32),
-                     "targets": np.full((self.batch_size, width), pad, np.int32),
-                     "segment_ids": np.zeros((self.batch_size, width), np.int32)}
+            inputs = np.full((self.batch_size, width), pad, np.int32)
+            targets = np.full((self.batch_size, width), pad, np.int32)
+            segment_ids = np.zeros((self.batch_size, width), np.int32)
             for r, i in enumerate(chunk):
-                inputs, targets = rows[i]
-                batch["inputs"][r, :len(inputs)] = inputs
-                batch["targets"][r, :len(targets)] = targets
-                batch["segment_ids"][r, :len(inputs)] = 1
-            real = batch["segment_ids"] > 0
-            batch["positions"] = np.where(real, np.arange(width, dtype=np.int32), 0).astype(np.int32)
-            batch["loss_mask"] = real.astype(np.float32)
+                inputs[r, :len(rows[i][0])] = rows[i][0]
+                targets[r, :len(rows[i][1])] = rows[i][1]
+                segment_ids[r, :len(rows[i][0])] = 1
+            real = segment_ids > 0
+            batch = Batch(inputs=inputs, targets=targets, segment_ids=segment_ids,
+                          positions=np.where(real, np.arange(width, dtype=np.int32), 0).astype(np.int32),
+                          loss_mask=real.astype(np.float32))
             return chunk, inference.device_batch(self.served, inference.host_rows(self.served, batch))
 
         out: list = [None] * len(rows)
@@ -373,7 +374,7 @@ def load_tasks(manager, names: list[str], offline: bool) -> list:
 
 def _define_flags():
     """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
-    export = inference.define_export_flag(PROGRAM)
+    export = inference.define_export_flag()
     tasks = flags.DEFINE_list("tasks", [], "Harness task, group or tag names (globs allowed), comma-separated.")
     include_path = flags.DEFINE_list("include_path", [], "Directories of your own task YAMLs, comma-separated.")
     num_fewshot = flags.DEFINE_integer("num_fewshot", None, "Few-shot examples per prompt (default: the task's).")
@@ -399,7 +400,7 @@ def _define_flags():
 
 def run(args):
     logs.quiet_libraries()
-    path = args.export()
+    path = args.export.value
     tool_main.require(export=path, tasks=args.tasks.value)
     offline = not args.allow_downloads.value
     if offline:

@@ -4,7 +4,7 @@ At inference the accelerator holds only the main model (docs/method.md §7); eac
 come from host memory. A table that fits the memory budget is read whole into one numpy array
 (tensorstore reads chunks in parallel); a larger one is served from a bounded LRU cache of table
 chunks read on demand, from local disk or GCS alike. Gathers split large batches over threads
-(numpy releases the GIL in `take`), and `Prefetcher` prepares and transfers batch i+1 while the
+(numpy releases the GIL in `take`); serving/prefetch.py prepares and transfers batch i+1 while the
 device computes batch i.
 
 Every chunk is checked against the CRC-32 its export recorded as it is read: the whole table once at
@@ -17,14 +17,14 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import math
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import tensorstore as ts
 
+from scone_jax.runtime.errors import one_line
 from scone_jax.serving import bundle
 
 _THREAD_MIN_ROWS = 1 << 14  # below this a single take is faster than handing work to threads
@@ -67,11 +67,11 @@ class HostTable:
         store = ts.open(bundle.table_spec(path), open=True).result()
         bundle.check_table(meta, store, path)
         chunks = math.ceil(meta["num_fgrams"] / meta["chunk_rows"])
-        if sums is not None and len(sums.table) != chunks:
+        if len(sums.table) != chunks:
             raise bundle.BundleError(f"{path!r}: {bundle.COMPLETE} records {len(sums.table)} table chunks, the table "
                                      f"has {chunks}; the bundle was altered. Fix: export again into a fresh --output.")
         table = cls(store, meta, max_bytes=max_bytes, threads=threads,
-                    checksums=None if sums is None else sums.table, path=path)
+                    checksums=sums.table, path=path)
         table.checksums = sums
         return table
 
@@ -116,7 +116,7 @@ class HostTable:
             except ValueError as e:
                 bad[c] = e
         if not bad:  # each chunk reads alone: a passing storage error
-            return bundle.BundleError(f"Reading the table at {self.path!r} failed: {bundle.brief_error(error)}. "
+            return bundle.BundleError(f"Reading the table at {self.path!r} failed: {one_line(error)}. "
                                       "Fix: try again; if it persists, export again into a fresh --output.")
         return bundle.bad_chunks_error(self.path, self.meta, bad, self._sums)
 
@@ -212,46 +212,3 @@ class ChunkCache:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.chunks.values())
-
-
-class Prefetcher:
-    """Iterates `prepare(item)` over `items`, computed `depth` items ahead on a background thread.
-
-    `prepare` does the host work and starts the device transfer (jax.device_put is asynchronous),
-    so the next batch's rows travel while the device runs the current step."""
-
-    _END = object()
-
-    def __init__(self, items: Iterable, prepare: Callable, depth: int = 2):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(iter(items), prepare), daemon=True)
-        self._thread.start()
-
-    def _fill(self, items: Iterator, prepare: Callable):
-        try:
-            for item in items:
-                if self._stop.is_set():
-                    return
-                self._queue.put(("item", prepare(item)))
-        except BaseException as e:  # re-raised in the consumer's thread
-            self._queue.put(("error", e))
-            return
-        self._queue.put(("end", self._END))
-
-    def __iter__(self):
-        while True:
-            kind, value = self._queue.get()
-            if kind == "error":
-                raise value
-            if kind == "end":
-                return
-            yield value
-
-    def close(self):
-        self._stop.set()
-        while self._thread.is_alive():
-            try:
-                self._queue.get(timeout=0.1)
-            except queue.Empty:
-                pass

@@ -8,7 +8,6 @@ Extraction counts the same token stream the model sees: each training document a
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import jax
@@ -20,7 +19,7 @@ from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab, vocab_exists
-from scone_jax.runtime import distributed, storage
+from scone_jax.runtime import distributed, workdir as workdir_layout
 
 
 def ensure_tokenizer(data_cfg, workdir: str,
@@ -40,7 +39,7 @@ def ensure_tokenizer(data_cfg, workdir: str,
                 "SentencePiece .model file or a Hugging Face tokenizer.json, or set it to '' to train one into the "
                 "workdir."
             ) from None
-    path = storage.join(workdir, "tokenizer.model")
+    path = workdir_layout.path(workdir, workdir_layout.TOKENIZER)
     if tokenizer_lib.read_model(path) is None:
         docs = tokenizer_training.sample_documents(sources.open_source(data_cfg, "train"), max_chars)
         tokenizer_training.train_tokenizer(docs, path, data_cfg.vocab_size,
@@ -73,7 +72,7 @@ def resolve_vocab_size(config, tokenizer) -> None:
 def ensure_vocab(scone_cfg, data_cfg, tokenizer, workdir: str, is_chief: bool = True) -> FgramVocab:
     """Load the configured vocabulary (checked against the tokenizer), extracting it first if
     the config names none and the workdir has none yet."""
-    path = scone_cfg.vocab_path or os.path.join(workdir, "fgrams")
+    path = scone_cfg.vocab_path or workdir_layout.path(workdir, workdir_layout.FGRAMS)
     if not scone_cfg.vocab_path and is_chief and not vocab_exists(path):
         start = time.time()
         docs = tokenize.model_documents(sources.open_source(data_cfg, "train"), tokenizer, bos_id=tokenizer.bos_id,

@@ -23,6 +23,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from scone_jax.runtime import distributed, storage
+from scone_jax.runtime.errors import one_line
 from scone_jax.training import checksums
 
 _STATE, _META = "state", "meta"
@@ -42,11 +43,6 @@ class CheckpointDamagedError(ValueError):
 
 class CheckpointWriteError(OSError):
     """Writing a checkpoint failed; the newest checkpoint before it is still complete."""
-
-
-def _first_line(e: BaseException) -> str:
-    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return line.split(" See full TensorStore details")[0][:400]
 
 
 class Checkpointer:
@@ -96,10 +92,10 @@ class Checkpointer:
         newest = [s for s in self.manager.all_steps() if s != step]
         kept = f"checkpoint step {max(newest)} is intact" if newest else "no earlier checkpoint exists"
         return CheckpointWriteError(
-            f"Saving checkpoint step {step} to {self.directory} failed: {_first_line(e)}. Training stopped; "
+            f"Saving checkpoint step {step} to {self.directory} failed: {one_line(e)}. Training stopped; "
             f"{kept}. Fix the storage (free space, permissions, bucket) and rerun the same command to resume.")
 
-    def read_meta(self, step: int) -> dict:
+    def read_checkpoint_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
 
     def all_steps(self) -> list[int]:
@@ -110,9 +106,9 @@ class Checkpointer:
         different mesh or device count works) and verify every array against its saved checksum.
         Every process calls it (a collective)."""
         try:
-            meta = self.read_meta(step)
+            meta = self.read_checkpoint_meta(step)
         except Exception as e:  # noqa: BLE001 - unreadable metadata: the step is damaged
-            raise CheckpointDamagedError(self.directory, step, f"its metadata cannot be read ({_first_line(e)})") from e
+            raise CheckpointDamagedError(self.directory, step, f"its metadata cannot be read ({one_line(e)})") from e
         check_compatible(meta, expect or {}, f"{self.directory}/{step}")
         self._check_shapes(step, abstract_state)
         items = {_STATE: ocp.args.StandardRestore(abstract_state)}
@@ -122,16 +118,13 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - a file missing, truncated or unparsable
             failure = e
         if distributed.any_process(failure is not None):  # all processes agree before the checksum collective
-            why = _first_line(failure) if failure is not None else "another process could not read its part"
+            why = one_line(failure) if failure is not None else "another process could not read its part"
             raise CheckpointDamagedError(self.directory, step, f"its arrays cannot be read ({why})") from failure
-        if "state_checksums" in meta:
-            wrong = checksums.first_difference(meta["state_checksums"], checksums.tree_checksums(restored[_STATE]))
-            if wrong is not None:
-                raise CheckpointDamagedError(self.directory, step,
-                                             f"array {wrong} does not match the checksum saved with it")
-        else:
-            logging.warning("Checkpoint %s/%d has no checksums (saved by an older version): not verified.",
-                            self.directory, step)
+        if "state_checksums" not in meta:
+            raise CheckpointDamagedError(self.directory, step, "its metadata holds no array checksums")
+        wrong = checksums.first_difference(meta["state_checksums"], checksums.tree_checksums(restored[_STATE]))
+        if wrong is not None:
+            raise CheckpointDamagedError(self.directory, step, f"array {wrong} does not match the checksum saved with it")
         logging.info("Restored checkpoint %s/%d", self.directory, step)
         return restored[_STATE], meta
 

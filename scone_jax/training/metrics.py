@@ -16,9 +16,9 @@ import uuid
 
 from absl import logging
 
-from scone_jax.runtime import storage
+from scone_jax.runtime import storage, workdir as workdir_layout
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = workdir_layout.METRICS
 
 
 class MetricsWriter:
@@ -48,7 +48,7 @@ class MetricsWriter:
             self._mirror = storage.DirectoryMirror(local, workdir, upload_every_s)
         # Event files are named by host and second only; the suffix keeps a quick restart from replacing
         # (on GCS: overwriting) the previous run's file.
-        self._tb = SummaryWriter(os.path.join(local, "tensorboard"), filename_suffix=f".{uuid.uuid4().hex[:8]}")
+        self._tb = SummaryWriter(os.path.join(local, workdir_layout.TENSORBOARD), filename_suffix=f".{uuid.uuid4().hex[:8]}")
         self._jsonl = open(os.path.join(local, METRICS_FILE), "a")
 
     def write(self, step: int, scalars: dict, prefix: str = "train") -> None:

@@ -36,14 +36,20 @@ def _create(config):
 class StateSpec:
     """What is known about the train state before any parameter exists."""
 
-    graphdef: nnx.GraphDef
+    graphdef: nnx.GraphDef  # of (model, optimizer)
     abstract: nnx.State  # ShapeDtypeStructs
     shardings: nnx.State  # NamedShardings, same structure
+    model_graphdef: nnx.GraphDef  # of the model alone: its state is state[0] (the eval step's argument)
+
+    @property
+    def model_shardings(self) -> nnx.State:
+        return self.shardings[0]
 
 
 def state_spec(config, mesh) -> StateSpec:
     graphdef, abstract = nnx.eval_shape(lambda: _create(config))
-    return StateSpec(graphdef, abstract, sharding.state_shardings(abstract, mesh))
+    model_graphdef = nnx.eval_shape(lambda: nnx.split(build_model(config)))[0]
+    return StateSpec(graphdef, abstract, sharding.state_shardings(abstract, mesh), model_graphdef)
 
 
 def init_state(config, spec: StateSpec) -> nnx.State:
@@ -61,7 +67,7 @@ def restore(ckpt: checkpoint.Checkpointer, step: int, config, spec: StateSpec, m
     """Restore checkpoint `step` into `spec`'s shardings, whichever block layout it was saved in
     (model.scan_layers, layout.py): a checkpoint of the other layout is restored as saved and
     converted. Returns (state, meta)."""
-    meta = ckpt.read_meta(step)
+    meta = ckpt.read_checkpoint_meta(step)
     saved_scanned = layout.is_scanned(meta.get("config", {}))
     if saved_scanned == config.model.scan_layers:
         return ckpt.restore(step, abstract_with_shardings(spec), expect)

@@ -11,29 +11,17 @@ import optax
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.model import losses
+from scone_jax.data.batch import Batch
+from scone_jax.model.scone import token_losses
 from scone_jax.training.optimizer import learning_rate_schedule
-
-
-def token_losses(model, batch: dict) -> jax.Array:
-    """Per-token cross-entropy [B, T] (fp32) of the model's logits, zero where loss_mask is 0."""
-    return losses.token_cross_entropy(model.batch_logits(batch), batch)
-
-
-HOST_ONLY_KEYS = ("fgram_ids", "fgram_unique")
-
-
-def step_arrays(batch: dict) -> dict:
-    """The arrays of a host batch that the steps take (host-only extras such as global f-gram ids stay behind)."""
-    return {k: v for k, v in batch.items() if k not in HOST_ONLY_KEYS}
 
 
 def _loss_sum(params, graph, rest, batch):
     model = nnx.merge(graph, params, rest)
-    return token_losses(model, batch).sum(), batch["loss_mask"].sum()
+    return token_losses(model, batch).sum(), batch.loss_mask.sum()
 
 
-def split_micro_batches(batch: dict, accum: int, num_shards: int) -> dict:
+def split_micro_batches(batch: Batch, accum: int, num_shards: int) -> Batch:
     """[B, ...] -> [accum, B/accum, ...]: micro-batch a takes the a-th contiguous block of rows
     of every data shard, so no data moves between devices. The f-gram arrays ([G, C, K] with
     G = num_shards * accum groups, fgram/dedup.py) split the same way, so micro-batch a gets
@@ -46,7 +34,7 @@ def split_micro_batches(batch: dict, accum: int, num_shards: int) -> dict:
     return jax.tree.map(split, batch)
 
 
-def loss_and_grads(model, batch: dict, accum: int = 1, num_shards: int = 1):
+def loss_and_grads(model, batch: Batch, accum: int = 1, num_shards: int = 1):
     """(sum of token losses, target tokens, gradients of the sum w.r.t. nnx.Param), accumulated
     over `accum` micro-batches (split_micro_batches) in a scan: the train step's core."""
     graph, params, rest = nnx.split(model, nnx.Param, ...)
@@ -57,7 +45,7 @@ def loss_and_grads(model, batch: dict, accum: int = 1, num_shards: int = 1):
 
     def body(carry, mb):
         loss, count, grads = carry
-        mb = {k: sharding.constrain(v, ("batch",) + (None,) * (v.ndim - 1)) for k, v in mb.items()}
+        mb = jax.tree.map(lambda v: sharding.constrain(v, ("batch",) + (None,) * (v.ndim - 1)), mb)
         (l, n), g = grad_fn(params, graph, rest, mb)
         return (loss + l, count + n, jax.tree.map(jnp.add, grads, g)), None
 
@@ -97,13 +85,14 @@ def make_train_step(graphdef, state_shardings, mesh, config):
     ))
 
 
-def make_eval_step(graphdef, state_shardings, mesh):
-    """Return eval(state, batch) -> (sum of token losses, number of target tokens)."""
-    def step(state, batch):
-        model, _ = nnx.merge(graphdef, state)
-        return token_losses(model, batch).sum(), batch["loss_mask"].sum()
+def make_eval_step(model_graphdef, model_shardings, mesh):
+    """Return eval(model_state, batch) -> (sum of token losses, number of target tokens), jitted with the batch
+    sharded by rows: the training loop's held-out evaluation (a SconeModel's or a Decoder's state, the f-gram
+    model run on the fly) and serving's (an export's decoder, table rows in the batch) are this one step."""
+    def step(model_state, batch):
+        return token_losses(nnx.merge(model_graphdef, model_state), batch).sum(), batch.loss_mask.sum()
 
-    return sharding.under_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, _batch_shardings(mesh))))
+    return sharding.under_mesh(mesh, jax.jit(step, in_shardings=(model_shardings, _batch_shardings(mesh))))
 
 
 def _batch_shardings(mesh):

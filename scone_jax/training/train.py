@@ -6,8 +6,8 @@ finishes the current step, saves a checkpoint there and raises preemption.Preemp
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 import time
 import zlib
 
@@ -17,9 +17,11 @@ from absl import logging
 
 from scone_jax import config as config_lib, sharding
 from scone_jax.data import pipeline
+from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, losses
-from scone_jax.runtime import distributed
+from scone_jax.runtime import distributed, workdir as workdir_layout
+from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.ownership import OwnershipLost, hold as hold_workdir
 from scone_jax.training import assets, checkpoint, preemption, state as state_lib, steps
 from scone_jax.training.metrics import MetricsWriter, format_line
@@ -35,30 +37,27 @@ class InputPipelineError(ValueError):
     checkpoint at the step it had reached, so a rerun after the fix loses nothing."""
 
 
-def batch_fingerprint(batch: dict) -> int:
+def batch_fingerprint(batch: Batch) -> int:
     """CRC32 of every array a host batch sends to the device (inputs, masks and, with SCONE,
-    the f-gram rows and slots), in key order: cheap, and what resume must replay exactly."""
+    the f-gram rows and slots), in field-name order: cheap, and what resume must replay exactly."""
     crc = 0
-    for key in sorted(steps.step_arrays(batch)):
+    for key, array in sorted(batch.for_device().arrays().items()):
         crc = zlib.crc32(key.encode(), crc)
-        crc = zlib.crc32(np.ascontiguousarray(batch[key]).tobytes(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(array).tobytes(), crc)
     return crc
 
 
-def held_out_loss(eval_step, state, config, tokenizer, mesh, batch_transform=None, batches=None) -> dict:
-    """Held-out loss and perplexity over data.eval during training (train.eval_batches caps the batch count);
-    serving.evaluate is the exported model's evaluation. `batches` (pipeline.EvalBatches) is made here if
-    not given; pass it to tokenize only once."""
+def held_out_loss(eval_step, model_state, batches, mesh, batch_transform=None, max_batches: int = 0) -> dict:
+    """Held-out loss and perplexity of the training graph over `batches` (pipeline.EvalBatches; at most
+    `max_batches` of them, 0 = all), each through `batch_transform` (the f-gram batcher) first.
+    serving.evaluate is the exported model's evaluation: the same eval step, table rows in the batch."""
     loss_sum, count = 0.0, 0.0
-    if batches is None:
-        batches = pipeline.make_eval_batches(
-            config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count())
     for i, batch in enumerate(batches):
-        if config.train.eval_batches and i >= config.train.eval_batches:
+        if max_batches and i >= max_batches:
             break
         if batch_transform is not None:
             batch = batch_transform(batch)
-        l, n = eval_step(state, sharding.global_batch(steps.step_arrays(batch), mesh))
+        l, n = eval_step(model_state, sharding.global_batch(batch.for_device(), mesh))
         loss_sum, count = loss_sum + float(l), count + float(n)
     loss = loss_sum / max(count, 1.0)
     return {"loss": loss, "perplexity": losses.perplexity(loss), "tokens": count}
@@ -123,7 +122,8 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     tokenizer = distributed.chief_first("tokenizer", lambda: assets.ensure_tokenizer(config.data, workdir))
     assets.resolve_vocab_size(config, tokenizer)
     logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(), jax.process_count())
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints)
+    ckpt = checkpoint.Checkpointer(workdir_layout.path(workdir, workdir_layout.CHECKPOINTS),
+                                   keep=config.train.keep_checkpoints)
     try:
         # Refused resumes stop here, before anything in the workdir changes (f-grams, config.json).
         _check_resume_config(ckpt, config, allow_config_changes)
@@ -142,6 +142,11 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(spec.abstract[0]).items()})
     flops = accounting.train_step_flops(config, spec.abstract[0], sharding.num_batch_shards(mesh))
     meta = {**expect, "config": config.to_dict()}
+    # The held-out data is read (tokenized) and checked now, before step 1: a missing or empty eval file must
+    # stop the run before it has done work that the error would lose.
+    eval_batches = pipeline.make_eval_batches(
+        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
+    ) if config.train.eval_every else None
     # One batch per step: the batch numbers continue where the checkpoint stopped (packing.py).
     inputs = _Inputs(pipeline.make_train_dataset(
         config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
@@ -149,13 +154,13 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     ), mesh, batcher, pipeline.worker_count(config.data))
 
     train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    eval_step = steps.make_eval_step(spec.graphdef, spec.shardings, mesh)
+    eval_step = steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh)
     writer = MetricsWriter(workdir, enabled=is_chief, resume_step=step)
     t = config.train
     peak = peak_flops_per_device(t.peak_flops_per_device) * jax.device_count()
     meter = Throughput(t.num_steps, step, flops["total"], peak)
     pending = _PendingMetrics(f"{ckpt.directory}/{step}" if step else None, step + t.log_every)
-    window, summary, eval_batches = [], {}, None
+    window, summary = [], {}
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     watch = preemption.Watch()
     try:
@@ -168,36 +173,30 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
             if step < stop_at:  # the next batch is built and sent meanwhile
                 batch = _next_batch(inputs, step,
                                     lambda: _save_after_input_failure(ckpt, step, state, meta, pending, writer))
-            last = step == stop_at
-            preempted = watch.reached(step)
-            writes = (step % t.log_every == 0 or step % t.checkpoint_every == 0 or last or preempted
-                      or (t.eval_every and step % t.eval_every == 0))
-            if writes and distributed.any_process(owner.lost()):  # another run took the workdir over
+            plan = _StepPlan.at(step, t, last=step == stop_at, preempted=watch.reached(step))
+            if plan.writes and distributed.any_process(owner.lost()):  # another run took the workdir over
                 owner.check()  # process 0 names the new owner
                 raise OwnershipLost(f"--workdir={workdir} was taken over by another run (process 0 logs which); "
                                     "this run stopped before writing there again.")
             ckpt.raise_if_failed()  # a failed save stops the run now, not at the next save
-            if step % t.log_every == 0 or step % t.checkpoint_every == 0 or last or preempted:
+            if plan.flush:
                 records = pending.flush()
                 writer.write_steps(records)
                 window += records
-            if window and (step % t.log_every == 0 or last):
+            if window and plan.log:
                 summary = _summarize(window, meter.update(step, sum(r["tokens"] for r in window)))
                 summary["input_wait_fraction"] = inputs.wait_fraction()
                 window = []
                 writer.write(step, summary)
                 logging.info(format_line(step, t.num_steps, summary))
-            if t.eval_every and (step % t.eval_every == 0 or last):
-                if eval_batches is None:  # tokenized once, at the first evaluation
-                    eval_batches = pipeline.make_eval_batches(
-                        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count())
-                ev = held_out_loss(eval_step, state, config, tokenizer, mesh, batcher, eval_batches)
+            if plan.evaluate:
+                ev = held_out_loss(eval_step, state[0], eval_batches, mesh, batcher, t.eval_batches)
                 writer.write(step, ev, prefix="eval")
                 logging.info("eval step %d: loss %.4f ppl %.2f over %d tokens", step, ev["loss"], ev["perplexity"], ev["tokens"])
                 summary.update({f"eval_{k}": v for k, v in ev.items()})
-            if step % t.checkpoint_every == 0 or last or preempted:
+            if plan.save:
                 ckpt.save(step, state, {**meta, "step": step})
-            if preempted and not last:
+            if plan.preempted and not plan.last:
                 raise preemption.Preempted(step)
     finally:
         inputs.close()
@@ -210,13 +209,40 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     return {"step": step, **summary}
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepPlan:
+    """What the loop does after a step, decided once: log (a log line), evaluate, save (a checkpoint),
+    flush (fetch the pending device metrics: for a log line or before a save), writes (anything reaches
+    the workdir, so ownership is checked first)."""
+
+    last: bool
+    preempted: bool
+    log: bool
+    evaluate: bool
+    save: bool
+
+    @classmethod
+    def at(cls, step: int, t, *, last: bool, preempted: bool) -> "_StepPlan":
+        return cls(last=last, preempted=preempted, log=step % t.log_every == 0 or last,
+                   evaluate=bool(t.eval_every) and (step % t.eval_every == 0 or last),
+                   save=step % t.checkpoint_every == 0 or last or preempted)
+
+    @property
+    def flush(self) -> bool:
+        return self.log or self.save
+
+    @property
+    def writes(self) -> bool:
+        return self.log or self.evaluate or self.save
+
+
 def _check_resume_config(ckpt, config, allowed) -> None:
     """Refuse to resume the latest checkpoint with changed RESUME_KEYS, listing every difference."""
     step = ckpt.latest_step()
     if not step:
         return
     try:
-        saved = ckpt.read_meta(step).get("config", {})
+        saved = ckpt.read_checkpoint_meta(step).get("config", {})
     except Exception:  # noqa: BLE001 - an unreadable checkpoint is reported (and skipped) by the restore
         return
     changes = [c for c in config_lib.resume_changes(saved, config) if c.split(":")[0] not in allowed]
@@ -270,7 +296,7 @@ def _next_batch(inputs, step: int, save):
         if save is not None:
             save()
             saved = f" A checkpoint was saved at step {step}: rerun the same command after the fix to resume there."
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = one_line(e)
         raise InputPipelineError(
             f"The input pipeline failed while preparing step {step + 1}: {type(e).__name__}: {first}.{saved} "
             "If a worker process died without a message, it may have run out of memory: lower "
@@ -303,8 +329,8 @@ class _Inputs:
         host = {"batch_crc": batch_fingerprint(host_batch)}
         if self._batcher is not None:
             host.update(fgram_stats.batch_stats(host_batch))
-            host["fgram/model_tokens"] = host_batch["fgram_tokens"].size * jax.process_count()
-        arrays = sharding.global_batch(steps.step_arrays(host_batch), self._mesh)
+            host["fgram/model_tokens"] = host_batch.fgram_tokens.size * jax.process_count()
+        arrays = sharding.global_batch(host_batch.for_device(), self._mesh)
         self._waited += time.perf_counter() - start
         return host, arrays
 

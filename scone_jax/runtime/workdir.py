@@ -1,0 +1,28 @@
+"""What a run's workdir holds, named once (local path or gs:// URL; the launcher adds logs/ and DONE).
+
+  OWNER            the lease of the run that owns the workdir (runtime/ownership.py)
+  config.json      the resolved config of the latest start
+  tokenizer.model  the tokenizer trained on first use (when data.tokenizer_path is '')
+  fgrams/          the f-gram vocabulary extracted on first use (when scone.vocab_path is '')
+  checkpoints/     orbax checkpoints, one directory per step
+  metrics.jsonl    one JSON record per step and per evaluation
+  tensorboard/     TensorBoard event files
+  logs/            each worker's log, copied by launch/worker.sh
+  DONE             written by launch/worker.sh when the run finished
+"""
+from __future__ import annotations
+
+from scone_jax.runtime import storage
+
+OWNER = "OWNER"
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.model"
+FGRAMS = "fgrams"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+
+
+def path(workdir: str, name: str) -> str:
+    """workdir/name, for local paths and gs:// URLs alike."""
+    return storage.join(workdir, name)

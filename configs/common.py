@@ -1,7 +1,7 @@
 """Helpers the paper configs share: parsing `SIZE[,fgram=..][,fgrams=..][,capacity=..]` variants and
 counts such as '10m', and turning a config into its SCONE variant. Kept here, not in scone_jax/config.py
 (the schema), since only configs use them. Not a config itself: config files load it by its path (see
-`_load_common` in gpt2_paper.py), as --config loads them by path, not as a package."""
+`load_beside` in scone_jax/config.py, as gpt2_paper.py does), as --config loads them by path, not as a package."""
 
 SCONE_OPTIONS = ("fgram", "fgrams", "capacity")
 _SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9}

@@ -31,18 +31,18 @@ or point source=text at one document per line. On a v5p-128:
 
 (`python -m scone_jax.main` takes the same flags on one host.) data.*_files are globbed on
 each worker's local file system: mount a bucket there (e.g. gcsfuse) to read from GCS.
-Expect the log to report 418,748,928 parameters for 419m; the first step compiles in about
-a minute. Check memory and step time before renting a slice with
+Expect the log to report 418,748,928 parameters for 419m. Check memory and step time before
+renting a slice with
   python tools/aot_compile.py --config=configs/gpt2_paper.py:419m --topology=v5p-128
-which reports 8.7 GiB of HBM per chip without remat, >= 0.049 s per step at peak, and compiles
-in about 30 s on a 2-core machine (55 s with fgram=1x).
+(HBM per chip, FLOPs and the step time at peak; figures in docs/benchmarks.md).
 
 Arguments are `SIZE[,option=value...]`. SCONE variants add an f-gram model to the main model:
   fgram=RATIOx     f-gram model with RATIO x the main model's non-embedding size (same width,
                    RATIO x its layers): the paper uses 0.5x .. 3x, e.g. 419m,fgram=0.5x = 170M
   fgrams=COUNT     f-grams kept (default 10m; the paper's ablations go from 512k to 100m)
-  capacity=ROWS    f-gram rows per data shard (default 4096: a v5p-128 data shard holds 8 x 1024
-                   tokens, of which ~30% need a row after dedup and prefix sharing)
+  capacity=ROWS    f-gram rows per data shard (default 4096 for a v5p-128 data shard of 8 x 1024
+                   tokens; training logs the rows each batch needs, and a batch that needs more is
+                   an error naming the value to set)
 e.g. --config=configs/gpt2_paper.py:419m,fgram=3x,fgrams=10m. The f-grams are extracted from
 data.train_files into the workdir on the first run unless --config.scone.vocab_path names a
 vocabulary made by tools/extract_fgrams.py (advised at this scale: it uses all cores).

@@ -14,9 +14,8 @@ formula and 1,014M in its table.
 Training follows OLMo-1B's published recipe, as the SCONE paper trains OLMo's way: global
 batch 2048 x 2048 tokens (4.2M), AdamW (0.9, 0.95, eps 1e-5, weight decay 0.1), lr 4e-4
 after 2000 warmup steps, cosine decay, bf16 compute. Blocks keep only their input for the
-backward pass (model.remat='full'): tools/aot_compile.py puts "1b" on a v5p-128 at 24.3 GiB of
-HBM per chip (compiled in 39 s on a 2-core machine), 66.3 GiB with remat='save_dots' and 95.9
-GiB (does not fit) with 'none'. num_steps = 50,000 (210B tokens) is our choice: set it to your
+backward pass (model.remat='full'): with 'save_dots' or 'none' "1b" needs far more HBM per
+chip on a v5p-128 (tools/aot_compile.py; docs/benchmarks.md). num_steps = 50,000 (210B tokens) is our choice: set it to your
 token budget / 4.19M.
 
 The data and the tokenizer are yours to supply (the paper uses Dolma and OLMo's tokenizer). The

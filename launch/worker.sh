@@ -5,9 +5,10 @@
 #
 # Runs COMMAND with its output in ~/scone_jax.log and copies that log to
 # WORKDIR/logs/slice-SLICE-worker-N.log every minute and at exit, so the logs of
-# every worker survive a preempted VM. When worker 0 of slice 0 finishes with
-# status 0 it writes WORKDIR/DONE: the marker `tpu.py babysit` stops on. A run
-# interrupted by preemption exits non-zero, so it never writes DONE.
+# every worker survive a preempted VM. WORKDIR/DONE, the marker `tpu.py babysit`
+# stops on, is written by the training program itself (process 0) when it has
+# trained all train.num_steps steps: a run stopped early (preemption, or
+# train.max_steps_per_run, which exits 0) never writes it.
 set -u -m  # -m: the log uploader gets its own process group, so one kill ends it and its sleep
 
 workdir=$1
@@ -17,7 +18,7 @@ shift 2
 # The worker index within the slice, as the TPU VM's metadata server reports it.
 worker=$(curl -sf -H Metadata-Flavor:Google \
   http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number) \
-  || worker="host-$(hostname)"  # never claim to be worker 0 when unsure: worker 0 writes DONE
+  || worker="host-$(hostname)"
 
 log="$HOME/scone_jax.log"
 dest="$workdir/logs/slice-$slice-worker-$worker.log"
@@ -31,7 +32,4 @@ status=$?
 
 kill -- -"$uploader"
 upload
-if [ "$status" -eq 0 ] && [ "$slice" = 0 ] && [ "$worker" = 0 ]; then
-  date -u +%Y-%m-%dT%H:%M:%SZ | gcloud storage cp - "$workdir/DONE"
-fi
 exit "$status"

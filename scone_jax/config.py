@@ -1,7 +1,7 @@
 """Every config key with its default and meaning; config files in configs/ override these.
 
 Configs are ml_collections ConfigDicts, locked after construction, so a misspelled
-`--config.model.num_layrs=4` is an error listing the valid keys (see `check_overrides`).
+`--config.model.num_layrs=4` is an error listing the valid keys (see `unknown_key_message`).
 """
 from __future__ import annotations
 
@@ -120,8 +120,22 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
         raise FileNotFoundError(f"Config file {path!r} not found; pass e.g. configs/tiny.py.")
     spec_obj = importlib.util.spec_from_file_location("_scone_config", path)
     module = importlib.util.module_from_spec(spec_obj)
-    spec_obj.loader.exec_module(module)
-    return module.get_config(arg or None)
+    try:
+        spec_obj.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ValueError(f"Config file {path!r} does not parse: {e.msg} at line {e.lineno}. Fix: correct it.") from None
+    except Exception as e:  # noqa: BLE001 - any error of the file's own code, in one line
+        raise ValueError(f"Config file {path!r} fails when loaded: {type(e).__name__}: {e}. Fix: correct it.") from None
+    if not callable(getattr(module, "get_config", None)):
+        raise ValueError(f"Config file {path!r} defines no get_config(arg). Fix: define one that returns the config "
+                         "(see configs/tiny.py).")
+    try:
+        return module.get_config(arg or None)
+    except ValueError:
+        raise  # the config's own message (e.g. an unknown variant): already says what to pass
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"Config file {path!r}: get_config({arg or None!r}) failed: {type(e).__name__}: {e}. "
+                         "Fix: correct the config file.") from None
 
 
 def load_beside(config_file: str, name: str):

@@ -10,8 +10,9 @@ find each other from the TPU environment; elsewhere pass --coordinator_address=H
 Exit status: 0 done; 2 bad input (config, data, mismatched or damaged checkpoint, a workdir
 that cannot be written or that another run owns, a failed checkpoint write, peers that never
 arrived, mismatched process counts); 3 non-finite loss (last good checkpoint kept); 143 stopped
-by SIGTERM after saving a checkpoint at the step reached (rerun to resume; 128 + 15, what a
-process killed by SIGTERM reports, so schedulers treat it the same way).
+by SIGTERM after saving a checkpoint at the step reached, or during start-up before any step
+(rerun to resume; 128 + 15, what a process killed by SIGTERM reports, so schedulers treat it the
+same way); 130 interrupted by SIGINT (Ctrl-C). Every exit releases the workdir.
 """
 from __future__ import annotations
 
@@ -34,15 +35,15 @@ _ALLOW_CHANGE = flags.DEFINE_list(
 _JOIN = job_flags.define("Seconds to wait for all processes to join, and for the workdir's storage to answer.")
 flags.adopt_module_key_flags(job_flags)  # listed by --help
 
-EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED = 2, 3, 143
+EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_INTERRUPTED, EXIT_PREEMPTED = 2, 3, 130, 143
 
 
 def parse_flags(argv):
     """absl flag parsing, but a misspelled --config.* key becomes a short error listing valid keys."""
     try:
         parsed = flags.FLAGS(argv)
-    except (AttributeError, KeyError, flags.Error) as e:
-        print(f"scone_jax: error: {config_lib.config_flag_error(argv) or e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - a bad flag or a config file that fails to load: one line
+        print(f"scone_jax: error: {config_lib.config_flag_error(argv) or one_line(e, 4000)}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     if not flags.FLAGS["config"].present or _config_unloadable():
         print(f"scone_jax: error: {config_lib.config_flag_error(argv) or 'pass --config=configs/<name>.py'}",
@@ -55,7 +56,7 @@ def _config_unloadable() -> bool:
     """config_flags defers a missing or broken config file's error to first use; find it now."""
     try:
         _CONFIG.value.keys()
-    except OSError:
+    except Exception:  # noqa: BLE001 - config_flag_error names what is wrong, in one line
         return True
     return False
 
@@ -79,6 +80,13 @@ def main(argv):
     except preemption.Preempted as e:
         logging.warning("%s", e)
         sys.exit(EXIT_PREEMPTED)
+    except preemption.StartupInterrupted as e:
+        print(f"scone_jax: {e}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
+    except KeyboardInterrupt:
+        print("scone_jax: interrupted (SIGINT); the workdir is free again and the latest checkpoint, if any, is "
+              "intact. Rerun the same command to resume.", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     except (ValueError, FileNotFoundError, distributed.DistributedStartError, workdir.WorkdirError,
             checkpoint.CheckpointWriteError) as e:
         logging.debug("%s", traceback.format_exc())

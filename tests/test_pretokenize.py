@@ -100,9 +100,13 @@ def test_jsonl_corpus_trains_from_a_glob_over_the_directory_and_reruns_overwrite
     assert [source[i].tolist() for i in range(len(source))] == [tok.encode(r["text"]).tolist() for r in rows]
     assert source.document_lengths().tolist() == [len(tok.encode(r["text"])) for r in rows]
     before = files_of(out)
-    (tmp_path / "out" / ".tokens-00001-of-00002.arrayrecord.12345.tmp").write_bytes(b"left by a killed run")
+    dead = subprocess.Popen(["true"])  # a process id that no longer runs, once waited for
+    dead.wait()
+    stale = tmp_path / "out" / f".run-{dead.pid}-x1y2" / "tokens-00001-of-00002.arrayrecord"
+    stale.parent.mkdir()
+    stale.write_bytes(b"left by a killed run")
     assert pretokenize(*args).returncode == 0
-    assert files_of(out) == before  # same shards again; the stale temporary is gone
+    assert files_of(out) == before and not stale.parent.exists()  # same shards again; the killed run's are gone
     again = pretokenize(*args, "--num_shards=1")
     assert again.returncode == 2
     assert again.stderr.strip().endswith(f"error: --output='{out}' holds shards of another run "

@@ -1,4 +1,5 @@
 """End-to-end training: exact resume in a new process, NaN handling, bad input via the CLI."""
+import json
 import os
 
 import jax
@@ -145,7 +146,10 @@ def test_scone_with_accumulation_resumes_exactly(tokenizer_path, tmp_path):
     config = scone_config(tokenizer_path)
     config.train.update({**overrides, "max_steps_per_run": 3})
     assert train.run(config, split)["step"] == 3
+    # Stopped by max_steps_per_run (exit 0 on the command line): not finished, so no DONE for launchers.
+    assert not os.path.exists(os.path.join(split, "DONE"))
     assert train.run(config, split)["step"] == 6
+    assert json.load(open(os.path.join(split, "DONE")))["step"] == 6
 
     a, b = step_records(straight), step_records(split)
     assert sorted(a) == sorted(b) == list(range(1, 7))
@@ -189,5 +193,7 @@ def test_a_bad_document_in_a_worker_stops_the_run_at_a_saved_step(tokenizer_path
     assert checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 4
     assert sorted(step_records(workdir)) == [1, 2, 3, 4]
     sources.write_token_arrayrecord(config.data.train_files, docs)
-    assert train.run(config, workdir)["step"] == 8
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="train.arrayrecord changed"):
+        train.run(config, workdir)  # the repaired file is other data: resuming on it must be asked for
+    assert train.run(config, workdir, allow_config_changes=["data.train_files"])["step"] == 8
     assert sorted(step_records(workdir)) == list(range(1, 9))

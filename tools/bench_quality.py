@@ -39,7 +39,7 @@ import sys
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from scone_jax.config import load_config_file
 from scone_jax.data import documents, pipeline, sources
@@ -329,6 +329,31 @@ def _commit() -> str:
         return ""
 
 
+ARM_LABELS = {
+    "baseline": "baseline (2 blocks)", "baseline_2x": "baseline, 4 blocks", "baseline_4x": "baseline, 8 blocks",
+    "scone": "SCONE, f-gram model 2 blocks (1x), S = 20k, K = 5", "scone_fgram0.5x": "SCONE, f-gram model 1 block (0.5x)",
+    "scone_fgram2x": "SCONE, f-gram model 4 blocks (2x)", "scone_s5k": "SCONE, S = 5k", "scone_s100k": "SCONE, S = 100k",
+    "scone_k3": "SCONE, K = 3",
+}
+
+
+def markdown(results: dict) -> str:
+    """The arms' table (test perplexity first) and every run of the sweep, as markdown."""
+    rows = ["| arm | tokens | learning rate | validation ppl | test ppl | test bits/byte | inference FLOPs/token "
+            "| training FLOPs | hit rate |", "|---|---|---|---|---|---|---|---|---|"]
+    for arm in ARMS:
+        r = results["arms"].get(arm)
+        if r:
+            rows.append(f"| {ARM_LABELS[arm]} (`{arm}`) | {r['tokens'] / 1e6:.1f}M | {r['learning_rate']:g} | "
+                        f"{r['validation_ppl']:.2f} | **{r['test_ppl']:.2f}** | {r['test_bits_per_byte']:.4f} | "
+                        f"{r['inference_flops_per_token']:.3g} | {r['train_flops']:.3g} | {r['hit_rate']:.3f} |")
+    runs = ["| run | validation ppl | test ppl | minutes | commit |", "|---|---|---|---|---|"]
+    for key, r in sorted(results["runs"].items()):
+        runs.append(f"| `{key}` | {r['validation_ppl']:.2f} | {r['test_ppl']:.2f} | {r['train_seconds'] / 60:.0f} | "
+                    f"{r['commit']} |")
+    return "\n".join(rows) + "\n\nEvery run (the learning-rate sweep included):\n\n" + "\n".join(runs) + "\n"
+
+
 def plot(results: dict, path: str) -> bool:
     try:
         import matplotlib
@@ -445,6 +470,9 @@ def main():
         if run:
             study.results["arms"][arm] = run
     study.save(_RECORD.value)
+    with open(os.path.join(root, "quality.md"), "w") as f:
+        f.write(markdown(study.results))
+    print(f"table: {os.path.join(root, 'quality.md')}")
     if plot(study.results, os.path.join(root, "quality.png")):
         print(f"plot: {os.path.join(root, 'quality.png')}")
     for arm, r in study.results["arms"].items():
@@ -455,4 +483,4 @@ def main():
 
 
 if __name__ == "__main__":
-    app.run(tool_main.main_of(main, program="bench_quality"))
+    tool_main.run(main, program="bench_quality")

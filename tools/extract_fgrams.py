@@ -18,7 +18,7 @@ import time
 
 import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from scone_jax.data import sources, tokenize, tokenizer_flags
 from scone_jax.data.batch import Batch
@@ -152,4 +152,4 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    app.run(tool_main.main_of(run))
+    tool_main.run(run)

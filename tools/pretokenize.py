@@ -11,8 +11,11 @@ Writes tokens-00000-of-0000N.arrayrecord ... (one record per document: its littl
 token ids, no bos/eos; shard i holds a contiguous range of documents in input order), each
 with the sidecars <shard>.lengths.npy and <shard>.json (scone_jax/data/shards.py). Every worker
 process writes whole shards, streaming them (memory stays bounded by one chunk of documents);
-the output is the same for any --workers. A shard appears under its final name only once it
-is complete, and a rerun replaces the shards. --tokenizer is a SentencePiece .model or a Hugging
+the output is the same for any --workers. Shards are written into a directory of this run's own
+(OUTPUT/.run-<pid>-<random>) and published into OUTPUT only once every shard is complete, so a
+rerun replaces the shards and a worker of a killed run, which exits within a second of its
+parent anyway, can never remove or replace a newer run's files; the next run deletes a killed
+run's directory. --tokenizer is a SentencePiece .model or a Hugging
 Face tokenizer.json (the kind is read from the file). The shards record its fingerprint, which
 covers the special ids too: pass the --bos_token/--eos_token/--pad_token the run sets as
 data.*_token (default: the tokenizer's own), or training refuses the shards. Progress
@@ -24,16 +27,18 @@ import math
 import multiprocessing
 import os
 import re
+import shutil
 import sys
 import tempfile
 import threading
 import time
 
 import ml_collections
-from absl import app, flags
+from absl import flags
 
 from scone_jax.data import shards, sources, tokenize, tokenizer_flags
-from scone_jax.runtime import storage, tool_main
+from scone_jax.runtime import parent_watch, storage, tool_main
+from scone_jax.runtime.errors import one_line
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", "", "Comma-separated globs of the corpus files.")
@@ -52,6 +57,7 @@ SHARD_PREFIX = "tokens"
 # int32 ids take about as many bytes as the text they came from (~4 characters per token).
 TARGET_SHARD_BYTES = 256 << 20
 _REPORT_DOCS = 256  # documents between updates of the shared progress counters
+_RUN_DIR = ".run"  # each run writes into OUTPUT/.run-<pid>-<random>, then publishes
 _SHARD_NAME = re.compile(rf"{SHARD_PREFIX}-\d{{5,}}-of-(\d{{5,}})\.arrayrecord")
 
 
@@ -74,8 +80,9 @@ def open_corpus():
     return source, size, {"input": FLAGS.input, "format": FLAGS.format, **unit}
 
 
-def prepare_output(directory: str, num_shards: int) -> None:
-    """Creates the directory, checks it is writable, refuses other runs' shards, drops stale temporaries."""
+def prepare_output(directory: str, num_shards: int) -> str:
+    """Creates the directory, checks it is writable, refuses other runs' shards and a live run writing there,
+    removes the directories of killed runs; returns this run's own directory inside it."""
     if not directory:
         raise ValueError("--output is empty. Fix: pass a local directory for the shards.")
     if storage.is_remote(directory):
@@ -94,8 +101,13 @@ def prepare_output(directory: str, num_shards: int) -> None:
     if others:
         raise ValueError(f"--output={directory!r} holds shards of another run ({others[0]}, {len(others)} in all) "
                          f"that a glob would mix with these {num_shards}. Fix: delete them or choose another --output.")
-    for stale in glob.glob(os.path.join(glob.escape(directory), f".{SHARD_PREFIX}-*.tmp")):
-        os.unlink(stale)  # left by a killed run (shards.write_shard's temporary names)
+    parent_watch.remove_stale_scratch(directory, _RUN_DIR)  # killed runs' shards: never published
+    live = sorted(glob.glob(os.path.join(glob.escape(directory), f"{_RUN_DIR}-*-*")))
+    if live:
+        pid = os.path.basename(live[0])[len(_RUN_DIR) + 1:].split("-")[0]
+        raise ValueError(f"Another pretokenize (process {pid}) is writing into --output={directory!r} ({live[0]}). "
+                         "Fix: wait for it to finish, or stop it, then rerun.")
+    return tempfile.mkdtemp(dir=directory, prefix=parent_watch.scratch_name(_RUN_DIR))
 
 
 def plan_shards(num_docs: int, input_bytes: int, workers: int) -> int:
@@ -169,7 +181,11 @@ def _write_shard(task) -> tuple[int, int]:
                 docs = tokens = 0
         counters.add(docs, tokens)
 
-    return shards.write_shard(path, documents(), meta)
+    try:
+        return shards.write_shard(path, documents(), meta)
+    except (OSError, RuntimeError) as e:  # a full disk (ENOSPC, EFBIG) reaches us from array_record as either
+        raise OSError(f"Writing shard {os.path.basename(path)} into {os.path.dirname(os.path.dirname(path))} failed: "
+                      f"{one_line(e)}. Fix: free space there (or choose another --output) and rerun.") from None
 
 
 def run() -> None:
@@ -181,10 +197,10 @@ def run() -> None:
         raise ValueError(f"--progress_seconds={FLAGS.progress_seconds} must be positive.")
     num_docs = len(source)
     num_shards = plan_shards(num_docs, input_bytes, workers)
-    prepare_output(FLAGS.output, num_shards)
+    run_dir = prepare_output(FLAGS.output, num_shards)
     meta = {"tokenizer_fingerprint": tok.fingerprint, "tokenizer_vocab_size": tok.vocab_size, "source": description}
     bounds = [num_docs * i // num_shards for i in range(num_shards + 1)]
-    tasks = [(os.path.join(FLAGS.output, shard_name(i, num_shards)), bounds[i], bounds[i + 1],
+    tasks = [(os.path.join(run_dir, shard_name(i, num_shards)), bounds[i], bounds[i + 1],
               {**meta, "first_document": bounds[i]}) for i in range(num_shards)]
     processes = min(workers, num_shards)
     print(f"pretokenize: {num_docs:,} documents ({input_bytes / 1e6:.1f} MB) -> {num_shards} shard(s) in "
@@ -201,8 +217,11 @@ def run() -> None:
             results = [_write_shard(task) for task in tasks]
         else:
             results = list(tokenize.run_pool(_write_shard, tasks, processes, _init_worker, (source, tok, counters)))
+        for i in range(num_shards):
+            shards.publish_shard(os.path.join(run_dir, shard_name(i, num_shards)), FLAGS.output)
     finally:
         printer.finish()
+        shutil.rmtree(run_dir, ignore_errors=True)
     tokens = sum(t for _, t in results)
     seconds = time.time() - printer.start_time
     print(f"wrote {num_shards} shard(s): {num_docs:,} documents, {tokens:,} tokens "
@@ -212,4 +231,4 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    app.run(tool_main.main_of(run))
+    tool_main.run(run)

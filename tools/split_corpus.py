@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 
 from scone_jax.runtime import tool_main
 
@@ -90,4 +90,4 @@ def main():
 
 
 if __name__ == "__main__":
-    app.run(tool_main.main_of(main, program="split_corpus"))
+    tool_main.run(main, program="split_corpus")

@@ -11,7 +11,7 @@ then checks decode(encode(doc)) == doc on a sample of the training documents.
 import time
 
 import ml_collections
-from absl import app, flags
+from absl import flags
 
 from scone_jax.data import sources, tokenizer_training
 from scone_jax.runtime import tool_main
@@ -59,4 +59,4 @@ def train():
 
 
 if __name__ == "__main__":
-    app.run(tool_main.main_of(train))
+    tool_main.run(train)

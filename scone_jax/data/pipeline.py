@@ -26,6 +26,7 @@ from absl import logging
 from scone_jax.data import documents, packing
 from scone_jax.data.batch import Batch
 from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.runtime import parent_watch
 
 # grain's MapDataset wants a length; the stream is endless, so batch numbers just stop here.
 _ENDLESS = 1 << 48
@@ -49,8 +50,8 @@ def _local_batch_size(data_cfg, process_index: int, process_count: int) -> int:
 def worker_count(data_cfg) -> int:
     """data.worker_count, with -1 resolved: half of this host's cores (at least 1, at most
     MAX_AUTO_WORKERS). The other half stays with the training process (dispatch, transfers,
-    checkpoints); one worker builds ~2M tokens/s of batches with f-grams, so 16 feed even a
-    small model on a large host."""
+    checkpoints); one worker builds millions of tokens per second of batches with f-grams
+    (docs/benchmarks.md), so 16 feed even a small model on a large host."""
     count = data_cfg.worker_count
     if count < -1:
         raise ValueError(f"data.worker_count={count} is not valid: use -1 (one per two cores), 0 (build "
@@ -140,7 +141,8 @@ def make_train_dataset(
     elements = grain.MapDataset.range(_ENDLESS // BATCHES_PER_ELEMENT).map(
         _BuildBatches(build, start_batch, BATCHES_PER_ELEMENT)).to_iter_dataset(read)
     options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=ahead)
-    return _Elements(elements.mp_prefetch(options))
+    # Workers exit within a second of this process's death (a SIGKILL leaves them no other word).
+    return _Elements(elements.mp_prefetch(options, worker_init_fn=parent_watch.exit_with_parent))
 
 
 BATCHES_PER_ELEMENT = 4
@@ -152,8 +154,8 @@ class _BuildBatches:
 
     grain hands each numpy array of an element over in a shared-memory segment of its own:
     creating, filling (page faults), attaching and unlinking one. Ten arrays per batch cost the
-    worker ~6.5-7.2 ms per 4-batch element where one array of the same bytes costs ~5.5-5.8 ms,
-    so an element travels as one segment: {"bytes": uint8 array, "layout": JSON} (join_batches).
+    worker measurably more than one array of the same bytes (tools/bench_pipeline.py), so an
+    element travels as one segment: {"bytes": uint8 array, "layout": JSON} (join_batches).
     """
 
     def __init__(self, build: _BuildBatch, start: int, n: int):

@@ -88,6 +88,19 @@ def read_sidecar(shard: str, num_records: int) -> dict | None:
     return meta
 
 
+def publish_shard(shard: str, directory: str) -> str:
+    """Move a complete shard and its sidecars into `directory`, replacing a shard of the same name: its old
+    sidecars go first, then the shard, then its own sidecars, so no sidecar ever describes another shard
+    (an interruption at worst leaves a shard without sidecars, which readers accept). Returns the new path."""
+    final = os.path.join(directory, os.path.basename(shard))
+    for old in (lengths_path(final), meta_path(final)):
+        if os.path.lexists(old):
+            os.unlink(old)
+    for src, dst in ((shard, final), (lengths_path(shard), lengths_path(final)), (meta_path(shard), meta_path(final))):
+        os.replace(src, dst)
+    return final
+
+
 def write_shard(shard: str, docs: Iterable[np.ndarray], meta: dict) -> tuple[int, int]:
     """Writes the token-id documents as `shard` plus both sidecars; returns (documents, tokens).
 

@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import threading
+import zlib
 
 import numpy as np
 from absl import logging
@@ -19,6 +20,7 @@ from scone_jax.data import corpus, shards
 
 SOURCES = ("kjv", "text", "jsonl", "arrayrecord")
 _SCAN_BYTES = 1 << 24
+_WHITESPACE = np.frombuffer(b" \t\r\n\v\f", np.uint8)
 
 
 def expand_files(patterns: str) -> list[str]:
@@ -41,20 +43,31 @@ def expand_files(patterns: str) -> list[str]:
 
 
 def _line_starts(path: str) -> np.ndarray:
-    """Byte offsets of the non-empty lines of `path`, plus the file size as a sentinel (int64)."""
-    starts, offset, at_line_start = [], 0, True
+    """Byte offsets of the lines of `path` that hold more than whitespace (a blank line is no document), plus
+    the file size as a sentinel (int64). Each line's start and end are tagged with the number of
+    non-whitespace bytes before them, in one pass over the file: a line has text iff the two differ."""
+    starts, start_counts, ends, end_counts = [], [], [], []
+    offset, before, at_line_start = 0, 0, True
     with open(path, "rb") as f:
         while chunk := f.read(_SCAN_BYTES):
             data = np.frombuffer(chunk, np.uint8)
             newline = data == ord("\n")
-            # A line starts after every newline (and at offset 0); skip lines that start with a line break.
-            begins = np.flatnonzero(np.concatenate([[at_line_start], newline[:-1]]))
-            begins = begins[~np.isin(data[begins], (ord("\n"), ord("\r")))]
+            text_before = np.cumsum(~np.isin(data, _WHITESPACE), dtype=np.int64) - ~np.isin(data, _WHITESPACE) + before
+            begins = np.flatnonzero(np.concatenate([[at_line_start], newline[:-1]]))  # after every newline
+            breaks = np.flatnonzero(newline)
             starts.append(begins + offset)
+            start_counts.append(text_before[begins])
+            ends.append(breaks + offset)
+            end_counts.append(text_before[breaks])
+            before = int(text_before[-1] + (not np.isin(data[-1], _WHITESPACE)))
             offset += len(chunk)
             at_line_start = bool(newline[-1])
-    starts.append(np.array([offset]))
-    return np.concatenate(starts).astype(np.int64)
+    starts, start_counts = np.concatenate(starts or [np.zeros(0, np.int64)]), np.concatenate(start_counts or [[]])
+    ends = np.concatenate([*ends, [offset]]).astype(np.int64)
+    end_counts = np.concatenate([*end_counts, [before]]).astype(np.int64)
+    line_end = np.searchsorted(ends, starts)  # the newline (or end of file) that closes each line
+    keep = end_counts[line_end] > start_counts
+    return np.concatenate([starts[keep], [offset]]).astype(np.int64)
 
 
 class _LineIndex:
@@ -78,7 +91,7 @@ class _LineIndex:
         return file_no, int(self._offsets[index + file_no])
 
     def read(self, index: int) -> tuple[str, int, str]:
-        """(path, byte offset, text) of document `index`, trailing newlines stripped."""
+        """(path, byte offset, text) of document `index`: its line, without the line break."""
         file_no, start = self.locate(index)
         end = int(self._offsets[index + file_no + 1])
         path = self._files[file_no]
@@ -88,9 +101,9 @@ class _LineIndex:
         finally:
             os.close(fd)
         try:
-            return path, start, raw.rstrip(b"\r\n").decode("utf-8")
+            return path, start, raw.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8")  # blank lines may follow
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path} at byte {start + e.start}: not UTF-8 text ({e.reason}).") from e
+            raise ValueError(f"{path} at byte {start + e.start}: not UTF-8 text ({e.reason}). Fix: convert the file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8), or leave it out of the glob.") from e
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -127,7 +140,7 @@ class TextFileSource:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path} at byte {e.start}: not UTF-8 text ({e.reason}).") from e
+            raise ValueError(f"{path} at byte {e.start}: not UTF-8 text ({e.reason}). Fix: convert the file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8), or leave it out of the glob.") from e
 
 
 class JsonlSource:
@@ -339,3 +352,52 @@ def open_source(data_cfg, split: str, tokenizer_fingerprint: str | None = None):
     if kind == "arrayrecord" and tokenizer_fingerprint is not None:
         source.check_tokenizer(tokenizer_fingerprint)
     return source
+
+
+_EDGE_BYTES = 1 << 20  # how much of each end of a pre-tokenized shard without sidecars its identity reads
+
+
+def _file_crc(path: str, limit: int | None = None) -> str:
+    """CRC-32 of the file's bytes (all of them, or the first and last `limit` bytes)."""
+    crc = 0
+    with open(path, "rb") as f:
+        if limit is None or os.path.getsize(path) <= 2 * limit:
+            while block := f.read(1 << 22):
+                crc = zlib.crc32(block, crc)
+        else:
+            crc = zlib.crc32(f.read(limit), crc)
+            f.seek(-limit, os.SEEK_END)
+            crc = zlib.crc32(f.read(limit), crc)
+    return f"{crc:08x}"
+
+
+def train_data_identity(data_cfg) -> dict:
+    """What the training documents are, for checkpoints to compare on resume (a changed corpus would be
+    a different data stream under the same batch numbers): {file: [size, content id]} of every file the
+    training globs match. The content id is a CRC-32 of a text or JSONL file's bytes (they are read whole at
+    start anyway), a pre-tokenized shard's sidecar (its document and token counts, tokenizer, first
+    document), or, for a shard without one, of its first and last MiB. No modification times: a corpus
+    copied to a new machine unchanged still resumes. The embedded corpus has none ({})."""
+    if data_cfg.source == "kjv":
+        return {}
+    out = {}
+    for path in expand_files(data_cfg.train_files):
+        if data_cfg.source == "arrayrecord":
+            sidecar = shards.meta_path(path)
+            content = _file_crc(sidecar) if os.path.exists(sidecar) else _file_crc(path, _EDGE_BYTES)
+        else:
+            content = _file_crc(path)
+        out[os.path.abspath(path)] = [os.path.getsize(path), content]
+    return out
+
+
+def identity_changes(saved: dict, now: dict) -> list[str]:
+    """The differences between two train_data_identity results, one phrase each (empty: the same data)."""
+    changes = [f"{p} is new" for p in sorted(set(now) - set(saved))]
+    changes += [f"{p} is gone" for p in sorted(set(saved) - set(now))]
+    for p in sorted(set(saved) & set(now)):
+        if list(saved[p]) != list(now[p]):
+            (size0, id0), (size1, id1) = saved[p], now[p]
+            changes.append(f"{p} changed ({size0} -> {size1} bytes)" if size0 != size1 else f"{p} changed (same size, "
+                           f"content {id0} -> {id1})")
+    return changes

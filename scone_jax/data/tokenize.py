@@ -19,6 +19,8 @@ from concurrent import futures
 
 import numpy as np
 
+from scone_jax.runtime import parent_watch
+
 # ~50k tokens of typical paragraphs: big enough to hide the per-task overhead, small
 # enough that progress moves and workers finish together.
 DEFAULT_CHUNK_DOCS = 512
@@ -115,6 +117,12 @@ def _chunks(source, tokenizer, bounds, processes: int) -> Iterator[tuple[np.ndar
     yield from run_pool(_encode_chunk, bounds, processes, _init_worker, (source, tokenizer))
 
 
+def _init_pool_worker(initializer, initargs) -> None:
+    """Every pool worker exits when its parent dies (parent_watch), then runs the pool's own initializer."""
+    parent_watch.exit_with_parent()
+    initializer(*initargs)
+
+
 def run_pool(function, tasks: Iterable, processes: int, initializer, initargs, ahead: int = 4) -> Iterator:
     """function(task) for every task on `processes` spawned workers; results in task order.
 
@@ -125,8 +133,8 @@ def run_pool(function, tasks: Iterable, processes: int, initializer, initargs, a
     """
     context = multiprocessing.get_context("spawn")
     tasks = iter(tasks)
-    with futures.ProcessPoolExecutor(processes, mp_context=context, initializer=initializer,
-                                     initargs=initargs) as pool:
+    with futures.ProcessPoolExecutor(processes, mp_context=context, initializer=_init_pool_worker,
+                                     initargs=(initializer, initargs)) as pool:
         pending = collections.deque(pool.submit(function, task) for task in itertools.islice(tasks, ahead * processes))
         try:
             while pending:

@@ -12,7 +12,7 @@ import sentencepiece as spm
 from scone_jax.data import tokenizer
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-# Enough text for a representative vocabulary; unigram trains on 4 MB in ~5 s.
+# Enough text for a representative vocabulary, little enough to train in seconds.
 DEFAULT_MAX_CHARS = 4_000_000
 _BYTE_PIECES = 256
 # sentencepiece skips sentences longer than max_sentence_length bytes; we cut

@@ -32,8 +32,10 @@ import numpy as np
 from scone_jax.fgram import counting, trie
 from scone_jax.fgram.numba_loops import compiled, prefetch
 from scone_jax.fgram.vocab import FgramVocab, build_vocab
+from scone_jax.runtime import parent_watch
 
 SEPARATOR = -1
+_SCRATCH = "fgrams"  # scratch directories are fgrams-<pid>-<random> (parent_watch.scratch_name)
 _AHEAD = 16  # positions between prefetching a bucket and probing it
 Progress = Callable[[str, int, "int | None"], None]  # (phase, done tokens, total tokens or None)
 
@@ -165,7 +167,7 @@ def _mapper(num_workers: int):
     if num_workers == 1:
         yield map
         return
-    with multiprocessing.get_context("spawn").Pool(num_workers) as pool:
+    with multiprocessing.get_context("spawn").Pool(num_workers, initializer=parent_watch.exit_with_parent) as pool:
         yield pool.imap_unordered
 
 
@@ -234,7 +236,9 @@ def extract_fgrams(
     """
     check_extract_args(max_len, num_fgrams, min_count, vocab_size)
     num_workers = num_workers or len(os.sched_getaffinity(0))
-    with tempfile.TemporaryDirectory(dir=work_dir, prefix="fgrams-") as tmp, _mapper(num_workers) as mapper:
+    parent_watch.remove_stale_scratch(work_dir or tempfile.gettempdir(), _SCRATCH)  # left by killed runs
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix=parent_watch.scratch_name(_SCRATCH)) as tmp, \
+            _mapper(num_workers) as mapper:
         corpus = os.path.join(tmp, "corpus.i32")
         tokens_counted, _ = _spool(documents, vocab_size, corpus, progress)
         length = os.path.getsize(corpus) // 4

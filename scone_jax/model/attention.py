@@ -16,10 +16,8 @@ Implementations (IMPLEMENTATIONS; which ones a platform has: PLATFORM_IMPLEMENTA
              probabilities, and a custom VJP that recomputes each chunk's scores in the
              backward pass. Scores come from the inputs' dtype with fp32 accumulation
              (preferred_element_type), so no fp32 copy of q/k is made. The largest buffer is one
-             chunk's scores [B, N, T/8, T] instead of [B, N, T, T]. On CPU its forward+backward
-             is 1.2-2.9x faster than the reference at T=512-4096 (tools/bench_attention.py). It
-             is the fallback everywhere (on TPU for T=8192: 1.3 GiB of temporaries against the
-             reference's 5.1 GiB, but splash needs 29 MiB).
+             chunk's scores [B, N, T/8, T] instead of [B, N, T, T]. It is the fallback everywhere
+             (speed and memory against the others: docs/benchmarks.md, tools/bench_attention.py).
   cudnn      jax.nn.dot_product_attention(implementation='cudnn') (NVIDIA GPUs; bf16/fp16; head
              dim a multiple of 8 and <= 128, <= 256 on Hopper and later). jax 0.10's public API
              has no segment ids: it offers is_causal, per-row lengths (query_seq_lengths /

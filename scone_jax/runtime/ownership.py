@@ -220,6 +220,16 @@ def _acquire_for_job(workdir: str):
     return _Bystander()
 
 
+def live_owner(workdir: str) -> str | None:
+    """Who holds a live lease on `workdir` ("host H, process P, started T"), or None: for readers of a run's
+    files (export) to say that a file that vanished under them may have been removed by that run."""
+    raw = storage.read_bytes(workdir, OWNER_FILE)
+    holder = _decode(raw) if raw is not None else None
+    if holder is None or time.time() > holder["renewed_unix"] + holder["lease_s"]:
+        return None
+    return _describe(holder)
+
+
 def _busy_message(workdir: str, holder: dict | None) -> str:
     path = _owner_path(workdir)
     if holder is None:

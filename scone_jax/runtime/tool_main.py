@@ -4,10 +4,13 @@ unreadable files; a job that could not start) as one line on stderr with exit st
 `python -m scone_jax.main`."""
 from __future__ import annotations
 
+import json
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 
-from absl import app
+from absl import app, flags
 
 from scone_jax.runtime.errors import one_line
 
@@ -37,3 +40,44 @@ def require(**flag_values) -> None:
     missing = [name for name, value in flag_values.items() if not value]
     if missing:
         raise ValueError("pass " + " and ".join(f"--{name}" for name in missing))
+
+
+def run(body: Callable[[], None], program: str = "", errors: tuple[type[BaseException], ...] = BAD_INPUT) -> None:
+    """app.run(main_of(body, program, errors)), with a flag that does not parse (an unknown flag, a value
+    outside an enum) also one line and exit 2 instead of absl's usage dump and exit 1."""
+    prefix = f"{program}: error: " if program else "error: "
+
+    def parse(argv: list[str]) -> list[str]:
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as e:
+            print(prefix + one_line(e, limit=4000) + " (--help lists the flags)", file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
+
+    app.run(main_of(body, program, errors), flags_parser=parse)
+
+
+def check_result_path(path: str, flag: str) -> None:
+    """Fail now, before the work, if the local file `path` (a --result/--output JSON) cannot be written: its
+    directory is created and a probe written there and removed."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path} is a directory")
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".result-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(f"{flag}={path} cannot be written ({one_line(e)}). Fix: pass a path in a directory you can "
+                      "write to, or '' for none.") from None
+
+
+def write_result(path: str, result, **json_args) -> None:
+    """`result` as JSON at `path`, replaced atomically (a reader never sees half a file)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".result-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, indent=1, **json_args)
+    os.replace(temporary, path)

@@ -1,4 +1,4 @@
-"""What a run's workdir holds, named once (local path or gs:// URL; the launcher adds logs/ and DONE).
+"""What a run's workdir holds, named once (local path or gs:// URL; the launcher adds logs/).
 
   OWNER            the lease of the run that owns the workdir (runtime/ownership.py)
   config.json      the resolved config of the latest start
@@ -7,8 +7,9 @@
   checkpoints/     orbax checkpoints, one directory per step
   metrics.jsonl    one JSON record per step and per evaluation
   tensorboard/     TensorBoard event files
+  DONE             written by the run (process 0) once it has trained all train.num_steps steps:
+                   what launch/tpu.py babysit waits for (a run stopped early never writes it)
   logs/            each worker's log, copied by launch/worker.sh
-  DONE             written by launch/worker.sh when the run finished
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ FGRAMS = "fgrams"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
+DONE = "DONE"
 
 
 def path(workdir: str, name: str) -> str:

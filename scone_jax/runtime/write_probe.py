@@ -23,9 +23,9 @@ class WorkdirError(OSError):
     """The workdir cannot be created or written within the deadline."""
 
 
-def check_writable(workdir: str, timeout_s: float) -> None:
+def check_writable(workdir: str, timeout_s: float, flag: str = "--workdir") -> None:
     """Create `workdir` if needed and write, then delete, a probe file in it; raise
-    WorkdirError naming the cause (or the deadline) otherwise."""
+    WorkdirError naming the cause (or the deadline), and `flag`, otherwise."""
     outcome: list[BaseException | None] = []
 
     def probe():
@@ -51,13 +51,13 @@ def check_writable(workdir: str, timeout_s: float) -> None:
             logging.getLogger(name).setLevel(level)
     if not outcome:
         raise WorkdirError(
-            f"--workdir={workdir} did not answer within {timeout_s:.0f} s. Check the bucket name, "
+            f"{flag}={workdir} did not answer within {timeout_s:.0f} s. Check the bucket name, "
             "network access to it, and credentials (on a TPU VM: the VM service account's access to the bucket)."
         )
     if outcome[0] is not None:
         e = outcome[0]
         first = one_line(e, 300)
         raise WorkdirError(
-            f"Cannot write to --workdir={workdir}: {type(e).__name__}: {first}. Check that it exists or can be "
+            f"Cannot write to {flag}={workdir}: {type(e).__name__}: {first}. Check that it exists or can be "
             "created, and that this machine has write access (for gs://: credentials and bucket permissions)."
         )

@@ -11,15 +11,13 @@ UTF-8 bytes of the documents' text, each document counted once.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 import types
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from scone_jax import config as config_lib
@@ -125,6 +123,8 @@ def run(args):
     logs.quiet_libraries()
     path = args.export.value
     tool_main.require(export=path)
+    if args.result.value:
+        tool_main.check_result_path(args.result.value, "--result")
     served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
     config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
     result = evaluate(served, config.data, max_batches=args.max_batches.value)
@@ -133,11 +133,9 @@ def run(args):
           f"{result['bits_per_byte'] or float('nan'):.4f}  hit rate {result['hit_rate']:.3f}  "
           f"tokens/s {result['tokens_per_s'] or float('nan'):,.0f}")
     if args.result.value:
-        os.makedirs(os.path.dirname(os.path.abspath(args.result.value)), exist_ok=True)
-        with open(args.result.value, "w") as f:
-            json.dump(result, f, indent=1)
+        tool_main.write_result(args.result.value, result)
 
 
 if __name__ == "__main__":
     _args = _define_flags()
-    app.run(tool_main.main_of(lambda: run(_args), program="scone_jax.serving.evaluate"))
+    tool_main.run(lambda: run(_args), program="scone_jax.serving.evaluate")

@@ -30,14 +30,16 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
-from absl import app, flags, logging
+from absl import flags, logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from scone_jax import sharding
 from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
-from scone_jax.runtime import distributed, job_flags, logs, storage, tool_main, workdir as workdir_layout
+from scone_jax.runtime import (distributed, job_flags, logs, ownership, storage, tool_main,
+                               workdir as workdir_layout, write_probe)
+from scone_jax.runtime.errors import one_line
 from scone_jax.serving import bundle
 from scone_jax.training import checkpoint, state as state_lib
 
@@ -74,7 +76,17 @@ class Run:
         """The model of the latest checkpoint (SconeModel, or the Decoder of a run without SCONE), its arrays
         in the run's shardings (optimizer dropped)."""
         spec = state_lib.state_spec(self.config, mesh)
-        state, _ = state_lib.restore(self.checkpointer, self.step, self.config, spec, mesh, expect=self.expect)
+        try:
+            state, _ = state_lib.restore(self.checkpointer, self.step, self.config, spec, mesh, expect=self.expect)
+        except checkpoint.CheckpointDamagedError as e:
+            owner = ownership.live_owner(self.workdir)
+            if owner is None:
+                raise
+            raise ValueError(
+                f"Checkpoint {self.checkpointer.directory}/{self.step} could not be read while a live run owns "
+                f"{self.workdir} ({owner}): that run removes older checkpoints as it saves newer ones, so it may have "
+                f"deleted this one under the export ({one_line(e.__cause__ or e, 300)}). Fix: rerun the export, which takes the newest "
+                "checkpoint, or export once that run has finished.") from e
         return state_lib.model_of(spec.graphdef, state)
 
     def close(self):
@@ -221,8 +233,13 @@ def _complete_marker(output: str, meta: dict, tokenizer_proto: bytes) -> bytes:
 
 def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", chunk_rows: int = 1024,
            batch_rows: int = 8192, log_every_s: float = 10.0) -> dict:
-    """Export the latest checkpoint of `workdir` into `output`; returns figures of the run."""
+    """Export the latest checkpoint of `workdir` into `output`; returns figures of the run. Bad arguments and an
+    output that cannot be written are refused before any work (and before anything is written there)."""
     bundle.numpy_dtype(dtype)
+    for name, value in (("chunk_rows", chunk_rows), ("batch_rows", batch_rows)):
+        if value < 1:
+            raise ValueError(f"--{name}={value} must be at least 1 (table rows per stored chunk / per device batch).")
+    write_probe.check_writable(output, 120, flag="--output")
     run = Run(workdir, config)
     try:
         mesh = sharding.make_mesh(run.config.mesh)
@@ -332,5 +349,5 @@ def run(args):
 
 if __name__ == "__main__":
     _args = _define_flags()
-    app.run(tool_main.main_of(lambda: run(_args), program="scone_jax.serving.export",
-                              errors=(*tool_main.BAD_INPUT, distributed.DistributedStartError)))
+    tool_main.run(lambda: run(_args), program="scone_jax.serving.export",
+                  errors=(*tool_main.BAD_INPUT, distributed.DistributedStartError))

@@ -18,7 +18,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from scone_jax import sharding
@@ -137,4 +137,4 @@ def run(args):
 
 if __name__ == "__main__":
     _args = _define_flags()
-    app.run(tool_main.main_of(lambda: run(_args), program="scone_jax.serving.generate"))
+    tool_main.run(lambda: run(_args), program="scone_jax.serving.generate")

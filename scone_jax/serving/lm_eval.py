@@ -24,8 +24,8 @@ cache. --allow_downloads lets the harness fetch datasets from the Hub.
 from __future__ import annotations
 
 import difflib
-import json
 import os
+import re
 import sys
 import types
 from collections.abc import Sequence
@@ -33,13 +33,14 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from flax import nnx
 
 from scone_jax import sharding
 from scone_jax.data.batch import Batch
 from scone_jax.model import scone
 from scone_jax.runtime import logs, tool_main
+from scone_jax.runtime.errors import one_line
 from scone_jax.serving import generate, inference
 from scone_jax.serving.prefetch import Prefetcher
 
@@ -345,6 +346,15 @@ def task_manager(names: list[str], include_path: list[str]):
     return TaskManager(include_path=include_path or None)
 
 
+def _missing_local_file(e: OSError) -> str | None:
+    """The local path a datasets FileNotFoundError names, if it names a path (not a Hub dataset id)."""
+    match = re.search(r"Unable to find '([^']+)'", str(e))
+    if isinstance(e, FileNotFoundError) and match and (os.path.isabs(match.group(1)) or
+                                                       os.path.splitext(match.group(1))[1]):
+        return match.group(1)
+    return None
+
+
 def load_tasks(manager, names: list[str], offline: bool) -> list:
     """The Task and Group objects the names stand for (globs expanded), their data loaded now, before the
     export: an unknown name or data that cannot be had fails in one line with its fix."""
@@ -361,12 +371,20 @@ def load_tasks(manager, names: list[str], offline: bool) -> list:
         for task in (manager.match_tasks([name]) or [name]):
             try:
                 loaded = manager.load([task])
-            except OSError as e:  # datasets: ConnectionError offline, FileNotFoundError for missing local files
+            except OSError as e:  # datasets: ConnectionError offline, FileNotFoundError for missing files
+                local = _missing_local_file(e)
+                if local:
+                    raise ValueError(f"task {task!r}: its data file {local} does not exist. Fix: correct the path in "
+                                     "the task's data_files (or create the file).") from e
                 fix = ("pass --allow_downloads to fetch it from the Hugging Face Hub, or point the task at local "
                        "files (dataset_path: json, dataset_kwargs: {data_files: ...}) in a YAML under --include_path"
                        if offline else "check the task's dataset_path and data_files")
                 raise ValueError(f"task {task!r}: its data is not available{' offline' if offline else ''} "
                                  f"({type(e).__name__}: {e}). Fix: {fix}.") from e
+            except Exception as e:  # noqa: BLE001 - datasets failing on the file itself (empty: StopIteration)
+                why = one_line(e) if str(e) else "no records could be read"
+                raise ValueError(f"task {task!r}: its data cannot be loaded ({type(e).__name__}: {why}; an empty or "
+                                 "malformed data file?). Fix: check the files the task's data_files name.") from e
             group = loaded["groups"].get(task)
             objects.extend([group] if group is not None else loaded["tasks"].values())
     return objects
@@ -402,6 +420,8 @@ def run(args):
     logs.quiet_libraries()
     path = args.export.value
     tool_main.require(export=path, tasks=args.tasks.value)
+    if args.output.value:
+        tool_main.check_result_path(args.output.value, "--output")
     offline = not args.allow_downloads.value
     if offline:
         go_offline()  # before the harness imports datasets
@@ -427,11 +447,9 @@ def run(args):
     if results.get("groups"):
         print(utils.make_table(results, "groups"))
     if args.output.value:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output.value)), exist_ok=True)
-        with open(args.output.value, "w") as f:
-            json.dump(results, f, indent=1, default=utils.handle_non_serializable, ensure_ascii=False)
+        tool_main.write_result(args.output.value, results, default=utils.handle_non_serializable, ensure_ascii=False)
 
 
 if __name__ == "__main__":
     _args = _define_flags()
-    app.run(tool_main.main_of(lambda: run(_args), program=PROGRAM))
+    tool_main.run(lambda: run(_args), program=PROGRAM)

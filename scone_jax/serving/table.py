@@ -10,7 +10,7 @@ device computes batch i.
 Every chunk is checked against the CRC-32 its export recorded as it is read: the whole table once at
 load (in RAM; split over the gather threads), or each chunk the cache fetches. A missing chunk reads
 as zeros and fails its CRC, so a damaged table is a BundleError naming the chunk, never zero rows.
-CRC-32 checks ~5 GB/s on this project's 2-core machine (tools/bench_serving.py reports the figure).
+tools/bench_serving.py reports what the checks cost (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorstore as ts
+from absl import logging
 
 from scone_jax.runtime.errors import one_line
 from scone_jax.serving import bundle
@@ -172,6 +173,9 @@ class ChunkCache:
                  check: Callable[[int, np.ndarray | Exception], None] | None = None):
         self.store, self.chunk_rows, self.check = store, chunk_rows, check
         chunk_bytes = chunk_rows * store.shape[1] * store.dtype.numpy_dtype.itemsize
+        if max_bytes < chunk_bytes:
+            logging.warning("--max_table_bytes=%d is less than one table chunk (%d bytes, %d rows): the cache keeps "
+                            "one chunk, %d bytes, in RAM.", max_bytes, chunk_bytes, chunk_rows, chunk_bytes)
         self.max_chunks = max(1, max_bytes // chunk_bytes)
         self.chunks: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.reads = 0

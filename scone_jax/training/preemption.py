@@ -8,6 +8,7 @@ handler of ours would replace the service's, so none is installed there.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import jax
@@ -21,6 +22,35 @@ class Preempted(Exception):
     def __init__(self, step: int):
         super().__init__(f"Stopped by SIGTERM after saving a checkpoint at step {step}; rerun to resume.")
         self.step = step
+
+
+class StartupInterrupted(Exception):
+    """SIGTERM arrived between taking the workdir and the first step (tokenizer training, f-gram extraction,
+    compilation): nothing was trained, so nothing is saved; the run stops and releases the workdir."""
+
+    def __init__(self):
+        super().__init__("Stopped by SIGTERM during start-up, before the first step: nothing was trained or saved, "
+                         "and the workdir is free again. Rerun the same command to start.")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm_until_training():
+    """SIGTERM raises StartupInterrupted inside the block (a lone process; in a multi-process job jax's
+    preemption service owns SIGTERM, and the loop's Watch makes all processes stop at one step). The
+    training loop's Watch takes SIGTERM over once it starts; the previous handler is back on exit."""
+    if jax.process_count() > 1:
+        yield
+        return
+
+    def interrupt(signum, frame):
+        del signum, frame
+        raise StartupInterrupted()
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Watch:

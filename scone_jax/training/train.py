@@ -7,6 +7,7 @@ finishes the current step, saves a checkpoint there and raises preemption.Preemp
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import zlib
@@ -16,11 +17,11 @@ import numpy as np
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.data import pipeline
+from scone_jax.data import pipeline, sources
 from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, losses
-from scone_jax.runtime import distributed, workdir as workdir_layout
+from scone_jax.runtime import distributed, storage, workdir as workdir_layout
 from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.ownership import OwnershipLost, hold as hold_workdir
 from scone_jax.training import assets, checkpoint, preemption, state as state_lib, steps
@@ -61,6 +62,10 @@ def held_out_loss(eval_step, model_state, batches, mesh, batch_transform=None, m
         loss_sum, count = loss_sum + float(l), count + float(n)
     loss = loss_sum / max(count, 1.0)
     return {"loss": loss, "perplexity": losses.perplexity(loss), "tokens": count}
+
+
+class EvaluationError(ValueError):
+    """The periodic held-out evaluation failed mid-run; a checkpoint at that step was saved first."""
 
 
 class _PendingMetrics:
@@ -111,7 +116,9 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
                          f"accepts: {', '.join(config_lib.RESUME_KEYS)}.")
     mesh = sharding.make_mesh(config.mesh)
     config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
-    with hold_workdir(workdir) as owner:  # before anything is written there; released however the run ends
+    # The workdir is taken before anything is written there and released however the run ends; from then on
+    # SIGTERM stops start-up cleanly (the loop's preemption.Watch takes it over at the first step).
+    with hold_workdir(workdir) as owner, preemption.stop_on_sigterm_until_training():
         return _train(config, workdir, mesh, owner, allow_config_changes)
 
 
@@ -126,7 +133,8 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                                    keep=config.train.keep_checkpoints)
     try:
         # Refused resumes stop here, before anything in the workdir changes (f-grams, config.json).
-        _check_resume_config(ckpt, config, allow_config_changes)
+        train_data = sources.train_data_identity(config.data)
+        _check_resume_config(ckpt, config, allow_config_changes, train_data)
         vocab, batcher = assets.fgram_batcher(config, tokenizer, workdir, mesh)
         spec = state_lib.state_spec(config, mesh)
         expect = {
@@ -141,7 +149,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
         config_lib.write_config(config, workdir)
     logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(spec.abstract[0]).items()})
     flops = accounting.train_step_flops(config, spec.abstract[0], sharding.num_batch_shards(mesh))
-    meta = {**expect, "config": config.to_dict()}
+    meta = {**expect, "config": config.to_dict(), "train_data": train_data}
     # The held-out data is read (tokenized) and checked now, before step 1: a missing or empty eval file must
     # stop the run before it has done work that the error would lose.
     eval_batches = pipeline.make_eval_batches(
@@ -190,7 +198,14 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                 writer.write(step, summary)
                 logging.info(format_line(step, t.num_steps, summary))
             if plan.evaluate:
-                ev = held_out_loss(eval_step, state[0], eval_batches, mesh, batcher, t.eval_batches)
+                try:
+                    ev = held_out_loss(eval_step, state[0], eval_batches, mesh, batcher, t.eval_batches)
+                except Exception as e:  # the held-out data was checked at start; whatever fails now, keep the work
+                    _save_after_input_failure(ckpt, step, state, meta, pending, writer)
+                    raise EvaluationError(
+                        f"The held-out evaluation at step {step} failed: {type(e).__name__}: {one_line(e)}. A "
+                        f"checkpoint was saved at step {step}: rerun the same command after the fix to resume there "
+                        "(or set train.eval_every=0 to train without evaluating).") from e
                 writer.write(step, ev, prefix="eval")
                 logging.info("eval step %d: loss %.4f ppl %.2f over %d tokens", step, ev["loss"], ev["perplexity"], ev["tokens"])
                 summary.update({f"eval_{k}": v for k, v in ev.items()})
@@ -206,6 +221,10 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
         finally:
             ckpt.close()
             writer.close(publish=not owner.lost())  # never overwrite the metrics of a run that took over
+    if step == t.num_steps and is_chief:  # finished (its last checkpoint is written): what launchers wait for
+        storage.write_bytes(workdir, workdir_layout.DONE,
+                            json.dumps({"step": step, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                            .encode())
     return {"step": step, **summary}
 
 
@@ -236,22 +255,28 @@ class _StepPlan:
         return self.log or self.evaluate or self.save
 
 
-def _check_resume_config(ckpt, config, allowed) -> None:
-    """Refuse to resume the latest checkpoint with changed RESUME_KEYS, listing every difference."""
+def _check_resume_config(ckpt, config, allowed, train_data: dict) -> None:
+    """Refuse to resume the latest checkpoint with changed RESUME_KEYS or changed training files (appended,
+    edited, added or removed: the same batch numbers would mean other documents), listing every difference."""
     step = ckpt.latest_step()
     if not step:
         return
     try:
-        saved = ckpt.read_checkpoint_meta(step).get("config", {})
+        meta = ckpt.read_checkpoint_meta(step)
     except Exception:  # noqa: BLE001 - an unreadable checkpoint is reported (and skipped) by the restore
         return
-    changes = [c for c in config_lib.resume_changes(saved, config) if c.split(":")[0] not in allowed]
+    changes = [c for c in config_lib.resume_changes(meta.get("config", {}), config)]
+    if "train_data" not in meta:
+        changes.append("data.train_files: the checkpoint does not record its training files")
+    else:
+        changes += [f"data.train_files: {c}" for c in sources.identity_changes(meta["train_data"], train_data)[:5]]
+    changes = [c for c in changes if c.split(":")[0] not in allowed]
     if changes:
         raise checkpoint.CheckpointMismatchError(
             f"Resuming {ckpt.directory}/{step} with a config that changes what the checkpoint's state or data stream "
             f"mean: {'; '.join(changes)}. Nothing was changed in the workdir. Fix: restore those values, use a fresh "
             f"--workdir, or, if the change is intended, rerun with "
-            f"--allow_config_change={','.join(c.split(':')[0] for c in changes)}.")
+            f"--allow_config_change={','.join(dict.fromkeys(c.split(':')[0] for c in changes))}.")
 
 
 def _restore_newest_good(ckpt, config, spec, mesh, expect):
@@ -295,7 +320,8 @@ def _next_batch(inputs, step: int, save):
         saved = ""
         if save is not None:
             save()
-            saved = f" A checkpoint was saved at step {step}: rerun the same command after the fix to resume there."
+            saved = (f" A checkpoint was saved at step {step}: rerun the same command after the fix to resume there "
+                     "(with --allow_config_change=data.train_files if the fix edits the training files).")
         first = one_line(e)
         raise InputPipelineError(
             f"The input pipeline failed while preparing step {step + 1}: {type(e).__name__}: {first}.{saved} "

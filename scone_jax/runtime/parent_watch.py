@@ -1,0 +1,63 @@
+"""Worker processes that die with their parent, and scratch that the next run clears.
+
+A program killed with SIGKILL cannot stop its worker processes (pool workers of f-gram extraction and
+pre-tokenization, grain's data workers): they used to keep running for minutes and then write into a
+rerun's output. `exit_with_parent` (a worker's initializer) starts a thread that ends the worker
+within a second of its parent's death: the parent is gone once the worker is reparented (getppid()
+changes). A signal on the parent's death (Linux PR_SET_PDEATHSIG) is not used: it fires when the
+parent *thread* that started the worker exits, which for pools started from a helper thread is long
+before the program ends.
+
+Scratch directories are named `<prefix>-<pid>-<random>`; `remove_stale_scratch` deletes those of
+processes that no longer run, so a killed run's scratch is removed by the next one.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import threading
+import time
+
+EXIT_ORPHANED = 70  # a worker that outlived its parent (os._exit: no cleanup of the dead parent's state)
+_POLL_S = 0.5
+
+
+def exit_with_parent(*_ignored) -> None:
+    """In a worker process: exit within ~_POLL_S of the parent's death. Extra arguments are ignored, so it can
+    serve as any pool's initializer (grain passes the worker's index and count)."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(_POLL_S)
+            if os.getppid() != parent:
+                os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def scratch_name(prefix: str) -> str:
+    """The stem of this process's scratch directories: `<prefix>-<pid>-` (tempfile adds the random part)."""
+    return f"{prefix}-{os.getpid()}-"
+
+
+def remove_stale_scratch(directory: str, prefix: str) -> list[str]:
+    """Delete `directory/<prefix>-<pid>-*` of processes that no longer run (on this host); returns them."""
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(directory), f"{prefix}-*-*")):
+        pid = os.path.basename(path)[len(prefix) + 1:].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -1,0 +1,48 @@
+"""A parent whose worker processes are busy for a minute, for tests/test_operator_safety.py to SIGKILL:
+`python -m tests.orphan_probe run_pool|extract_pool|grain WORKDIR`. It starts the workers on tasks that
+sleep 60 s and waits for the first result."""
+import os
+import sys
+import time
+
+
+def busy(_):
+    time.sleep(60)
+    return 0
+
+
+def slow_transform(batch):
+    time.sleep(60)
+    return batch
+
+
+def _noop(*_):
+    pass
+
+
+def main(kind: str, workdir: str) -> None:
+    if kind == "run_pool":
+        from scone_jax.data import tokenize
+
+        next(tokenize.run_pool(busy, range(4), 2, _noop, ()))
+    elif kind == "extract_pool":
+        from scone_jax.fgram import extract
+
+        with extract._mapper(2) as mapper:
+            next(iter(mapper(busy, range(4))))
+    else:
+        from scone_jax.data import corpus, pipeline, tokenizer_training
+        from tests.common import small_config
+
+        config = small_config()
+        config.data.worker_count, config.data.prefetch_buffer = 2, 4
+        tok = tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:200],
+                                                 os.path.join(workdir, "tok.model"), 400)
+        next(iter(pipeline.make_train_dataset(config.data, tok, batch_transform=slow_transform)))
+
+
+if __name__ == "__main__":
+    from absl import flags
+
+    flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags
+    main(sys.argv[1], sys.argv[2])

@@ -105,6 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
     t.checkpoint_every = 100
     t.keep_checkpoints = 3
     t.peak_flops_per_device = 0.0  # for MFU; 0 = look up the device kind (CPU: measured)
+    t.compilation_cache_dir = "compilation_cache"  # JAX's persistent compilation cache, so a restart loads the
+    #                       compiled steps: relative = inside the workdir, absolute or gs:// as is, '' = off
+    #                       (runtime/compile_cache.py)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1: all devices not used by the other axes

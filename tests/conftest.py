@@ -1,10 +1,20 @@
-"""Test setup: 8 virtual CPU devices (before JAX starts) and parsed absl flags for grain workers."""
+"""Test setup: 8 virtual CPU devices (before JAX starts), one compilation cache for the session, and
+parsed absl flags for grain workers."""
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite starts the same small jobs again and again (resume, preemption, ownership tests); one
+# persistent compilation cache for the session, inherited by every process a test starts, compiles
+# each of their programs once. runtime/compile_cache.py keeps a directory set here, so the jobs use it
+# instead of their workdir's (tests/test_compile_cache.py removes it to test that one).
+_SESSION_CACHE = tempfile.mkdtemp(prefix="scone_jax_tests_compile_cache-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _SESSION_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 from absl import flags  # noqa: E402
 
@@ -42,6 +52,10 @@ def bucket():
 
     with gcs_emulator.running() as url:
         yield url
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

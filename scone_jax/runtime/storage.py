@@ -64,9 +64,10 @@ class DirectoryMirror:
     changed. A failed upload is logged and retried at the next round; training never waits on it.
     """
 
-    def __init__(self, local: str, remote: str, every_s: float = 60.0):
+    def __init__(self, local: str, remote: str, every_s: float = 60.0, skip_existing: bool = False):
+        """`skip_existing`: the files already in `local` came from `remote`; upload only later changes."""
         self.local, self.remote, self.every_s = local, remote, every_s
-        self._uploaded: dict[str, tuple[int, int]] = {}
+        self._uploaded: dict[str, tuple[int, int]] = dict(self._versions()) if skip_existing else {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="directory-mirror", daemon=True)
         self._thread.start()
@@ -79,22 +80,25 @@ class DirectoryMirror:
         """Upload every file that changed since its last upload; True if all are up to date.
         Called by the mirror's thread, and once more by close() after that thread has ended."""
         complete = True
+        for key, version in self._versions():
+            if self._uploaded.get(key) == version or version[0] == 0:
+                continue  # unchanged, or nothing in it yet
+            try:
+                with open(os.path.join(self.local, key), "rb") as f:
+                    write_bytes(self.remote, key, f.read())
+                self._uploaded[key] = version
+            except Exception as e:  # storage errors vary by driver; retried next round
+                logging.warning("Could not copy %s to %s (retrying later): %s", key, self.remote, e)
+                complete = False
+        return complete
+
+    def _versions(self):
+        """(key, (size, mtime)) of every file under the local directory."""
         for root, _, names in os.walk(self.local):
             for name in names:
                 path = os.path.join(root, name)
-                key = os.path.relpath(path, self.local).replace(os.sep, "/")
                 stat = os.stat(path)
-                version = (stat.st_size, stat.st_mtime_ns)
-                if self._uploaded.get(key) == version or stat.st_size == 0:
-                    continue  # unchanged, or nothing in it yet
-                try:
-                    with open(path, "rb") as f:
-                        write_bytes(self.remote, key, f.read())
-                    self._uploaded[key] = version
-                except Exception as e:  # storage errors vary by driver; retried next round
-                    logging.warning("Could not copy %s to %s (retrying later): %s", key, self.remote, e)
-                    complete = False
-        return complete
+                yield os.path.relpath(path, self.local).replace(os.sep, "/"), (stat.st_size, stat.st_mtime_ns)
 
     def close(self, upload: bool = True) -> bool:
         """Stop the thread and (unless `upload` is False) upload what changed; True if the remote

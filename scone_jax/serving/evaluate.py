@@ -25,6 +25,7 @@ from scone_jax.data import pipeline, sources
 from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
 from scone_jax.model import losses
 from scone_jax.runtime import logs, tool_main
+from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.serving import inference
 from scone_jax.serving.prefetch import Prefetcher
 
@@ -115,8 +116,10 @@ def _define_flags():
     max_table_bytes = flags.DEFINE_integer("max_table_bytes", 0, "Host RAM for the table; 0 = load it whole, "
                                             "else a bounded chunk cache of this many bytes.")
     max_batches = flags.DEFINE_integer("max_batches", 0, "Stop after this many batches (0 = all; then no bpb).")
-    return types.SimpleNamespace(
-        export=export, config=config, result=result, max_table_bytes=max_table_bytes, max_batches=max_batches)
+    cache = flags.DEFINE_string("compilation_cache_dir", "", "JAX's persistent compilation cache (a local path or "
+                                "gs:// URL), so the next evaluation of the same model loads its compiled step; '' = off.")
+    return types.SimpleNamespace(export=export, config=config, result=result, max_table_bytes=max_table_bytes,
+                                 max_batches=max_batches, cache=cache)
 
 
 def run(args):
@@ -127,7 +130,8 @@ def run(args):
         tool_main.check_result_path(args.result.value, "--result")
     served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
     config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
-    result = evaluate(served, config.data, max_batches=args.max_batches.value)
+    with CompileCache(args.cache.value):
+        result = evaluate(served, config.data, max_batches=args.max_batches.value)
     result |= {"table": path, "data": config.data.to_dict()}
     print(f"tokens {result['tokens']:,}  perplexity {result['perplexity']:.4f}  bits/byte "
           f"{result['bits_per_byte'] or float('nan'):.4f}  hit rate {result['hit_rate']:.3f}  "

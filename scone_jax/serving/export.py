@@ -37,8 +37,9 @@ from jax.experimental import multihost_utils
 from scone_jax import sharding
 from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
 from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
-from scone_jax.runtime import (distributed, job_flags, logs, ownership, storage, tool_main,
+from scone_jax.runtime import (compile_cache, distributed, job_flags, logs, ownership, storage, tool_main,
                                workdir as workdir_layout, write_probe)
+from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
 from scone_jax.serving import bundle
 from scone_jax.training import checkpoint, state as state_lib
@@ -241,6 +242,7 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             raise ValueError(f"--{name}={value} must be at least 1 (table rows per stored chunk / per device batch).")
     write_probe.check_writable(output, 120, flag="--output")
     run = Run(workdir, config)
+    cache = CompileCache(compile_cache.resolve(run.config.train.compilation_cache_dir, workdir))
     try:
         mesh = sharding.make_mesh(run.config.mesh)
         model = run.restore_model(mesh)
@@ -288,6 +290,7 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             storage.write_bytes(output, bundle.COMPLETE, _complete_marker(output, meta, run.tokenizer.proto))
         return {**figures, "meta": meta}
     finally:
+        cache.close()
         run.close()
 
 

@@ -1,6 +1,7 @@
 """Tokens/s, ETA and MFU for progress lines; the FLOP formula is in model/accounting.py."""
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -19,6 +20,21 @@ PEAK_FLOPS = {
     "NVIDIA H200": 989e12,
     "NVIDIA A100": 312e12,
 }
+
+
+_IMPORTED = time.time()
+
+
+def process_uptime_s() -> float:
+    """Seconds since this process started (Linux: from /proc; elsewhere: since this module's import)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time() - _IMPORTED
 
 
 def measured_cpu_flops(size: int = 2048, trials: int = 3) -> float:

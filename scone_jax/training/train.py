@@ -21,12 +21,13 @@ from scone_jax.data import pipeline, sources
 from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, losses
-from scone_jax.runtime import distributed, storage, workdir as workdir_layout
+from scone_jax.runtime import compile_cache, distributed, storage, workdir as workdir_layout
+from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.ownership import OwnershipLost, hold as hold_workdir
 from scone_jax.training import assets, checkpoint, preemption, state as state_lib, steps
 from scone_jax.training.metrics import MetricsWriter, format_line
-from scone_jax.training.throughput import Throughput, peak_flops_per_device
+from scone_jax.training.throughput import Throughput, peak_flops_per_device, process_uptime_s
 
 
 class NonFiniteLossError(RuntimeError):
@@ -118,7 +119,8 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
     config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
     # The workdir is taken before anything is written there and released however the run ends; from then on
     # SIGTERM stops start-up cleanly (the loop's preemption.Watch takes it over at the first step).
-    with hold_workdir(workdir) as owner, preemption.stop_on_sigterm_until_training():
+    with hold_workdir(workdir) as owner, preemption.stop_on_sigterm_until_training(), \
+            CompileCache(compile_cache.resolve(config.train.compilation_cache_dir, workdir)):
         return _train(config, workdir, mesh, owner, allow_config_changes)
 
 
@@ -171,12 +173,18 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     window, summary = [], {}
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     watch = preemption.Watch()
+    startup = None
     try:
         batch = _next_batch(inputs, step, None) if step < stop_at else None
         while step < stop_at:
             host, device_arrays = batch
             state, metrics = train_step(state, device_arrays)  # dispatched; the device works on it
             step += 1
+            if startup is None:  # how long a (re)start takes to train its first step: compilation, restore, data
+                jax.block_until_ready(metrics)
+                startup = process_uptime_s()
+                logging.info("Step %d done %.1f s after the process started", step, startup)
+                writer.write(step, {"first_step_s": startup}, prefix="startup")
             pending.add(step, metrics, host)
             if step < stop_at:  # the next batch is built and sent meanwhile
                 batch = _next_batch(inputs, step,

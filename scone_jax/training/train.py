@@ -27,6 +27,7 @@ from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.ownership import OwnershipLost, hold as hold_workdir
 from scone_jax.training import assets, checkpoint, preemption, state as state_lib, steps
 from scone_jax.training.metrics import MetricsWriter, format_line
+from scone_jax.training.profile import StepProfiler
 from scone_jax.training.throughput import Throughput, peak_flops_per_device, process_uptime_s
 
 
@@ -173,12 +174,15 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     window, summary = [], {}
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     watch = preemption.Watch()
+    profiler = StepProfiler(t.profile_steps, workdir, enabled=is_chief or t.profile_all_processes)
     startup = None
     try:
         batch = _next_batch(inputs, step, None) if step < stop_at else None
         while step < stop_at:
             host, device_arrays = batch
-            state, metrics = train_step(state, device_arrays)  # dispatched; the device works on it
+            profiler.before(step + 1)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+                state, metrics = train_step(state, device_arrays)  # dispatched; the device works on it
             step += 1
             if startup is None:  # how long a (re)start takes to train its first step: compilation, restore, data
                 jax.block_until_ready(metrics)
@@ -187,8 +191,10 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                 writer.write(step, {"first_step_s": startup}, prefix="startup")
             pending.add(step, metrics, host)
             if step < stop_at:  # the next batch is built and sent meanwhile
-                batch = _next_batch(inputs, step,
-                                    lambda: _save_after_input_failure(ckpt, step, state, meta, pending, writer))
+                with jax.profiler.TraceAnnotation("input_wait"):
+                    batch = _next_batch(inputs, step,
+                                        lambda: _save_after_input_failure(ckpt, step, state, meta, pending, writer))
+            profiler.after(step, metrics)
             plan = _StepPlan.at(step, t, last=step == stop_at, preempted=watch.reached(step))
             if plan.writes and distributed.any_process(owner.lost()):  # another run took the workdir over
                 owner.check()  # process 0 names the new owner
@@ -222,6 +228,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
             if plan.preempted and not plan.last:
                 raise preemption.Preempted(step)
     finally:
+        profiler.close()
         inputs.close()
         watch.close()
         try:

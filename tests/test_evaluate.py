@@ -109,6 +109,30 @@ def test_bf16_table_evaluates_as_the_float32_table_rounded_to_bf16(tmp_path_fact
     np.testing.assert_allclose(result["perplexity"], training_graph_eval["perplexity"], rtol=2e-3)
 
 
+def test_named_sets_are_each_evaluated_as_alone_and_averaged(tmp_path_factory, text, tmp_path):
+    """data.eval_files='first=A;second=B' (data/eval_sets.py): each set's figures equal an evaluation of
+    that file alone; the average is their unweighted mean (the paper's "Average" column)."""
+    lines = open(text, encoding="utf-8").read().splitlines()
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text("\n".join(lines[:15]) + "\n")
+    second.write_text("\n".join(lines[15:]) + "\n")
+    served = inference.load(serving_run.exported(tmp_path_factory, "float32"))
+    both = evaluate.evaluate_all(served, evaluate.data_config(
+        served, {"data.source": "text", "data.eval_files": f"first={first}; second={second}"}).data)
+    assert sorted(both["sets"]) == ["first", "second"]
+    for name, path in (("first", first), ("second", second)):
+        alone = evaluate.evaluate(served, evaluate.data_config(served, overrides(str(path))).data)
+        got = both["sets"][name]
+        assert got["tokens"] == alone["tokens"] and got["bytes"] == alone["bytes"] == len(path.read_bytes()) - len(
+            path.read_text().splitlines())  # the text without its line breaks
+        np.testing.assert_allclose([got["loss"], got["bits_per_byte"]], [alone["loss"], alone["bits_per_byte"]],
+                                   rtol=1e-6)
+    sets = both["sets"].values()
+    for key in ("loss", "perplexity", "bits_per_byte"):
+        np.testing.assert_allclose(both["average"][key], np.mean([r[key] for r in sets]), rtol=1e-12)
+    assert both["sets"]["first"]["perplexity"] != both["sets"]["second"]["perplexity"]
+
+
 @pytest.mark.slow
 def test_cli_writes_the_json_result(tmp_path_factory, text, training_graph_eval, tmp_path):
     path = serving_run.exported(tmp_path_factory, "float32")

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from scone_jax.data import corpus, sources, tokenize
+from scone_jax.data import corpus, eval_sets, sources, tokenize
 from scone_jax.data.tokenizer import Tokenizer, in_worker_process
 from scone_jax.serving import evaluate, export, generate, inference
 from scone_jax.training import assets, train
@@ -279,7 +279,7 @@ def test_pretokenize_records_the_fingerprint_and_training_refuses_another_tokeni
     source = sources.open_source(data, "train", tokenizer_fingerprint=tok.fingerprint)
     assert [source[i].tolist() for i in range(len(source))] == [tok.encode(d).tolist() for d in docs]
     # Bits per byte counts the UTF-8 bytes of decoded pre-tokenized documents: exact for a lossless tokenizer.
-    assert evaluate.document_bytes(data, tok) == sum(len(d.encode()) for d in docs)
+    assert eval_sets.held_out_bytes(data, tok) == sum(len(d.encode()) for d in docs)
     for other in (Tokenizer.load(llama_json), Tokenizer.load(gpt2_json, {"pad": "Ġthe"})):
         with pytest.raises(ValueError, match=f"was tokenized with tokenizer {tok.fingerprint} but this run uses "
                                              f"{other.fingerprint}. Fix: set data.tokenizer_path"):

@@ -1,6 +1,7 @@
 """Batch perplexity with offloaded f-gram rows: `python -m scone_jax.serving.evaluate --export=DIR [--config.data.*]`.
 
-Only the main decoder is on the devices; the f-gram rows come from the export's table in host RAM
+Named held-out sets (`--config.data.eval_files='web=...;books=...'`, data/eval_sets.py) are evaluated one by
+one, with their unweighted average. Only the main decoder is on the devices; the f-gram rows come from the export's table in host RAM
 (scone_jax/serving/inference.py). By default the data is the run's held-out split as its config names it;
 override any data key, e.g. `--config.data.source=text --config.data.eval_files=held_out/*.txt`.
 Every document is counted exactly once (the last partial batch included). Prints tokens,
@@ -11,7 +12,6 @@ UTF-8 bytes of the documents' text, each document counted once.
 """
 from __future__ import annotations
 
-import math
 import time
 import types
 
@@ -21,23 +21,13 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from scone_jax import config as config_lib
-from scone_jax.data import pipeline, sources
+from scone_jax.data import eval_sets, pipeline
 from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
 from scone_jax.model import losses
 from scone_jax.runtime import logs, tool_main
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.serving import inference
 from scone_jax.serving.prefetch import Prefetcher
-
-
-def document_bytes(data_cfg, tokenizer) -> int:
-    """UTF-8 bytes of every held-out document (pre-tokenized ones are decoded first)."""
-    source = sources.open_source(data_cfg, "eval")
-    total = 0
-    for i in range(len(source)):
-        doc = source[i]
-        total += len((doc if isinstance(doc, str) else tokenizer.decode(doc)).encode("utf-8"))
-    return total
 
 
 def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_batches: int = 0,
@@ -74,19 +64,37 @@ def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_
     totals = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0) if sums else np.zeros(2)
     seconds = time.time() - start
     loss_sum, tokens = float(totals[0]), float(totals[1])
-    num_bytes = document_bytes(data_cfg, served.tokenizer) if not max_batches else 0
+    num_bytes = eval_sets.held_out_bytes(data_cfg, served.tokenizer) if not max_batches else 0
     loss = loss_sum / max(tokens, 1.0)
     return {
         "tokens": int(tokens),
         "loss": loss,
         "perplexity": losses.perplexity(loss),
         "bytes": num_bytes,
-        "bits_per_byte": loss_sum / math.log(2) / num_bytes if num_bytes else None,
+        "bits_per_byte": eval_sets.bits_per_byte(loss, tokens, num_bytes),
         "hit_rate": hits / max(positions, 1) if use_table else None,
         "tokens_per_s": (tokens - first_tokens) / seconds if len(sums) > 1 else None,
         "batches": len(sums),
         "use_table": use_table,
     }
+
+
+def evaluate_all(served: inference.Served, data_cfg, *, use_table: bool = True, max_batches: int = 0) -> dict:
+    """evaluate() of every held-out set that data.eval_files names (data/eval_sets.py): an unnamed value's one
+    set as evaluate() returns it; named sets as {"sets": {name: result}, "average": {loss, perplexity,
+    bits_per_byte}} (the unweighted mean over the sets, the paper's "Average" column)."""
+    configs = eval_sets.configs(data_cfg)
+    if eval_sets.SINGLE in configs:
+        return evaluate(served, data_cfg, use_table=use_table, max_batches=max_batches)
+    results = {name: evaluate(served, cfg, use_table=use_table, max_batches=max_batches)
+               for name, cfg in configs.items()}
+    return {"sets": results, "average": eval_sets.average(results)}
+
+
+def _summary(result: dict) -> str:
+    return (f"tokens {result['tokens']:,}  perplexity {result['perplexity']:.4f}  bits/byte "
+            f"{result['bits_per_byte'] or float('nan'):.4f}  hit rate {result['hit_rate']:.3f}  "
+            f"tokens/s {result['tokens_per_s'] or float('nan'):,.0f}")
 
 
 def data_config(served: inference.Served, overrides: dict):
@@ -131,11 +139,16 @@ def run(args):
     served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
     config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
     with CompileCache(args.cache.value):
-        result = evaluate(served, config.data, max_batches=args.max_batches.value)
+        result = evaluate_all(served, config.data, max_batches=args.max_batches.value)
+    if "sets" in result:
+        for name, figures in result["sets"].items():
+            print(f"{name}: {_summary(figures)}")
+        average = result["average"]
+        print(f"average of {len(result['sets'])} sets: perplexity {average['perplexity']:.4f}  bits/byte "
+              f"{average['bits_per_byte'] if average['bits_per_byte'] is not None else float('nan'):.4f}")
+    else:
+        print(_summary(result))
     result |= {"table": path, "data": config.data.to_dict()}
-    print(f"tokens {result['tokens']:,}  perplexity {result['perplexity']:.4f}  bits/byte "
-          f"{result['bits_per_byte'] or float('nan'):.4f}  hit rate {result['hit_rate']:.3f}  "
-          f"tokens/s {result['tokens_per_s'] or float('nan'):,.0f}")
     if args.result.value:
         tool_main.write_result(args.result.value, result)
 

@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.data import pipeline, sources
+from scone_jax.data import eval_sets, pipeline, sources
 from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, losses
@@ -64,6 +64,32 @@ def held_out_loss(eval_step, model_state, batches, mesh, batch_transform=None, m
         loss_sum, count = loss_sum + float(l), count + float(n)
     loss = loss_sum / max(count, 1.0)
     return {"loss": loss, "perplexity": losses.perplexity(loss), "tokens": count}
+
+
+class _HeldOut:
+    """The held-out sets of data.eval_files (data/eval_sets.py), read and checked when the run starts, and
+    their evaluation: {set name: loss, perplexity, bits_per_byte, tokens}, plus the unweighted average of
+    named sets as `average` (an unnamed value's one set is named '')."""
+
+    def __init__(self, data_cfg, tokenizer, max_batches: int):
+        self.max_batches = max_batches
+        self.sets = {name: pipeline.make_eval_batches(cfg, tokenizer, process_index=jax.process_index(),
+                                                      process_count=jax.process_count())
+                     for name, cfg in eval_sets.configs(data_cfg).items()}
+        # Bits per byte needs every document once: not with train.eval_batches limiting the batches.
+        self.bytes = {name: 0 if max_batches and max_batches < len(self.sets[name]) else
+                      eval_sets.held_out_bytes(cfg, tokenizer) for name, cfg in eval_sets.configs(data_cfg).items()}
+
+    def evaluate(self, eval_step, model_state, mesh, batcher) -> dict:
+        results = {}
+        for name, batches in self.sets.items():
+            ev = held_out_loss(eval_step, model_state, batches, mesh, batcher, self.max_batches)
+            bpb = eval_sets.bits_per_byte(ev["loss"], ev["tokens"], self.bytes[name])
+            results[name] = {**ev, **({"bits_per_byte": bpb} if bpb is not None else {})}
+        if eval_sets.SINGLE not in results:
+            mean = {k: v for k, v in eval_sets.average(results).items() if v is not None}
+            results[eval_sets.AVERAGE] = {**mean, "tokens": sum(r["tokens"] for r in results.values())}
+        return results
 
 
 class EvaluationError(ValueError):
@@ -155,9 +181,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     meta = {**expect, "config": config.to_dict(), "train_data": train_data}
     # The held-out data is read (tokenized) and checked now, before step 1: a missing or empty eval file must
     # stop the run before it has done work that the error would lose.
-    eval_batches = pipeline.make_eval_batches(
-        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
-    ) if config.train.eval_every else None
+    held_out = _HeldOut(config.data, tokenizer, config.train.eval_batches) if config.train.eval_every else None
     # One batch per step: the batch numbers continue where the checkpoint stopped (packing.py).
     inputs = _Inputs(pipeline.make_train_dataset(
         config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
@@ -213,16 +237,20 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                 logging.info(format_line(step, t.num_steps, summary))
             if plan.evaluate:
                 try:
-                    ev = held_out_loss(eval_step, state[0], eval_batches, mesh, batcher, t.eval_batches)
+                    results = held_out.evaluate(eval_step, state[0], mesh, batcher)
                 except Exception as e:  # the held-out data was checked at start; whatever fails now, keep the work
                     _save_after_input_failure(ckpt, step, state, meta, pending, writer)
                     raise EvaluationError(
                         f"The held-out evaluation at step {step} failed: {type(e).__name__}: {one_line(e)}. A "
                         f"checkpoint was saved at step {step}: rerun the same command after the fix to resume there "
                         "(or set train.eval_every=0 to train without evaluating).") from e
-                writer.write(step, ev, prefix="eval")
-                logging.info("eval step %d: loss %.4f ppl %.2f over %d tokens", step, ev["loss"], ev["perplexity"], ev["tokens"])
-                summary.update({f"eval_{k}": v for k, v in ev.items()})
+                for name, ev in results.items():
+                    writer.write(step, ev, prefix=f"eval/{name}" if name else "eval")
+                    logging.info("eval%s step %d: loss %.4f ppl %.2f bits/byte %s over %d tokens",
+                                 f" {name}" if name else "", step, ev["loss"], ev["perplexity"],
+                                 f"{ev['bits_per_byte']:.4f}" if ev.get("bits_per_byte") is not None else "-",
+                                 ev.get("tokens", 0))
+                    summary.update({f"eval_{name}_{k}" if name else f"eval_{k}": v for k, v in ev.items()})
             if plan.save:
                 ckpt.save(step, state, {**meta, "step": step})
             if plan.preempted and not plan.last:

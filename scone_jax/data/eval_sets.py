@@ -1,0 +1,83 @@
+"""Named held-out sets: `data.eval_files='web=/d/web/*.jsonl;books=/d/books/*.txt.gz'`.
+
+The paper reports perplexity on several evaluation domains and their unweighted average. Each named
+set is evaluated on its own (training's periodic evaluation and serving.evaluate), and the average of
+the sets' figures is reported as the set `average`. A value without names (a comma-separated glob
+list, or '' for the embedded corpus's held-out split) is one set, reported as before.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import ml_collections
+
+SINGLE = ""  # the name of the one set of an unnamed data.eval_files
+AVERAGE = "average"
+_NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*=(.*)$")
+
+
+def parse(eval_files: str) -> dict[str, str]:
+    """{name: comma-separated globs}; {SINGLE: eval_files} for an unnamed value. ValueError naming the
+    problem and the fix for a set without files, a name used twice or the reserved name."""
+    parts = [p for p in eval_files.split(";") if p.strip()]
+    named = [_NAMED.match(p) for p in parts]
+    if not parts or not any(named):
+        return {SINGLE: eval_files}
+    if not all(named):
+        bad = next(p for p, m in zip(parts, named) if not m)
+        raise ValueError(f"data.eval_files: {bad.strip()!r} has no name, but other sets do. Fix: name every set, "
+                         "e.g. 'web=/d/web/*.jsonl;books=/d/books/*.txt', or give one unnamed glob list.")
+    sets: dict[str, str] = {}
+    for m in named:
+        name, files = m.group(1), m.group(2).strip()
+        if name == AVERAGE:
+            raise ValueError(f"data.eval_files: the set name {AVERAGE!r} is reserved for the average of the sets. "
+                             "Fix: rename that set.")
+        if name in sets:
+            raise ValueError(f"data.eval_files: the set name {name!r} is used twice. Fix: give each set its own name.")
+        if not files.strip(", "):
+            raise ValueError(f"data.eval_files: the set {name!r} names no files. Fix: {name}=<comma-separated globs>.")
+        sets[name] = files
+    return sets
+
+
+def configs(data_cfg) -> dict[str, ml_collections.ConfigDict]:
+    """A copy of `data_cfg` per set, its eval_files that set's globs (SINGLE: `data_cfg` itself)."""
+    sets = parse(data_cfg.eval_files)
+    if SINGLE in sets:
+        return {SINGLE: data_cfg}
+    out = {}
+    for name, files in sets.items():
+        cfg = data_cfg.copy_and_resolve_references()
+        with cfg.unlocked():
+            cfg.eval_files = files
+        out[name] = cfg
+    return out
+
+
+def average(results: dict[str, dict], keys=("loss", "perplexity", "bits_per_byte")) -> dict:
+    """The unweighted mean of each of `keys` over the sets (None where any set lacks it)."""
+    out = {}
+    for key in keys:
+        values = [r.get(key) for r in results.values()]
+        out[key] = sum(values) / len(values) if values and all(v is not None for v in values) else None
+    return out
+
+
+def held_out_bytes(data_cfg, tokenizer) -> int:
+    """UTF-8 bytes of every held-out document of `data_cfg` (pre-tokenized ones are decoded first): the
+    denominator of bits per byte."""
+    from scone_jax.data import sources
+
+    source = sources.open_source(data_cfg, "eval")
+    total = 0
+    for i in range(len(source)):
+        doc = source[i]
+        total += len((doc if isinstance(doc, str) else tokenizer.decode(doc)).encode("utf-8"))
+    return total
+
+
+def bits_per_byte(loss: float, tokens: float, num_bytes: int) -> float | None:
+    """Total next-token loss (nats) / ln 2 / bytes; None without a byte count."""
+    return loss * tokens / math.log(2) / num_bytes if num_bytes else None

@@ -1,0 +1,79 @@
+"""Named held-out sets (data/eval_sets.py): how data.eval_files is read, the refusals, and the training
+loop's per-set evaluation against each set evaluated alone."""
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+
+from scone_jax import config as config_lib
+from scone_jax.data import eval_sets
+from tests.common import small_config
+
+
+def test_unnamed_values_are_one_set_and_named_ones_keep_their_order():
+    assert eval_sets.parse("") == {"": ""}
+    assert eval_sets.parse("/d/a/*.txt,/d/b.txt") == {"": "/d/a/*.txt,/d/b.txt"}
+    assert eval_sets.parse("web=/d/web/*.jsonl,/d/w2.jsonl; books = /d/books/*.jsonl.gz;") == {
+        "web": "/d/web/*.jsonl,/d/w2.jsonl", "books": "/d/books/*.jsonl.gz"}
+
+
+@pytest.mark.parametrize("value,message", [
+    ("web=/a;web=/b", "the set name 'web' is used twice"),
+    ("web=/a;books=", "the set 'books' names no files"),
+    ("web=/a;/b/*.txt", "'/b/*.txt' has no name, but other sets do"),
+    ("average=/a;web=/b", "the set name 'average' is reserved"),
+])
+def test_bad_set_lists_are_refused_before_anything_runs(value, message):
+    config = small_config()
+    config.data.eval_files = value
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        config_lib.validate(config)
+    assert "Fix:" in str(e.value)
+
+
+@pytest.mark.slow
+def test_training_evaluates_each_named_set_as_alone_and_logs_the_average(tmp_path, tokenizer_path):
+    from scone_jax import sharding
+    from scone_jax.data import corpus
+    from scone_jax.training import checkpoint, state as state_lib, train
+    from scone_jax.data.tokenizer import Tokenizer
+    from tests.common import record_list, training_graph_eval
+
+    held_out = corpus.kjv_documents("eval", 0.02)
+    files = {"train": corpus.kjv_documents("train", 0.02)[:2000], "first": held_out[:20], "second": held_out[20:50]}
+    for name, docs in files.items():
+        (tmp_path / f"{name}.txt").write_text("\n".join(d.replace("\n", " ") for d in docs) + "\n")
+    config = small_config()
+    config.data.update(dict(source="text", train_files=str(tmp_path / "train.txt"), tokenizer_path=tokenizer_path,
+                            eval_files=f"first={tmp_path / 'first.txt'};second={tmp_path / 'second.txt'}"))
+    config.train.update(dict(num_steps=2, eval_every=2, eval_batches=0, checkpoint_every=2))
+    workdir = str(tmp_path / "run")
+    train.run(config, workdir)
+
+    records = {name: record_list(workdir, f"eval/{name}") for name in ("first", "second", "average")}
+    assert all(len(r) == 1 and r[0]["step"] == 2 for r in records.values()), records
+    mesh = sharding.make_mesh(config.mesh)
+    spec = state_lib.state_spec(config, mesh)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    state, _ = ckpt.restore(2, state_lib.abstract_with_shardings(spec))
+    ckpt.close()
+    tokenizer = Tokenizer.load(tokenizer_path)
+    for name in ("first", "second"):
+        alone_config = config.copy_and_resolve_references()
+        with alone_config.unlocked():
+            alone_config.data.eval_files = str(tmp_path / f"{name}.txt")
+        alone = training_graph_eval(alone_config, tokenizer, state, mesh)
+        got = records[name][0]
+        assert got["tokens"] == alone["tokens"] > 500
+        np.testing.assert_allclose(got["loss"], alone["loss"], rtol=1e-6)
+        text_bytes = sum(len(line.encode()) for line in (tmp_path / f"{name}.txt").read_text().splitlines())
+        np.testing.assert_allclose(got["bits_per_byte"], alone["loss"] * alone["tokens"] / math.log(2) / text_bytes,
+                                   rtol=1e-6)
+    average = records["average"][0]
+    for key in ("loss", "perplexity", "bits_per_byte"):
+        np.testing.assert_allclose(average[key], (records["first"][0][key] + records["second"][0][key]) / 2,
+                                   rtol=1e-9)
+    assert json.dumps(average)  # plain numbers in metrics.jsonl

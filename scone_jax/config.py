@@ -11,7 +11,7 @@ import os
 
 import ml_collections
 
-from scone_jax.data import eval_sets
+from scone_jax.data import eval_sets, mixture
 from scone_jax.runtime import storage, workdir as workdir_layout
 
 
@@ -57,7 +57,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "kjv"  # 'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'
-    d.train_files = ""  # glob pattern(s), comma-separated
+    d.train_files = ""  # glob pattern(s), comma-separated; or a mixture of named, weighted components,
+    #                     'web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3' (data/mixture.py)
     d.eval_files = ""  # held-out data: globs, or named sets 'web=/d/web/*.jsonl;books=/d/b/*.txt' evaluated one by
     #                    one with their average (data/eval_sets.py); '' with kjv = its built-in held-out split
     d.text_field = "text"  # jsonl field holding the document
@@ -245,6 +246,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     m, d, t = config.model, config.data, config.train
     _check_special_tokens(d)
     eval_sets.parse(d.eval_files)  # named held-out sets: a set without files or a name used twice
+    mixture.parse(d.train_files)  # a training mixture: a component without files, a bad weight, a name used twice
     if t.profile_steps:
         start, sep, end = t.profile_steps.partition(":")
         if not (sep and start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):

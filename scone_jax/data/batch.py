@@ -11,6 +11,9 @@ take it whole.
   positions     int32 [B, T]      position inside the piece, from 0
   loss_mask     float32 [B, T]    1 where the target counts
 
+  row_source    int32 [B]         the training mixture's component of each row (data/mixture.py; host only:
+                                  per-component token counts); absent without a mixture
+
   F-gram arrays, from one of the two providers of f-gram embeddings (model/scone.py):
   fgram_ids     int32 [B, T]      vocabulary id of the longest f-gram ending at each position, -1 none
                                   (host only: statistics and table gathers; never sent to the device)
@@ -31,7 +34,7 @@ import dataclasses
 import jax
 import numpy as np
 
-HOST_ONLY = ("fgram_ids", "fgram_unique")
+HOST_ONLY = ("row_source", "fgram_ids", "fgram_unique")
 BASE_DTYPES = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
                "loss_mask": np.float32}
 
@@ -43,6 +46,7 @@ class Batch:
     segment_ids: object = None
     positions: object = None
     loss_mask: object = None
+    row_source: object = None
     fgram_ids: object = None
     fgram_tokens: object = None
     fgram_lengths: object = None

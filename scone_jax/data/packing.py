@@ -35,9 +35,10 @@ class Stream:
     """One process's endless stream of examples over its documents (module docstring).
 
     `example_lengths[i]` = tokens of local document i + 1. Epoch e's order is a permutation
-    drawn from (seed, e) alone; seed=None keeps the documents in their given order (eval)."""
+    drawn from (seed, e) alone (seed: an int, or a tuple of ints such as a mixture component's
+    (shuffle_seed, component)); seed=None keeps the documents in their given order (eval)."""
 
-    def __init__(self, example_lengths: np.ndarray, seed: int | None):
+    def __init__(self, example_lengths: np.ndarray, seed: int | tuple[int, ...] | None):
         self.lengths = np.asarray(example_lengths, np.int64)
         if len(self.lengths) == 0 or (self.lengths < 1).any():
             raise ValueError("a stream needs at least one document, each of at least one position")
@@ -51,7 +52,8 @@ class Stream:
             if self.seed is None:
                 order = np.arange(len(self.lengths))
             else:
-                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+                seed = list(self.seed) if isinstance(self.seed, tuple) else [self.seed]
+                order = np.random.default_rng([*seed, epoch]).permutation(len(self.lengths))
             if len(self._epochs) > 2:  # a worker walks forward: keep the last few epochs only
                 self._epochs.pop(min(self._epochs))
             self._epochs[epoch] = (order, np.cumsum(self.lengths[order]))

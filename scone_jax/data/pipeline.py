@@ -23,7 +23,7 @@ import grain
 import numpy as np
 from absl import logging
 
-from scone_jax.data import documents, packing
+from scone_jax.data import documents, mixture, packing
 from scone_jax.data.batch import Batch
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.runtime import parent_watch
@@ -91,16 +91,52 @@ def window(docs, stream: packing.Stream, start: int, size: int, rows: int, seq_l
     return packing.rows(inputs[cut], targets[cut], starts[cut], rows, seq_len, pad)
 
 
+class _BuildMixtureBatch:
+    """Batch number -> host batch of a training mixture (data/mixture.py): each row from its component's
+    stream, at that component's next rows; `row_source` says which. Runs in grain workers."""
+
+    def __init__(self, parts: list, schedule: mixture.Schedule, rows: int, seq_len: int, tokenizer: Tokenizer,
+                 transform: Callable[[Batch], Batch] | None):
+        self._parts, self._schedule, self._rows, self._seq_len = parts, schedule, rows, seq_len
+        self._bos, self._eos, self._pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+        self._transform = transform
+
+    def __call__(self, index: int) -> Batch:
+        owner, rank = self._schedule.rows(int(index) * self._rows, self._rows)
+        fields = {}
+        for c, (docs, stream) in enumerate(self._parts):
+            mine = np.flatnonzero(owner == c)
+            if not len(mine):
+                continue
+            # The component's rows in this batch have consecutive ranks: one window of its stream.
+            part = window(docs, stream, int(rank[mine[0]]) * self._seq_len, len(mine) * self._seq_len, len(mine),
+                          self._seq_len, self._bos, self._eos, self._pad)
+            for key, array in part.arrays().items():
+                if key not in fields:
+                    fields[key] = np.empty((self._rows, self._seq_len), array.dtype)
+                fields[key][mine] = array
+        batch = Batch(**fields, row_source=owner.astype(np.int32))
+        return self._transform(batch) if self._transform is not None else batch
+
+
 def batch_builder(data_cfg, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1,
-                  batch_transform: Callable[[Batch], Batch] | None = None) -> _BuildBatch:
+                  batch_transform: Callable[[Batch], Batch] | None = None):
     """batch number -> this process's training batch: its documents loaded (text tokenized
-    here, once, with all cores) and the packing stream set up."""
+    here, once, with all cores) and the packing stream set up; with a mixture, per component."""
     batch_size = _local_batch_size(data_cfg, process_index, process_count)
-    docs = documents.load(
-        data_cfg, "train", tokenizer,
-        lambda n: documents.process_share(n, data_cfg.shuffle_seed, process_index, process_count))
-    stream = packing.Stream(docs.lengths + 1, seed=data_cfg.shuffle_seed)
-    return _BuildBatch(docs, stream, batch_size, data_cfg.seq_len, tokenizer, batch_transform)
+
+    def load(cfg, seed):
+        docs = documents.load(cfg, "train", tokenizer,
+                              lambda n: documents.process_share(n, cfg.shuffle_seed, process_index, process_count))
+        return docs, packing.Stream(docs.lengths + 1, seed=seed)
+
+    components = mixture.parse(data_cfg.train_files)
+    if components is None:
+        docs, stream = load(data_cfg, data_cfg.shuffle_seed)
+        return _BuildBatch(docs, stream, batch_size, data_cfg.seq_len, tokenizer, batch_transform)
+    parts = [load(mixture.component_config(data_cfg, c), (data_cfg.shuffle_seed, i)) for i, c in enumerate(components)]
+    schedule = mixture.Schedule([c.weight for c in components], data_cfg.shuffle_seed)
+    return _BuildMixtureBatch(parts, schedule, batch_size, data_cfg.seq_len, tokenizer, batch_transform)
 
 
 def make_train_dataset(

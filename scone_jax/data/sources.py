@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 from array_record.python import array_record_module
 
-from scone_jax.data import compressed, corpus, shards
+from scone_jax.data import compressed, corpus, mixture, shards
 
 SOURCES = ("kjv", "text", "jsonl", "arrayrecord")
 _SCAN_BYTES = 1 << 24
@@ -417,7 +417,7 @@ def train_data_identity(data_cfg) -> dict:
     if data_cfg.source == "kjv":
         return {}
     out = {}
-    for path in expand_files(data_cfg.train_files):
+    for path in expand_files(mixture.all_files(data_cfg.train_files)):
         if data_cfg.source == "arrayrecord":
             sidecar = shards.meta_path(path)
             content = _file_crc(sidecar) if os.path.exists(sidecar) else _file_crc(path, _EDGE_BYTES)

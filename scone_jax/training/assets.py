@@ -7,6 +7,7 @@ Extraction counts the same token stream the model sees: each training document a
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -14,7 +15,7 @@ import jax
 from absl import logging
 
 from scone_jax import sharding
-from scone_jax.data import sources, tokenize, tokenizer as tokenizer_lib, tokenizer_training
+from scone_jax.data import mixture, sources, tokenize, tokenizer as tokenizer_lib, tokenizer_training
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
@@ -41,10 +42,20 @@ def ensure_tokenizer(data_cfg, workdir: str,
             ) from None
     path = workdir_layout.path(workdir, workdir_layout.TOKENIZER)
     if tokenizer_lib.read_model(path) is None:
-        docs = tokenizer_training.sample_documents(sources.open_source(data_cfg, "train"), max_chars)
+        docs = [doc for cfg, weight in _components(data_cfg)
+                for doc in tokenizer_training.sample_documents(sources.open_source(cfg, "train"), int(max_chars * weight))]
         tokenizer_training.train_tokenizer(docs, path, data_cfg.vocab_size,
                                            character_coverage=data_cfg.character_coverage)
     return tokenizer_lib.Tokenizer.load(path, special_tokens)
+
+
+def _components(data_cfg) -> list:
+    """[(data config, weight)] of the training data: the mixture's components (data/mixture.py), or the data
+    config itself with weight 1."""
+    components = mixture.parse(data_cfg.train_files)
+    if components is None:
+        return [(data_cfg, 1.0)]
+    return [(mixture.component_config(data_cfg, c), c.weight) for c in components]
 
 
 def resolve_vocab_size(config, tokenizer) -> None:
@@ -75,8 +86,11 @@ def ensure_vocab(scone_cfg, data_cfg, tokenizer, workdir: str, is_chief: bool = 
     path = scone_cfg.vocab_path or workdir_layout.path(workdir, workdir_layout.FGRAMS)
     if not scone_cfg.vocab_path and is_chief and not vocab_exists(path):
         start = time.time()
-        docs = tokenize.model_documents(sources.open_source(data_cfg, "train"), tokenizer, bos_id=tokenizer.bos_id,
-                                        max_tokens=scone_cfg.extract_max_tokens)
+        # A mixture is counted with its weights (docs/method.md §1: the f-grams of the training data).
+        docs = itertools.chain.from_iterable(
+            tokenize.model_documents(sources.open_source(cfg, "train"), tokenizer, bos_id=tokenizer.bos_id,
+                                     max_tokens=max(1, round(scone_cfg.extract_max_tokens * weight)))
+            for cfg, weight in _components(data_cfg))
         vocab = extract_fgrams(
             docs, max_len=scone_cfg.max_len, num_fgrams=scone_cfg.num_fgrams, min_count=scone_cfg.min_count,
             vocab_size=tokenizer.vocab_size, tokenizer_fingerprint=tokenizer.fingerprint, num_workers=1,

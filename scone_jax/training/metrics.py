@@ -104,6 +104,10 @@ def format_line(step: int, total: int, scalars: dict) -> str:
     )
     if "input_wait_fraction" in scalars:
         line += f" input_wait {100 * scalars['input_wait_fraction']:.0f}%"
+    mix = {k[len("mix/tokens_"):]: v for k, v in scalars.items() if k.startswith("mix/tokens_")}
+    if mix:  # each mixture component's share of the window's tokens
+        total = sum(mix.values()) or 1.0
+        line += " | mix " + " ".join(f"{name} {v / total:.2f}" for name, v in mix.items())
     if "fgram/hit_rate" in scalars:
         line += (
             f" | fgram hit {scalars['fgram/hit_rate']:.3f} len {scalars['fgram/mean_matched_length']:.2f} "

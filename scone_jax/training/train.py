@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.data import eval_sets, pipeline, sources
+from scone_jax.data import eval_sets, mixture, pipeline, sources
 from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, losses
@@ -186,7 +186,8 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     inputs = _Inputs(pipeline.make_train_dataset(
         config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
         batch_transform=batcher, start_batch=step,
-    ), mesh, batcher, pipeline.worker_count(config.data))
+    ), mesh, batcher, pipeline.worker_count(config.data),
+        tuple(c.name for c in mixture.parse(config.data.train_files) or ()))
 
     train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
     eval_step = steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh)
@@ -387,8 +388,9 @@ class _Inputs:
 
     WAIT_WARNING, WARN_EVERY = 0.10, 50
 
-    def __init__(self, dataset, mesh, batcher, workers: int):
+    def __init__(self, dataset, mesh, batcher, workers: int, sources_: tuple[str, ...] = ()):
         self._iter, self._mesh, self._batcher, self._workers = iter(dataset), mesh, batcher, workers
+        self._sources = sources_  # the training mixture's component names (data/mixture.py), in order
         self._waited, self._since = 0.0, time.perf_counter()
         self._calls, self._warned_at = 0, None
 
@@ -396,6 +398,10 @@ class _Inputs:
         start = time.perf_counter()
         host_batch = next(self._iter)
         host = {"batch_crc": batch_fingerprint(host_batch)}
+        if self._sources:  # tokens per mixture component (every process deals its rows by the same schedule)
+            per_row = host_batch.loss_mask.sum(axis=1)
+            for c, name in enumerate(self._sources):
+                host[f"mix/tokens_{name}"] = float(per_row[host_batch.row_source == c].sum()) * jax.process_count()
         if self._batcher is not None:
             host.update(fgram_stats.batch_stats(host_batch))
             host["fgram/model_tokens"] = host_batch.fgram_tokens.size * jax.process_count()
@@ -429,7 +435,9 @@ def _summarize(records: list[dict], rates: dict) -> dict:
     """Window means of loss and f-gram figures, last values of the rest, plus rates."""
     loss = float(np.mean([r["loss"] for r in records]))
     fgram = {k: float(np.mean([r[k] for r in records])) for k in records[-1] if k.startswith("fgram/")}
+    mix = {k: float(np.sum([r[k] for r in records])) for k in records[-1] if k.startswith("mix/")}
     return {
+        **mix,
         "loss": loss,
         "perplexity": losses.perplexity(loss),
         "grad_norm": records[-1]["grad_norm"],

@@ -1,0 +1,125 @@
+"""Named training mixtures: `data.train_files='web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3'`.
+
+Each component is a corpus of its own (the same data.source kind), with its own documents, process
+shares and epochs (packing.Stream). Rows of data.seq_len tokens are dealt to the components by weight
+with a fixed schedule (`Schedule`): in every period of PERIOD rows each component gets its share of
+rows, rounded by largest remainder, in an order drawn from (data.shuffle_seed, period). A row is cut
+from its component's stream where that component's previous row ended, so the k-th row of component c
+is stream positions [k * T, (k + 1) * T) of c. The schedule is closed-form: the component and the
+rank of any row follow from its number alone, so batch b stays a pure function of b (any worker
+count, resume at any step), and each component contributes its weight's share of tokens to within
+one row per PERIOD rows. A plain glob list is one component, as before: no schedule at all.
+
+F-gram extraction counts the mixture with the same weights (assets.ensure_vocab), and the tokenizer,
+when trained, samples the components the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+PERIOD = 4096
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    name: str
+    files: str  # comma-separated globs
+    weight: float  # normalised: the components' weights sum to 1
+
+
+def parse(train_files: str) -> list[Component] | None:
+    """The components of a mixture, None for a plain glob list. ValueError naming the component and the fix
+    for a component without files, a weight that is not a positive number, or a name used twice."""
+    parts = [p.strip() for p in train_files.split(";") if p.strip()]
+    if not any("=" in p and "@" in p for p in parts):
+        return None
+    components, seen = [], set()
+    for part in parts:
+        name, eq, rest = part.partition("=")
+        name = name.strip()
+        files, at, weight_text = rest.rpartition("@")
+        if not eq or not at or not _NAME.match(name):
+            raise ValueError(f"data.train_files: {part!r} is not NAME=GLOBS@WEIGHT. Fix: write every component "
+                             "that way, e.g. 'web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3' (names: letters, "
+                             "digits, _ . -), or give one plain glob list.")
+        if name in seen:
+            raise ValueError(f"data.train_files: the component name {name!r} is used twice. Fix: give each its own name.")
+        seen.add(name)
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            weight = float("nan")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"data.train_files: component {name!r} has weight {weight_text.strip()!r}, not a positive "
+                             "number. Fix: e.g. @0.3 (weights are relative: they need not sum to 1).")
+        if not files.strip(" ,"):
+            raise ValueError(f"data.train_files: component {name!r} names no files. Fix: {name}=<globs>@{weight_text}.")
+        components.append(Component(name, files.strip(), weight))
+    total = sum(c.weight for c in components)
+    return [dataclasses.replace(c, weight=c.weight / total) for c in components]
+
+
+def all_files(train_files: str) -> str:
+    """Every component's globs as one comma-separated list (the value itself without a mixture)."""
+    components = parse(train_files)
+    return train_files if components is None else ",".join(c.files for c in components)
+
+
+def component_config(data_cfg, component: Component):
+    """A copy of `data_cfg` whose train_files are the component's globs alone."""
+    cfg = data_cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.train_files = component.files
+    return cfg
+
+
+def quotas(weights, total: int) -> np.ndarray:
+    """`total` split by `weights` (summing to 1) into integers, by largest remainder (ties: first)."""
+    exact = np.asarray(weights, np.float64) * total
+    counts = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[: total - int(counts.sum())]] += 1
+    return counts
+
+
+class Schedule:
+    """Which component each row belongs to, and its rank among that component's rows (module docstring)."""
+
+    def __init__(self, weights, seed: int, period: int = PERIOD):
+        self.period, self.seed = period, seed
+        self.per_period = quotas(weights, period)
+        if (self.per_period == 0).any():
+            raise ValueError(f"data.train_files: a component's weight is below 1/{period} of the total, so it would get "
+                             "no rows. Fix: raise its weight or leave it out.")
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _period(self, p: int) -> tuple[np.ndarray, np.ndarray]:
+        """(component of each row of period p, its rank within the period among its component's rows)."""
+        if p not in self._cache:
+            slots = np.repeat(np.arange(len(self.per_period)), self.per_period)
+            owner = slots[np.random.default_rng([self.seed, 0x313C, p]).permutation(self.period)]
+            rank = np.zeros(self.period, np.int64)
+            for c in range(len(self.per_period)):
+                mine = owner == c
+                rank[mine] = np.arange(int(mine.sum()))
+            if len(self._cache) > 4:
+                self._cache.pop(min(self._cache))
+            self._cache[p] = (owner, rank)
+        return self._cache[p]
+
+    def rows(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(component, rank over all of that component's rows) of rows start .. start + count - 1."""
+        index = np.arange(start, start + count, dtype=np.int64)
+        components, ranks = np.empty(count, np.int64), np.empty(count, np.int64)
+        for p in np.unique(index // self.period):
+            here = index // self.period == p
+            owner, rank = self._period(int(p))
+            local = index[here] - p * self.period
+            components[here] = owner[local]
+            ranks[here] = rank[local] + p * self.per_period[owner[local]]
+        return components, ranks

@@ -1,0 +1,170 @@
+"""Training mixtures (data/mixture.py): the schedule against a plain count, each row from its component's
+own stream at that component's next position, the same batches for any worker count and after resume,
+token shares that follow the weights, the refusals, and extraction counting the mixture by weight."""
+import re
+
+import ml_collections
+import numpy as np
+import pytest
+
+from scone_jax import config as config_lib
+from scone_jax.data import documents, mixture, packing, pipeline, sources
+from tests.common import small_config
+
+
+def test_a_plain_glob_list_is_no_mixture_and_weights_are_relative():
+    assert mixture.parse("/d/a/*.txt,/d/b.txt") is None and mixture.parse("") is None
+    got = mixture.parse("web=/d/web/*.jsonl,/d/w2.jsonl@3; books=/d/books/*.jsonl.gz@1")
+    assert [(c.name, c.files, c.weight) for c in got] == [("web", "/d/web/*.jsonl,/d/w2.jsonl", 0.75),
+                                                           ("books", "/d/books/*.jsonl.gz", 0.25)]
+    assert mixture.all_files("web=/a@1;books=/b,/c@1") == "/a,/b,/c"
+
+
+@pytest.mark.parametrize("value,message", [
+    ("web=/a@0.5;web=/b@0.5", "the component name 'web' is used twice"),
+    ("web=/a@0.5;books=/b@x", "component 'books' has weight 'x', not a positive number"),
+    ("web=/a@0.5;books=/b@-1", "component 'books' has weight '-1', not a positive number"),
+    ("web=/a@0.5;books=/b@0", "component 'books' has weight '0', not a positive number"),
+    ("web=/a@0.5;books=@0.5", "component 'books' names no files"),
+    ("web=/a@0.5;/b/*.txt", "'/b/*.txt' is not NAME=GLOBS@WEIGHT"),
+])
+def test_bad_mixtures_are_refused_before_anything_runs(value, message):
+    config = small_config()
+    config.data.train_files = value
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        config_lib.validate(config)
+    assert "Fix:" in str(e.value)
+
+
+def _reference_rows(schedule, count):
+    """Component and rank of rows 0..count-1 by walking them in order and counting (no closed form)."""
+    owners, ranks, seen = [], [], {}
+    for r in range(count):
+        owner = int(schedule._period(r // schedule.period)[0][r % schedule.period])
+        owners.append(owner)
+        ranks.append(seen.get(owner, 0))
+        seen[owner] = seen.get(owner, 0) + 1
+    return np.array(owners), np.array(ranks)
+
+
+def test_the_schedule_gives_each_row_its_component_and_rank_as_a_plain_count_does():
+    """Windows that cross period boundaries (period 64 here). Bug it caught: ranks of a later period
+    offset by the period's row count instead of that component's quota."""
+    schedule = mixture.Schedule([0.5, 0.3, 0.2], seed=7, period=64)
+    owners, ranks = _reference_rows(schedule, 64 * 5)
+    for start, count in ((0, 64 * 5), (50, 30), (127, 2), (200, 100)):
+        got_owner, got_rank = schedule.rows(start, count)
+        np.testing.assert_array_equal(got_owner, owners[start:start + count])
+        np.testing.assert_array_equal(got_rank, ranks[start:start + count])
+    np.testing.assert_array_equal(np.bincount(owners[:64], minlength=3), mixture.quotas([0.5, 0.3, 0.2], 64))
+    np.testing.assert_array_equal(mixture.quotas([0.5, 0.3, 0.2], 64), [32, 19, 13])  # largest remainder
+
+
+@pytest.fixture
+def two_corpora(tmp_path):
+    """Component 'a': 48 documents of the one token 100 + k; component 'b': 30 of 300 + k."""
+    sources.write_token_arrayrecord(str(tmp_path / "a.arrayrecord"), [[100 + k] * (1 + k % 5) for k in range(48)])
+    sources.write_token_arrayrecord(str(tmp_path / "b.arrayrecord"), [[300 + k] * (1 + k % 3) for k in range(30)])
+    return tmp_path
+
+
+def _cfg(tmp_path, **overrides):
+    cfg = dict(source="arrayrecord", train_files=f"a={tmp_path}/a.arrayrecord@3;b={tmp_path}/b.arrayrecord@1",
+               eval_files="", text_field="text", document_unit="line", eval_fraction=0.02, tokenizer_path="",
+               vocab_size=500, seq_len=16, global_batch_size=4, shuffle_seed=3, worker_count=0, prefetch_buffer=2)
+    cfg.update(overrides)
+    return ml_collections.ConfigDict(cfg)
+
+
+def test_each_row_is_its_components_next_stretch_of_its_own_stream(two_corpora, tok):
+    """Row r of component c is c's stream positions [k T, (k+1) T) for its rank k, however the rows
+    of a batch interleave (the stream: c's documents alone, its own shuffle, its own epochs)."""
+    cfg = _cfg(two_corpora)
+    build = pipeline.batch_builder(cfg, tok)
+    components = mixture.parse(cfg.train_files)
+    streams = []
+    for i, c in enumerate(components):
+        part = mixture.component_config(cfg, c)
+        docs = documents.load(part, "train", tok, np.arange)
+        streams.append((docs, packing.Stream(docs.lengths + 1, seed=(cfg.shuffle_seed, i))))
+    schedule = mixture.Schedule([c.weight for c in components], cfg.shuffle_seed)
+    seen = np.zeros(2, np.int64)
+    for b in range(40):  # 160 rows: several epochs of both components
+        batch = build(b)
+        owner, rank = schedule.rows(b * 4, 4)
+        np.testing.assert_array_equal(batch.row_source, owner)
+        for row in range(4):
+            docs, stream = streams[owner[row]]
+            want = pipeline.window(docs, stream, int(rank[row]) * 16, 16, 1, 16, tok.bos_id, tok.eos_id, tok.pad_id)
+            for key, array in want.arrays().items():
+                np.testing.assert_array_equal(getattr(batch, key)[row], array[0], err_msg=f"batch {b} row {row} {key}")
+            body = batch.inputs[row][(batch.inputs[row] != tok.bos_id)]
+            lo = 100 if owner[row] == 0 else 300
+            assert ((body >= lo) & (body < lo + 50)).all()  # only its own component's tokens
+        seen += np.bincount(owner, minlength=2)
+    assert seen.sum() == 160 and abs(seen[0] / 160 - 0.75) < 4 * np.sqrt(0.75 * 0.25 / 160)
+
+
+@pytest.mark.slow
+def test_mixture_batches_are_the_same_for_any_worker_count_and_after_resume(two_corpora, tok):
+    want = pipeline.first_batches(pipeline.make_train_dataset(_cfg(two_corpora), tok), 8)
+    for workers, start in ((1, 0), (2, 3)):
+        got = pipeline.first_batches(pipeline.make_train_dataset(
+            _cfg(two_corpora, worker_count=workers, prefetch_buffer=1), tok, start_batch=start), 8 - start)
+        for expected, batch in zip(want[start:], got):
+            assert expected.arrays().keys() == batch.arrays().keys()
+            for key, array in expected.arrays().items():
+                assert array.tobytes() == batch.arrays()[key].tobytes(), (workers, key)
+
+
+def test_component_token_shares_follow_the_weights_over_many_batches():
+    """Within a period every component gets exactly its quota of rows; over any long stretch its share
+    of rows (all training rows are full, so of tokens) is its weight within sampling error."""
+    weights = [0.6, 0.3, 0.1]
+    schedule = mixture.Schedule(weights, seed=11)
+    owner, _ = schedule.rows(0, mixture.PERIOD)
+    np.testing.assert_array_equal(np.bincount(owner, minlength=3), mixture.quotas(weights, mixture.PERIOD))
+    owner, _ = schedule.rows(1234, 2000)  # a stretch across a period boundary
+    shares = np.bincount(owner, minlength=3) / 2000
+    assert np.all(np.abs(shares - weights) < 4 * np.sqrt(np.array(weights) * (1 - np.array(weights)) / 2000))
+
+
+def test_extraction_counts_each_component_by_its_weight(two_corpora, tok, tmp_path, monkeypatch):
+    """F-gram extraction reads weight x scone.extract_max_tokens tokens of each component."""
+    from scone_jax.training import assets
+
+    counted = []
+    real = assets.tokenize.model_documents
+
+    def spy(source, tokenizer, *, max_tokens=0, **kwargs):
+        docs = list(real(source, tokenizer, max_tokens=max_tokens, **kwargs))
+        counted.append((len(source), sum(len(d) for d in docs)))
+        return iter(docs)
+
+    monkeypatch.setattr(assets.tokenize, "model_documents", spy)
+    scone = ml_collections.ConfigDict(dict(vocab_path="", max_len=3, num_fgrams=20, min_count=1,
+                                           extract_max_tokens=100))
+    vocab = assets.ensure_vocab(scone, _cfg(two_corpora), tok, str(tmp_path / "run"))
+    assert counted == [(48, 75), (30, 25)]  # documents in each component, tokens counted from it
+    assert vocab.tokens_counted == 100
+
+
+@pytest.mark.slow
+def test_training_on_a_mixture_records_each_components_tokens(two_corpora, tokenizer_path, tmp_path):
+    from scone_jax.training import train
+    from tests.common import record_list
+
+    config = small_config()
+    config.data.update(dict(source="arrayrecord", tokenizer_path=tokenizer_path, seq_len=16,
+                            train_files=f"a={two_corpora}/a.arrayrecord@3;b={two_corpora}/b.arrayrecord@1"))
+    config.model.max_seq_len = 16
+    config.train.update(dict(num_steps=4, log_every=2, eval_every=0))
+    train.run(config, str(tmp_path / "run"))
+    steps = record_list(str(tmp_path / "run"))
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    schedule = mixture.Schedule([0.75, 0.25], config.data.shuffle_seed)
+    for r in steps:  # every row is full: 16 tokens per row, rows dealt by the schedule
+        owner, _ = schedule.rows((r["step"] - 1) * 16, 16)
+        assert (r["mix/tokens_a"], r["mix/tokens_b"]) == (16.0 * (owner == 0).sum(), 16.0 * (owner == 1).sum())
+    logged = record_list(str(tmp_path / "run"), "train")
+    assert logged[-1]["mix/tokens_a"] + logged[-1]["mix/tokens_b"] == 2 * 16 * 16  # the window's two steps

@@ -46,11 +46,12 @@ def alive(pid: int) -> bool:
     return st is not None and st[0] != "Z"
 
 
-def wait_for(condition, timeout: float, what: str):
+def wait_for(condition, timeout: float, what):
+    """Poll `condition` until it holds; `what` (text, or a callable giving it) names it in the failure."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
         time.sleep(0.1)
 
 
@@ -61,14 +62,27 @@ def start(args: list, env_extra: dict | None = None) -> subprocess.Popen:
 
 
 def kill_and_check_workers_exit(proc: subprocess.Popen, min_workers: int) -> None:
-    """SIGKILL `proc` once it runs >= min_workers worker processes; all of them must be gone within 5 s."""
+    """SIGKILL `proc` once it runs >= min_workers worker processes; all of them must be gone within 20 s. The
+    watchdog polls every second; a worker holding a few hundred MB takes a few seconds more to exit on a
+    loaded 2-core machine (seen: over 5 s with the suite on two processes). The defect is minutes."""
     wait_for(lambda: len(descendants(proc.pid)) >= min_workers or proc.poll() is not None, 120,
              f"{min_workers} worker processes")
     assert proc.poll() is None, proc.communicate()[1][-2000:]
     workers = descendants(proc.pid)
     proc.kill()
     proc.wait()
-    wait_for(lambda: not any(alive(p) for p in workers), 5, f"the workers {sorted(workers)} to exit")
+    wait_for(lambda: not any(alive(p) for p in workers), 20,
+             lambda: f"the workers {sorted(workers)} to exit; still running: {_commands(p for p in workers if alive(p))}")
+
+
+def _commands(pids) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid}: " + open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:200])
+        except OSError:
+            out.append(f"{pid}: gone")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +136,8 @@ def test_workers_of_a_killed_extraction_exit_and_its_scratch_is_removed_by_the_n
 @pytest.mark.parametrize("pool", ["run_pool", "extract_pool", "grain"])
 def test_busy_workers_exit_within_a_second_of_their_parents_death(pool, tmp_path):
     """Every kind of worker this package starts (tokenize.run_pool: pre-tokenization and text tokenization;
-    extraction's counting pool; grain's data workers), each busy on a task of a minute, exits within 3 s of a
-    SIGKILL of its parent. Before (tried: parent_watch.exit_with_parent doing nothing): they ran their task
+    extraction's counting pool; grain's data workers), each busy on a task of a minute, exits within 10 s of a
+    SIGKILL of its parent (the watchdog polls every second; the margin is for a loaded machine). Before (tried: parent_watch.exit_with_parent doing nothing): they ran their task
     to the end, a minute later, and pools of whole shards for many minutes."""
     proc = start(["-m", "tests.orphan_probe", pool, str(tmp_path)])
     wait_for(lambda: len(descendants(proc.pid)) >= 2 or proc.poll() is not None, 120, "the workers")
@@ -132,7 +146,8 @@ def test_busy_workers_exit_within_a_second_of_their_parents_death(pool, tmp_path
     workers = descendants(proc.pid)
     proc.kill()
     proc.wait()
-    wait_for(lambda: not any(alive(p) for p in workers), 3, f"the workers {sorted(workers)} to exit")
+    wait_for(lambda: not any(alive(p) for p in workers), 10,
+             lambda: f"the workers {sorted(workers)} to exit; still running: {_commands(p for p in workers if alive(p))}")
 
 
 def test_data_workers_of_a_killed_training_run_exit(tokenizer_path, tmp_path):

@@ -2,7 +2,6 @@
 copied, and that a restarted job loads its compiled step from the workdir instead of compiling it."""
 import os
 
-import numpy as np
 import pytest
 
 from scone_jax.runtime import compile_cache, storage
@@ -45,11 +44,10 @@ def _without_session_cache():
 
 
 @pytest.mark.slow
-def test_a_restart_loads_its_compiled_step_from_the_workdir_and_trains_the_same(tmp_path, tokenizer_path):
+def test_a_restart_loads_its_compiled_step_from_the_workdir(tmp_path, tokenizer_path):
     """A job stopped after step 1 and restarted finds the train step in WORKDIR/compilation_cache: the entry
-    is read, not written again, and the resumed step equals an uninterrupted run without any cache. Bug it
-    caught: a relative train.compilation_cache_dir taken relative to the working directory instead of the
-    workdir (the cache landed wherever the job was started from, so a pod's restarted workers missed it)."""
+    is read, not written again. Bug it caught: a relative train.compilation_cache_dir taken relative to the
+    working directory instead of the workdir (the cache landed wherever the job was started from, so a pod's restarted workers missed it)."""
     saved = _without_session_cache()
     try:
         config = f"tests/small_config.py:{tokenizer_path}"
@@ -66,13 +64,9 @@ def test_a_restart_loads_its_compiled_step_from_the_workdir_and_trains_the_same(
         assert [n for n in os.listdir(cache) if n.startswith("jit_step-")] == steps
         assert os.stat(os.path.join(cache, steps[0])).st_mtime_ns == written  # loaded, not compiled again
 
-        plain = str(tmp_path / "plain")
-        whole = run_main(plain, *args, "--config.train.compilation_cache_dir=", config=config)
-        assert whole.returncode == 0, whole.stderr[-3000:]
-        assert not os.path.exists(os.path.join(plain, "compilation_cache"))
-        got, want = step_records(restarted), step_records(plain)
-        assert sorted(got) == sorted(want) == [1, 2]
-        np.testing.assert_array_equal([got[s]["loss"] for s in (1, 2)], [want[s]["loss"] for s in (1, 2)])
+        # The resumed step equals training it without interruption: test_train's resume tests check that (they
+        # run with the suite's shared cache); here the steps of both starts are in one metrics history.
+        assert sorted(step_records(restarted)) == [1, 2]
         # Each start records how long its first step took, from the process's start.
         startups = record_list(restarted, "startup")
         assert [r["step"] for r in startups] == [1, 2] and all(0 < r["first_step_s"] < 600 for r in startups)

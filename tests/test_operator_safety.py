@@ -251,7 +251,7 @@ def test_bad_held_out_data_stops_before_step_1(tokenizer_path, tmp_path, eval_fi
     [line] = [x for x in result.stderr.splitlines() if x.startswith("scone_jax: error:")]
     assert (pattern in line) or (str(held) in line), line
     assert not (workdir / "metrics.jsonl").exists() and not os.listdir(workdir / "checkpoints")
-    assert not (workdir / "OWNER").exists()
+    assert not (workdir / "OWNER").exists(), stderr[-3000:]
 
 
 # --- signals during start-up ---------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_a_signal_during_start_up_releases_the_workdir_in_one_line(tmp_path, sig
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == status, stderr[-3000:]
     assert words in stderr and "Traceback" not in stderr, stderr[-3000:]
-    assert not (workdir / "OWNER").exists()
+    assert not (workdir / "OWNER").exists(), stderr[-3000:]
 
 
 # --- exit 2 and one line -------------------------------------------------------------------------------------

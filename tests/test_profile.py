@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from scone_jax import config as config_lib
-from tests.common import small_config, step_records
+from tests.common import run_main, small_config, step_records
 
 
 @pytest.mark.parametrize("value", ["5", "0:3", "4:2", "a:b", "3:"])
@@ -21,14 +21,13 @@ def test_a_malformed_profile_range_is_named_before_anything_runs(value):
 
 @pytest.mark.slow
 def test_profiled_steps_leave_a_trace_and_the_same_losses(tmp_path, tokenizer_path):
-    from scone_jax.training import train
-
+    """Through the CLI, in a process of its own: a process that has loaded libtpu (the suite's TPU compile
+    checks do) crashes in jax.profiler.start_trace on a CPU host (libtpu's profiler plugin)."""
     def run(workdir, profile):
-        config = small_config()
-        config.data.tokenizer_path = tokenizer_path
-        config.train.num_steps, config.train.eval_every, config.train.log_every = 4, 0, 1
-        config.train.profile_steps = profile
-        train.run(config, str(workdir))
+        done = run_main(workdir, "--config.train.num_steps=4", "--config.train.eval_every=0",
+                        "--config.train.log_every=1", f"--config.train.profile_steps={profile}",
+                        config=f"tests/small_config.py:{tokenizer_path}")
+        assert done.returncode == 0, done.stderr[-3000:]
         return step_records(str(workdir))
 
     profiled = run(tmp_path / "profiled", "2:3")

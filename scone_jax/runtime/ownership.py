@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -190,11 +191,34 @@ def acquire(workdir: str, lease_s: float | None = None) -> Ownership:
 @contextlib.contextmanager
 def hold(workdir: str):
     """The workdir is this job's inside the block (process 0 holds the lease); released on any exit."""
-    owner = _acquire_for_job(workdir)
+    owner = None
     try:
+        with _signals_deferred():  # a Ctrl-C or SIGTERM meanwhile lands once `owner` is set, so OWNER is released
+            owner = _acquire_for_job(workdir)
         yield owner
     finally:
-        owner.release()
+        if owner is not None:
+            owner.release()
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM held back inside the block and raised again at its end, for their own handlers: taking
+    the lease and keeping the object that releases it happen together. (Blocking the signals in the main thread
+    would not do: the kernel hands a process's signal to any thread, and Python runs its handler at once.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in pending:
+            signal.raise_signal(s)
 
 
 def _acquire_for_job(workdir: str):

@@ -144,9 +144,10 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
                          f"accepts: {', '.join(config_lib.RESUME_KEYS)}.")
     mesh = sharding.make_mesh(config.mesh)
     config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
-    # The workdir is taken before anything is written there and released however the run ends; from then on
-    # SIGTERM stops start-up cleanly (the loop's preemption.Watch takes it over at the first step).
-    with hold_workdir(workdir) as owner, preemption.stop_on_sigterm_until_training(), \
+    # The workdir is taken before anything is written there and released however the run ends; SIGTERM stops
+    # start-up cleanly (the loop's preemption.Watch takes it over at the first step).
+    # The SIGTERM handler comes first, so a SIGTERM while the lease is being taken is a clean stop too.
+    with preemption.stop_on_sigterm_until_training(), hold_workdir(workdir) as owner, \
             CompileCache(compile_cache.resolve(config.train.compilation_cache_dir, workdir)):
         return _train(config, workdir, mesh, owner, allow_config_changes)
 

@@ -47,7 +47,8 @@ def _without_session_cache():
 def test_a_restart_loads_its_compiled_step_from_the_workdir(tmp_path, tokenizer_path):
     """A job stopped after step 1 and restarted finds the train step in WORKDIR/compilation_cache: the entry
     is read, not written again. Bug it caught: a relative train.compilation_cache_dir taken relative to the
-    working directory instead of the workdir (the cache landed wherever the job was started from, so a pod's restarted workers missed it)."""
+    working directory instead of the workdir (the cache landed wherever the job was started from, so a pod's
+    restarted workers missed it)."""
     saved = _without_session_cache()
     try:
         config = f"tests/small_config.py:{tokenizer_path}"

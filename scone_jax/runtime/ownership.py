@@ -206,7 +206,9 @@ def _signals_deferred():
     """SIGINT and SIGTERM held back inside the block and raised again at its end, for their own handlers: taking
     the lease and keeping the object that releases it happen together. (Blocking the signals in the main thread
     would not do: the kernel hands a process's signal to any thread, and Python runs its handler at once.)"""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
+        # In a multi-process job jax's preemption service owns SIGTERM through a C handler: setting and restoring
+        # a Python handler here would put SIG_DFL in its place (seen: a SIGTERM then killed the process outright).
         yield
         return
     pending = []

@@ -31,7 +31,8 @@ setup(
         # gcsfs: orbax reaches gs:// checkpoint directories through etils.epath -> fsspec -> gcsfs.
         # libtpu: the TPU compiler, so CI compiles the train step and the splash kernel for TPU
         # topologies on its CPU (tests/test_aot_compile.py); the version checked with our jax pin.
-        # pytest-xdist: the README's test command runs the suite on 3 processes (CI has 2 cores; many tests wait on subprocesses).
+        # pytest-xdist: the README's test command runs the suite on 3 processes (CI has 2 cores; many tests
+        # wait on the processes they start).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "gcp-storage-emulator>=2024.8.3", "gcsfs>=2024.2",
                  "libtpu==0.0.52"],
         "beam": ["apache-beam>=2.60"],

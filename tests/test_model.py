@@ -110,7 +110,7 @@ def packed_inputs(batch=3, seq=16):
     return tokens, segments, positions
 
 
-@pytest.mark.parametrize("style", ["gpt2", "olmo"])
+@pytest.mark.parametrize("style", [pytest.param("gpt2", marks=pytest.mark.slow), "olmo"])
 def test_scanned_blocks_equal_the_python_loop_in_loss_and_gradients(style):
     """One scan over stacked layers == a loop over separate blocks (fp32), with the same
     parameters moved between layouts by layout.convert. Catches layers applied in reverse
@@ -157,7 +157,8 @@ def test_cached_decoding_equals_the_full_forward_pass(style, scan):
     np.testing.assert_allclose(jnp.concatenate(logits, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", ["full", "save_dots", "save_qkv_proj"])
+@pytest.mark.parametrize("policy", ["full", pytest.param("save_dots", marks=pytest.mark.slow),
+                                    pytest.param("save_qkv_proj", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_remat_policies_change_memory_not_results(policy, scan):
     """Every policy gives the loss and gradients of no remat (fp32), scanned or not."""

@@ -76,7 +76,8 @@ def loss_and_grads(model, batch):
 
 
 @pytest.mark.parametrize("num_shards,capacity,micro_batches", [
-    pytest.param(1, 96, 1, marks=pytest.mark.slow), (2, 48, 1), pytest.param(4, 24, 1, marks=pytest.mark.slow), (2, 48, 2)])
+    pytest.param(1, 96, 1, marks=pytest.mark.slow), pytest.param(2, 48, 1, marks=pytest.mark.slow),
+    pytest.param(4, 24, 1, marks=pytest.mark.slow), (2, 48, 2)])
 def test_production_layout_equals_the_naive_path_in_loss_and_gradients(num_shards, capacity, micro_batches):
     """FgramBatcher's batch (per-group dedup, prefix sharing, slots) through SconeModel equals
     running the f-gram model at every matched position, in the loss and in every gradient (fp32).

@@ -55,7 +55,7 @@ def big_batch_gradients():
     return gradients((1, 1, 1), 1)
 
 
-@pytest.mark.parametrize("mesh_shape,accum", [((1, 1, 1), 4), ((4, 1, 1), 2)])
+@pytest.mark.parametrize("mesh_shape,accum", [pytest.param((1, 1, 1), 4, marks=pytest.mark.slow), ((4, 1, 1), 2)])
 def test_accumulated_gradients_equal_one_big_batch(big_batch_gradients, mesh_shape, accum):
     """Loss, token count and every gradient of `accum` micro-batches equal one big batch (fp32).
     Catches micro-batches that take rows i, i+accum, ... while the batcher groups contiguous

@@ -61,17 +61,20 @@ def start(args: list, env_extra: dict | None = None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def kill_and_check_workers_exit(proc: subprocess.Popen, min_workers: int) -> None:
-    """SIGKILL `proc` once it runs >= min_workers worker processes; all of them must be gone within 20 s. The
-    watchdog polls every second; a worker holding a few hundred MB takes a few seconds more to exit on a
-    loaded 2-core machine (seen: over 5 s with the suite on two processes). The defect is minutes."""
+def kill_and_check_workers_exit(proc: subprocess.Popen, min_workers: int, bound_s: float = 20,
+                                settle_s: float = 0) -> None:
+    """SIGKILL `proc` once it runs >= min_workers worker processes (and `settle_s` more seconds); all of them
+    must be gone within `bound_s`. The watchdog polls every second; a worker holding a few hundred MB takes a
+    few seconds more to exit on a loaded 2-core machine (seen: over 5 s with the suite on two processes). The
+    defect is minutes."""
     wait_for(lambda: len(descendants(proc.pid)) >= min_workers or proc.poll() is not None, 120,
              f"{min_workers} worker processes")
+    time.sleep(settle_s)
     assert proc.poll() is None, proc.communicate()[1][-2000:]
     workers = descendants(proc.pid)
     proc.kill()
     proc.wait()
-    wait_for(lambda: not any(alive(p) for p in workers), 20,
+    wait_for(lambda: not any(alive(p) for p in workers), bound_s,
              lambda: f"the workers {sorted(workers)} to exit; still running: {_commands(p for p in workers if alive(p))}")
 
 
@@ -137,17 +140,12 @@ def test_workers_of_a_killed_extraction_exit_and_its_scratch_is_removed_by_the_n
 def test_busy_workers_exit_within_a_second_of_their_parents_death(pool, tmp_path):
     """Every kind of worker this package starts (tokenize.run_pool: pre-tokenization and text tokenization;
     extraction's counting pool; grain's data workers), each busy on a task of a minute, exits within 10 s of a
-    SIGKILL of its parent (the watchdog polls every second; the margin is for a loaded machine). Before (tried: parent_watch.exit_with_parent doing nothing): they ran their task
-    to the end, a minute later, and pools of whole shards for many minutes."""
+    SIGKILL of its parent (the watchdog polls every second; the margin is for a loaded machine). Before (tried:
+    parent_watch.exit_with_parent doing nothing): they ran their task to the end, a minute later, and pools of
+    whole shards for many minutes."""
     proc = start(["-m", "tests.orphan_probe", pool, str(tmp_path)])
-    wait_for(lambda: len(descendants(proc.pid)) >= 2 or proc.poll() is not None, 120, "the workers")
-    time.sleep(3)  # the workers pick up their minute-long tasks
-    assert proc.poll() is None, proc.communicate()[1][-2000:]
-    workers = descendants(proc.pid)
-    proc.kill()
-    proc.wait()
-    wait_for(lambda: not any(alive(p) for p in workers), 10,
-             lambda: f"the workers {sorted(workers)} to exit; still running: {_commands(p for p in workers if alive(p))}")
+    # 3 s for the workers to pick up their minute-long tasks
+    kill_and_check_workers_exit(proc, min_workers=2, bound_s=10, settle_s=3)
 
 
 def test_data_workers_of_a_killed_training_run_exit(tokenizer_path, tmp_path):

@@ -47,7 +47,7 @@ class CompileCache:
     the rest of the process. `close()` copies new entries of a gs:// cache back."""
 
     def __init__(self, directory: str):
-        self.directory, self._mirror = directory, None
+        self.directory, self._mirror, self._copy = directory, None, None  # _copy: the local copy of a gs:// cache
         if not directory:
             return
         already = jax.config.jax_compilation_cache_dir
@@ -58,14 +58,13 @@ class CompileCache:
             return
         local = directory
         if storage.is_remote(directory):
-            local = tempfile.mkdtemp(prefix="scone_jax_compile_cache-")
+            local = self._copy = tempfile.mkdtemp(prefix="scone_jax_compile_cache-")
             copied = copy_in(directory, local)
             logging.info("Compilation cache: %d entries copied from %s", copied, directory)
             if jax.process_index() == 0:
                 self._mirror = storage.DirectoryMirror(local, directory, skip_existing=True)
         else:
             os.makedirs(local, exist_ok=True)
-        self._local = local
         jax.config.update("jax_compilation_cache_dir", local)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", _MIN_COMPILE_S)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -75,9 +74,9 @@ class CompileCache:
         if self._mirror is not None:
             self._mirror.close()
             self._mirror = None
-        if self.directory and storage.is_remote(self.directory) and getattr(self, "_local", None):
-            shutil.rmtree(self._local, ignore_errors=True)
-            self._local = None
+        if self._copy is not None:
+            shutil.rmtree(self._copy, ignore_errors=True)
+            self._copy = None
 
     def __enter__(self):
         return self

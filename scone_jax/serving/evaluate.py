@@ -31,12 +31,13 @@ from scone_jax.serving.prefetch import Prefetcher
 
 
 def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_batches: int = 0,
-             log_every_s: float = 30.0) -> dict:
-    """Loss, perplexity, bits per byte, hit rate and throughput over `data_cfg`'s held-out data."""
+             log_every_s: float = 30.0, step=None) -> dict:
+    """Loss, perplexity, bits per byte, hit rate and throughput over `data_cfg`'s held-out data. `step`: an
+    inference.make_eval_step of `served` to reuse (compiled once for several sets), else made here."""
     batches = pipeline.make_eval_batches(data_cfg, served.tokenizer, process_index=jax.process_index(),
                                          process_count=jax.process_count())
     count = min(len(batches), max_batches) if max_batches else len(batches)
-    step = inference.make_eval_step(served)
+    step = step or inference.make_eval_step(served)
 
     def prepare(batch):
         real = batch.segment_ids > 0
@@ -86,7 +87,8 @@ def evaluate_all(served: inference.Served, data_cfg, *, use_table: bool = True, 
     configs = eval_sets.configs(data_cfg)
     if eval_sets.SINGLE in configs:
         return evaluate(served, data_cfg, use_table=use_table, max_batches=max_batches)
-    results = {name: evaluate(served, cfg, use_table=use_table, max_batches=max_batches)
+    step = inference.make_eval_step(served)
+    results = {name: evaluate(served, cfg, use_table=use_table, max_batches=max_batches, step=step)
                for name, cfg in configs.items()}
     return {"sets": results, "average": eval_sets.average(results)}
 

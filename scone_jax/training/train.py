@@ -73,12 +73,13 @@ class _HeldOut:
 
     def __init__(self, data_cfg, tokenizer, max_batches: int):
         self.max_batches = max_batches
+        configs = eval_sets.configs(data_cfg)
         self.sets = {name: pipeline.make_eval_batches(cfg, tokenizer, process_index=jax.process_index(),
                                                       process_count=jax.process_count())
-                     for name, cfg in eval_sets.configs(data_cfg).items()}
+                     for name, cfg in configs.items()}
         # Bits per byte needs every document once: not with train.eval_batches limiting the batches.
         self.bytes = {name: 0 if max_batches and max_batches < len(self.sets[name]) else
-                      eval_sets.held_out_bytes(cfg, tokenizer) for name, cfg in eval_sets.configs(data_cfg).items()}
+                      eval_sets.held_out_bytes(cfg, tokenizer) for name, cfg in configs.items()}
 
     def evaluate(self, eval_step, model_state, mesh, batcher) -> dict:
         results = {}

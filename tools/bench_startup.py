@@ -9,7 +9,9 @@ mesh set-up, checkpoint restore, the input pipeline's first batch, compilation, 
 
   1. a first run trains one step, so the workdir holds its tokenizer, f-grams and a checkpoint;
   2. cold: the compilation cache is deleted and the job restarted (it resumes and trains one step);
-  3. warm: the job is restarted again with the cache the cold restart wrote.
+  3. warm: the job is restarted again with the cache the cold restart wrote;
+  4. steps 2 and 3 again, `--repeats` times in all: a 2-core machine's figures vary by a second
+     from run to run, so the results are the medians.
 
 Both restarts do the same work but for compiling, so their difference is what the cache saves.
 Last lines: `RESULT first_step_s_cold`, `RESULT first_step_s_warm`, `RESULT warm_over_cold`.
@@ -17,6 +19,7 @@ Last lines: `RESULT first_step_s_cold`, `RESULT first_step_s_warm`, `RESULT warm
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +32,8 @@ from scone_jax.runtime.compile_cache import DEFAULT as CACHE_DIR
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "The job's --config.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "A workdir for the runs (emptied first); '' = a temporary one.")
 _QUICK = flags.DEFINE_bool("quick", False, "The tiny config at its default size with a shorter corpus pass.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Cold and warm restarts each; the medians are reported.",
+                                lower_bound=1)
 _OVERRIDE = flags.DEFINE_multi_string("override", [], "Extra --config.KEY=VALUE flags for every run.")
 
 QUICK_OVERRIDES = ["--config.model.num_layers=2", "--config.scone.num_layers=1", "--config.data.worker_count=0"]
@@ -43,10 +48,10 @@ def first_step_seconds(workdir: str) -> float:
     return records[-1]["first_step_s"]
 
 
-def run_once(config: str, workdir: str, overrides: list[str], step: int) -> float:
+def run_once(config: str, workdir: str, overrides: list[str], step: int, num_steps: int) -> float:
     """Train step `step` (resuming at step - 1) in a fresh process; the seconds to its end."""
     argv = [sys.executable, "-m", "scone_jax.main", f"--config={config}", f"--workdir={workdir}",
-            "--config.train.num_steps=3", "--config.train.max_steps_per_run=1", "--config.train.eval_every=0",
+            f"--config.train.num_steps={num_steps}", "--config.train.max_steps_per_run=1", "--config.train.eval_every=0",
             "--config.train.checkpoint_every=1", *overrides]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -64,16 +69,21 @@ def main():
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="bench_startup-")
     shutil.rmtree(workdir, ignore_errors=True)
     cache = os.path.join(workdir, CACHE_DIR)
+    num_steps = 1 + 2 * _REPEATS.value
+    colds, warms = [], []
     try:
-        run_once(config, workdir, overrides, 1)  # tokenizer, f-grams, first checkpoint
-        shutil.rmtree(cache, ignore_errors=True)
-        cold = run_once(config, workdir, overrides, 2)
-        if not os.listdir(cache):
-            raise ValueError(f"the cold restart wrote no compilation cache into {cache}")
-        warm = run_once(config, workdir, overrides, 3)
+        run_once(config, workdir, overrides, 1, num_steps)  # tokenizer, f-grams, first checkpoint
+        for repeat in range(_REPEATS.value):
+            shutil.rmtree(cache, ignore_errors=True)
+            colds.append(run_once(config, workdir, overrides, 2 + 2 * repeat, num_steps))
+            if not os.listdir(cache):
+                raise ValueError(f"the cold restart wrote no compilation cache into {cache}")
+            warms.append(run_once(config, workdir, overrides, 3 + 2 * repeat, num_steps))
     finally:
         if not _WORKDIR.value:
             shutil.rmtree(workdir, ignore_errors=True)
+    cold, warm = statistics.median(colds), statistics.median(warms)
+    print(f"cold: {', '.join(f'{c:.1f}' for c in colds)} s; warm: {', '.join(f'{w:.1f}' for w in warms)} s")
     print(f"RESULT first_step_s_cold {cold:.2f}")
     print(f"RESULT first_step_s_warm {warm:.2f}")
     print(f"RESULT warm_over_cold {warm / cold:.3f}")

@@ -31,8 +31,6 @@ class MetricsWriter:
         self._tb = self._jsonl = self._mirror = None
         if not enabled:
             return
-        from tensorboardX import SummaryWriter
-
         local = workdir
         if storage.is_remote(workdir):
             local = tempfile.mkdtemp(prefix="scone_jax_metrics-")
@@ -46,16 +44,27 @@ class MetricsWriter:
             os.replace(os.path.join(local, METRICS_FILE + ".tmp"), os.path.join(local, METRICS_FILE))
         if storage.is_remote(workdir):
             self._mirror = storage.DirectoryMirror(local, workdir, upload_every_s)
-        # Event files are named by host and second only; the suffix keeps a quick restart from replacing
-        # (on GCS: overwriting) the previous run's file.
-        self._tb = SummaryWriter(os.path.join(local, workdir_layout.TENSORBOARD), filename_suffix=f".{uuid.uuid4().hex[:8]}")
+        self._local = local
         self._jsonl = open(os.path.join(local, METRICS_FILE), "a")
+
+    def _event_writer(self):
+        """The TensorBoard writer, made at the first write: importing tensorboardX takes most of a
+        second, which a restarted job would otherwise spend before its first step."""
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            # Event files are named by host and second only; the suffix keeps a quick restart from
+            # replacing (on GCS: overwriting) the previous run's file.
+            self._tb = SummaryWriter(os.path.join(self._local, workdir_layout.TENSORBOARD),
+                                     filename_suffix=f".{uuid.uuid4().hex[:8]}")
+        return self._tb
 
     def write(self, step: int, scalars: dict, prefix: str = "train") -> None:
         if not self.enabled:
             return
+        tb = self._event_writer()
         for name, value in scalars.items():
-            self._tb.add_scalar(f"{prefix}/{name}", float(value), step)
+            tb.add_scalar(f"{prefix}/{name}", float(value), step)
         self._jsonl.write(json.dumps({"step": step, "split": prefix, **{k: float(v) for k, v in scalars.items()}}) + "\n")
         self._jsonl.flush()
 
@@ -71,7 +80,8 @@ class MetricsWriter:
         """Close the sinks and make the workdir's copy complete. publish=False (the run lost its
         workdir to another run) leaves the workdir's copy alone and keeps the local one."""
         if self.enabled:
-            self._tb.close()
+            if self._tb is not None:
+                self._tb.close()
             self._jsonl.close()
             if self._mirror is not None:
                 if self._mirror.close(upload=publish):

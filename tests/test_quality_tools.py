@@ -9,6 +9,7 @@ from tests.common import run_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
+import quality_protocol  # noqa: E402
 import split_corpus  # noqa: E402
 
 
@@ -22,6 +23,30 @@ def make_tree(root, count=60):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(paragraphs[25 * i: 25 * (i + 1)]) + "\n")
     (root / "empty.txt").write_text("  \n")
+
+
+def test_sweep_stops_at_the_first_rise_and_keeps_the_best_rate():
+    """Rates in ascending order; a rate is skipped once the one below it scored worse than the best so far.
+    Caught: comparing against the previous rate only (the 4e-3 case), and deciding before the runs below exist."""
+    rates = ["0.0005", "0.001", "0.002", "0.004", "0.008"]
+
+    def runs(**ppl):
+        return {f"scone/lr{r}": {"validation_ppl": v, "learning_rate": float(r)}
+                for r, v in zip(rates, ppl["values"])}
+
+    falling_then_rising = runs(values=[50.0, 47.9, 49.0])  # 5e-4, 1e-3, 2e-3 done
+    assert not quality_protocol.sweep_stopped(falling_then_rising, "scone", "0.002", rates)
+    assert quality_protocol.sweep_stopped(falling_then_rising, "scone", "0.004", rates)
+    assert quality_protocol.sweep_stopped(falling_then_rising, "scone", "0.008", rates)
+    assert quality_protocol.best_rate(falling_then_rising, "scone", rates) == 0.001
+    # Still falling: go on. A rise that stays below the best (47 -> 48 after 50 -> 47) is a rise too.
+    assert not quality_protocol.sweep_stopped(runs(values=[50.0, 48.0, 47.0]), "scone", "0.004", rates)
+    assert quality_protocol.sweep_stopped(runs(values=[50.0, 47.0, 48.0, 46.0]), "scone", "0.008", rates)
+    # A run below not finished yet: nothing is decided; the other family is not looked at.
+    partial = {"scone/lr0.0005": {"validation_ppl": 50.0, "learning_rate": 5e-4}}
+    assert not quality_protocol.sweep_stopped(partial, "scone", "0.002", rates)
+    assert not quality_protocol.sweep_stopped(falling_then_rising, "baseline", "0.004", rates)
+    assert quality_protocol.best_rate({}, "scone", rates) == 0.0005
 
 
 def read_split(out, name):

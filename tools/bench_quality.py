@@ -14,8 +14,9 @@ arms on the 1x decoder: `scone` (f-gram model of 2 blocks = 1x, S = 20k, K = 5),
 split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
 --ablation_tokens for the rest).
 
-Protocol: `baseline` and `scone` each train at every --learning_rates value and keep the one with the
-lowest validation perplexity; the other arms of each family train at their family's rate. Every arm is
+Protocol: `baseline` and `scone` each train at the --learning_rates values in ascending order, stop
+at the first whose validation perplexity is above the best of those below it, and keep the one with
+the lowest validation perplexity; the other arms of each family train at their family's rate. Every arm is
 then exported (`python -m scone_jax.serving.export`, bf16 table) and scored on the test split by
 `python -m scone_jax.serving.evaluate`, the way a user serves it: SCONE with the f-gram table in host
 RAM, baselines as decoder-only bundles. Nothing is tuned on the test split.
@@ -48,6 +49,7 @@ from scone_jax.fgram.matcher import Matcher
 from scone_jax.model import accounting
 from scone_jax.runtime import tool_main
 from scone_jax.training import assets, state as state_lib
+from quality_protocol import best_rate, sweep_stopped
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "quality.py")
@@ -395,7 +397,7 @@ def main():
     if unknown:
         raise ValueError(f"Unknown arm(s) {unknown}; --arms takes {', '.join(ARMS)}.")
     arms = ["baseline", "scone"] if _QUICK.value else list(_ARMS.value)
-    rates = [str(float(r)) for r in _LEARNING_RATES.value]
+    rates = sorted({str(float(r)) for r in _LEARNING_RATES.value}, key=float)
     if _QUICK.value:
         rates = rates[:1]
     tokens = 50_000 if _QUICK.value else parse_tokens(_TOKENS.value)
@@ -431,9 +433,7 @@ def main():
     best = {}
 
     def chosen(family):
-        runs = [study.results["runs"].get(f"{family}/lr{r}") for r in rates]
-        done = [r for r in runs if r]
-        return min(done, key=lambda r: r["validation_ppl"])["learning_rate"] if done else float(rates[0])
+        return best_rate(study.results["runs"], family, rates)
 
     for arm in arms:
         if arm not in SWEPT:
@@ -445,6 +445,9 @@ def main():
             rate = str(best.get(family) or chosen(family))
         resolved.append((arm, rate))
         key = f"{arm}/lr{rate}"
+        if key not in study.results["runs"] and arm in SWEPT and sweep_stopped(study.results["runs"], arm, rate, rates):
+            print(f"[{key}] skipped: validation perplexity rose at the rate below it", flush=True)
+            continue
         if key not in study.results["runs"]:
             extra = {}
             config = study.config(arm, rate, tokenizer=tokenizer)
@@ -461,7 +464,8 @@ def main():
                 config = study.config(arm, rate, extra, tokenizer)
             study.results["runs"][key] = run_arm(study, arm, rate, config, tokenizer, resolved + planned[len(resolved):])
             study.save(_RECORD.value)
-        if arm in SWEPT and all(f"{arm}/lr{r}" in study.results["runs"] for r in rates):
+        if arm in SWEPT and all(f"{arm}/lr{r}" in study.results["runs"] or sweep_stopped(study.results["runs"], arm, r, rates)
+                                for r in rates):
             best[arm] = chosen(arm)
     for arm in arms:
         family = "scone" if arm.startswith("scone") else "baseline"

@@ -12,7 +12,9 @@ Arms (configs/quality.py defines the models): the baseline family `baseline`, `b
 arms on the 1x decoder: `scone` (f-gram model of 2 blocks = 1x, S = 20k, K = 5), `scone_fgram0.5x`,
 `scone_fgram2x`, `scone_s5k`, `scone_s100k`, `scone_k3`. All share one tokenizer (trained on the training
 split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
---ablation_tokens for the rest).
+--ablation_tokens for the rest). `baseline_short` and `scone_short` are the 1x models again at
+--ablation_tokens (left out when that equals --tokens): the points the ablations and baseline_4x are
+compared with, since a model trained on fewer tokens is worse whatever its shape.
 
 Protocol: `baseline` and `scone` each train at the --learning_rates values in ascending order, stop
 at the first whose validation perplexity is above the best of those below it, and keep the one with
@@ -53,10 +55,17 @@ from quality_protocol import best_rate, sweep_stopped
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "quality.py")
-ARMS = ("baseline", "baseline_2x", "baseline_4x", "scone", "scone_fgram0.5x", "scone_fgram2x", "scone_s5k",
+ARMS = ("baseline", "baseline_2x", "baseline_short", "baseline_4x", "scone", "scone_short", "scone_fgram0.5x",
+        "scone_fgram2x", "scone_s5k",
         "scone_s100k", "scone_k3")
 SWEPT = {"baseline": "baseline", "scone": "scone"}  # arm -> the family whose swept learning rate it uses
 MAIN_ARMS = ("baseline", "scone", "baseline_2x")  # trained for --tokens; the others for --ablation_tokens
+SHORT_ARMS = ("baseline_short", "scone_short")  # the 1x models at --ablation_tokens
+
+
+def variant(arm: str) -> str:
+    """The configs/quality.py variant an arm trains (a _short arm: its 1x model)."""
+    return arm[:-len("_short")] if arm in SHORT_ARMS else arm
 
 _SOURCE = flags.DEFINE_enum("source", "jsonl", ["text", "jsonl", "arrayrecord"], "Corpus format (data.source).")
 _TRAIN = flags.DEFINE_string("train_files", None, "Training split: comma-separated globs.")
@@ -102,10 +111,11 @@ class Study:
         self.results_path = os.path.join(root, "results.json")
         self.results = _read_json(self.results_path) or {"runs": {}, "arms": {}}
         self.started, self.tokens_done = time.time(), 0
+        self.skipped = set()  # (arm, rate) runs the sweep rule left out
 
     # --- configs -----------------------------------------------------------------------------------
     def config(self, arm: str, rate: str | None = None, extra: dict | None = None, tokenizer=None):
-        config = load_config_file(f"{CONFIG}:{arm}")
+        config = load_config_file(f"{CONFIG}:{variant(arm)}")
         with config.unlocked():
             for item in self.overrides:
                 key, _, value = item.partition("=")
@@ -129,11 +139,12 @@ class Study:
     def flags_for(self, config, arm: str) -> list[str]:
         """The main job's command line for this arm: the variant plus every key the study sets."""
         flat = _flatten(config.to_dict())
-        base = _flatten(load_config_file(f"{CONFIG}:{arm}").to_dict())
+        base = _flatten(load_config_file(f"{CONFIG}:{variant(arm)}").to_dict())
         return [f"--config.{k}={v}" for k, v in flat.items() if base.get(k) != v]
 
     # --- progress ----------------------------------------------------------------------------------
     def progress(self, planned: list[tuple[str, str]]) -> str:
+        planned = [p for p in planned if p not in self.skipped]
         left = sum(self.budget[a] for a, r in planned if f"{a}/lr{r}" not in self.results["runs"])
         elapsed = time.time() - self.started
         rate = self.tokens_done / elapsed if self.tokens_done else 0
@@ -279,7 +290,7 @@ def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> di
 
     allow = []
     for _ in range(4):  # a capacity overflow: raise it and resume from the checkpoint the run saved
-        rc = run_cli(["-m", "scone_jax.main", f"--config={CONFIG}:{arm}", f"--workdir={workdir}",
+        rc = run_cli(["-m", "scone_jax.main", f"--config={CONFIG}:{variant(arm)}", f"--workdir={workdir}",
                       *study.flags_for(config, arm), *([f"--allow_config_change={','.join(allow)}"] if allow else [])],
                      log, show)
         if rc == 0:
@@ -333,6 +344,7 @@ def _commit() -> str:
 
 ARM_LABELS = {
     "baseline": "baseline (2 blocks)", "baseline_2x": "baseline, 4 blocks", "baseline_4x": "baseline, 8 blocks",
+    "baseline_short": "baseline (2 blocks), ablation budget", "scone_short": "SCONE 1x, ablation budget",
     "scone": "SCONE, f-gram model 2 blocks (1x), S = 20k, K = 5", "scone_fgram0.5x": "SCONE, f-gram model 1 block (0.5x)",
     "scone_fgram2x": "SCONE, f-gram model 4 blocks (2x)", "scone_s5k": "SCONE, S = 5k", "scone_s100k": "SCONE, S = 100k",
     "scone_k3": "SCONE, K = 3",
@@ -364,19 +376,29 @@ def plot(results: dict, path: str) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    families = {"baseline (depth 1x/2x/4x)": [a for a in ("baseline", "baseline_2x", "baseline_4x")],
-                "SCONE, f-gram model 0.5x/1x/2x": [a for a in ("scone_fgram0.5x", "scone", "scone_fgram2x")],
-                "SCONE, S 5k/20k/100k": [a for a in ("scone_s5k", "scone", "scone_s100k")],
-                "SCONE, K 3/5": [a for a in ("scone_k3", "scone")]}
     arms = results["arms"]
+
+    def budget(members):
+        tokens = {arms[a]["tokens"] for a in members if a in arms}
+        return f", {max(tokens) / 1e6:.0f}M tokens" if len(tokens) == 1 else ""
+
+    # Curves join arms trained on the same budget only; with no _short arms the 1x arms stand in.
+    ref = {f: f"{f}_short" if f"{f}_short" in arms else f for f in ("baseline", "scone")}
+    families = {"baseline, depth 1x/2x": ["baseline", "baseline_2x"],
+                "baseline, depth 1x/4x": [ref["baseline"], "baseline_4x"],
+                "SCONE 1x": ["scone"],
+                "SCONE, f-gram model 0.5x/1x/2x": ["scone_fgram0.5x", ref["scone"], "scone_fgram2x"],
+                "SCONE, S 5k/20k/100k": ["scone_s5k", ref["scone"], "scone_s100k"],
+                "SCONE, K 3/5": ["scone_k3", ref["scone"]]}
+
     for ax, x_key, label in ((axes[0], "inference_flops_per_token", "inference FLOPs per token"),
                              (axes[1], "train_flops", "training FLOPs (whole run)")):
-        for (name, members), marker in zip(families.items(), "osD^"):
+        for (name, members), marker in zip(families.items(), "os*Dv^"):
             pts = [(arms[a][x_key], arms[a]["test_ppl"], a) for a in members if a in arms]
             if not pts:
                 continue
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name + budget(members))
             for x, y, a in pts:
                 ax.annotate(a, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log")
@@ -402,6 +424,8 @@ def main():
         rates = rates[:1]
     tokens = 50_000 if _QUICK.value else parse_tokens(_TOKENS.value)
     ablation = tokens if _QUICK.value or not _ABLATION_TOKENS.value else parse_tokens(_ABLATION_TOKENS.value)
+    if ablation == tokens:  # the 1x arms themselves are the reference
+        arms = [a for a in arms if a not in SHORT_ARMS]
     root = os.path.abspath(_WORKDIR.value)
     data = {"source": _SOURCE.value, "train_files": _TRAIN.value, "eval_files": _VALIDATION.value,
             "document_unit": _UNIT.value, "text_field": _TEXT_FIELD.value,
@@ -447,6 +471,7 @@ def main():
         key = f"{arm}/lr{rate}"
         if key not in study.results["runs"] and arm in SWEPT and sweep_stopped(study.results["runs"], arm, rate, rates):
             print(f"[{key}] skipped: validation perplexity rose at the rate below it", flush=True)
+            study.skipped.add((arm, rate))
             continue
         if key not in study.results["runs"]:
             extra = {}

@@ -89,10 +89,7 @@ def prepare_output(directory: str, num_shards: int) -> str:
         raise ValueError(f"--output={directory!r} is remote; shards are written locally. Fix: write to a "
                          "local directory, then copy it (gsutil -m cp -r).")
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe-")
-        os.close(fd)
-        os.unlink(probe)
+        tool_main.probe_directory(directory)
     except OSError as e:
         raise OSError(f"--output={directory!r} is not writable ({e.strerror}). Fix: choose a directory you "
                       "can write to.") from None

@@ -15,7 +15,7 @@ from absl import logging
 
 
 def is_remote(path: str) -> bool:
-    """True for URLs (gs://..., also memory:// in tests); False for local paths."""
+    """True for URLs (gs://... and any other tensorstore kvstore URL); False for local paths."""
     return "://" in path
 
 

@@ -58,19 +58,23 @@ def run(body: Callable[[], None], program: str = "", errors: tuple[type[BaseExce
 
 
 def check_result_path(path: str, flag: str) -> None:
-    """Fail now, before the work, if the local file `path` (a --result/--output JSON) cannot be written: its
-    directory is created and a probe written there and removed."""
-    directory = os.path.dirname(os.path.abspath(path))
+    """Fail now, before the work, if the local file `path` (a --result/--output JSON) cannot be written."""
+    if os.path.isdir(path):
+        raise OSError(f"{flag}={path} cannot be written ({path} is a directory). Fix: pass a file path, or '' "
+                      "for none.")
     try:
-        os.makedirs(directory, exist_ok=True)
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{path} is a directory")
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".result-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        probe_directory(os.path.dirname(os.path.abspath(path)))
     except OSError as e:
         raise OSError(f"{flag}={path} cannot be written ({one_line(e)}). Fix: pass a path in a directory you can "
                       "write to, or '' for none.") from None
+
+
+def probe_directory(directory: str) -> None:
+    """Create the local `directory` and write and remove a file there: raises the OSError a real write would."""
+    os.makedirs(directory, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe-")
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_result(path: str, result, **json_args) -> None:

@@ -1,6 +1,8 @@
 """A parent whose worker processes are busy for a minute, for tests/test_operator_safety.py to SIGKILL:
 `python -m tests.orphan_probe run_pool|extract_pool|grain WORKDIR`. It starts the workers on tasks that
-sleep 60 s and waits for the first result."""
+sleep 60 s and waits for the first result. `late_start` instead starts one worker that is still starting
+up (it calls parent_watch.exit_with_parent after 3 s) when the parent exits: it prints the worker's pid
+and exits at once."""
 import os
 import sys
 import time
@@ -20,7 +22,22 @@ def _noop(*_):
     pass
 
 
+def late_worker():
+    from scone_jax.runtime import parent_watch
+
+    time.sleep(3)  # the parent is gone by now
+    parent_watch.exit_with_parent()
+    time.sleep(60)
+
+
 def main(kind: str, workdir: str) -> None:
+    if kind == "late_start":
+        import multiprocessing
+
+        worker = multiprocessing.get_context("spawn").Process(target=late_worker)
+        worker.start()
+        print(worker.pid, flush=True)
+        os._exit(0)
     if kind == "run_pool":
         from scone_jax.data import tokenize
 

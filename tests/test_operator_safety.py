@@ -136,6 +136,17 @@ def test_workers_of_a_killed_extraction_exit_and_its_scratch_is_removed_by_the_n
     assert not os.path.exists(left) and not glob.glob(str(scratch / "fgrams-*"))
 
 
+def test_a_worker_whose_parent_died_while_it_started_exits():
+    """A worker still starting up when its parent dies (seen with the suite beside a training run: the
+    parent was killed before grain's second worker had run its initializer) exits once its initializer
+    runs. Before (the parent read from getppid() in the initializer, which by then names the adopting
+    process): it slept its whole minute."""
+    proc = start(["-m", "tests.orphan_probe", "late_start", "unused"])
+    worker = int(proc.stdout.readline())  # (the worker holds the pipes: no communicate())
+    assert proc.wait(timeout=60) == 0
+    wait_for(lambda: not alive(worker), 20, lambda: f"the orphaned worker to exit: {_commands([worker])}")
+
+
 @pytest.mark.parametrize("pool", ["run_pool", "extract_pool", "grain"])
 def test_busy_workers_exit_within_a_second_of_their_parents_death(pool, tmp_path):
     """Every kind of worker this package starts (tokenize.run_pool: pre-tokenization and text tokenization;

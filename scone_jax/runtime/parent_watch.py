@@ -3,10 +3,12 @@
 A program killed with SIGKILL cannot stop its worker processes (pool workers of f-gram extraction and
 pre-tokenization, grain's data workers): they used to keep running for minutes and then write into a
 rerun's output. `exit_with_parent` (a worker's initializer) starts a thread that ends the worker
-within a second of its parent's death: the parent is gone once the worker is reparented (getppid()
-changes). A signal on the parent's death (Linux PR_SET_PDEATHSIG) is not used: it fires when the
-parent *thread* that started the worker exits, which for pools started from a helper thread is long
-before the program ends.
+within a second of its parent's death. It waits on multiprocessing's parent sentinel (a pipe the parent
+holds open), so a worker whose parent died while it was still starting up exits too: reading the parent
+from getppid() at that point would read the adopting process and wait forever. Processes not started by
+multiprocessing fall back to noticing that getppid() changes. A signal on the parent's death (Linux
+PR_SET_PDEATHSIG) is not used: it fires when the parent *thread* that started the worker exits, which for
+pools started from a helper thread is long before the program ends.
 
 Scratch directories are named `<prefix>-<pid>-<random>`; `remove_stale_scratch` deletes those of
 processes that no longer run, so a killed run's scratch is removed by the next one.
@@ -14,6 +16,7 @@ processes that no longer run, so a killed run's scratch is removed by the next o
 from __future__ import annotations
 
 import glob
+import multiprocessing
 import os
 import shutil
 import threading
@@ -26,12 +29,18 @@ _POLL_S = 0.5
 def exit_with_parent(*_ignored) -> None:
     """In a worker process: exit within ~_POLL_S of the parent's death. Extra arguments are ignored, so it can
     serve as any pool's initializer (grain passes the worker's index and count)."""
-    parent = os.getppid()
+    parent = multiprocessing.parent_process()  # None outside a multiprocessing child
+    ppid = os.getppid()
 
     def watch():
         while True:
-            time.sleep(_POLL_S)
-            if os.getppid() != parent:
+            if parent is not None:
+                parent.join(_POLL_S)  # returns at once if the parent has already died
+                if not parent.is_alive():
+                    os._exit(EXIT_ORPHANED)
+            else:
+                time.sleep(_POLL_S)
+            if os.getppid() != ppid:
                 os._exit(EXIT_ORPHANED)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

@@ -27,21 +27,18 @@ _POLL_S = 0.5
 
 
 def exit_with_parent(*_ignored) -> None:
-    """In a worker process: exit within ~_POLL_S of the parent's death. Extra arguments are ignored, so it can
+    """In a worker process: exit as soon as the parent dies (a process not started by multiprocessing: within ~_POLL_S). Extra arguments are ignored, so it can
     serve as any pool's initializer (grain passes the worker's index and count)."""
     parent = multiprocessing.parent_process()  # None outside a multiprocessing child
     ppid = os.getppid()
 
     def watch():
-        while True:
-            if parent is not None:
-                parent.join(_POLL_S)  # returns at once if the parent has already died
-                if not parent.is_alive():
-                    os._exit(EXIT_ORPHANED)
-            else:
+        if parent is not None:
+            parent.join()  # returns when the parent dies, at once if it already has
+        else:
+            while os.getppid() == ppid:
                 time.sleep(_POLL_S)
-            if os.getppid() != ppid:
-                os._exit(EXIT_ORPHANED)
+        os._exit(EXIT_ORPHANED)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 

@@ -27,8 +27,9 @@ _POLL_S = 0.5
 
 
 def exit_with_parent(*_ignored) -> None:
-    """In a worker process: exit as soon as the parent dies (a process not started by multiprocessing: within ~_POLL_S). Extra arguments are ignored, so it can
-    serve as any pool's initializer (grain passes the worker's index and count)."""
+    """In a worker process: exit as soon as the parent dies (within ~_POLL_S for a process not started by
+    multiprocessing). Extra arguments are ignored, so it can serve as any pool's initializer (grain passes
+    the worker's index and count)."""
     parent = multiprocessing.parent_process()  # None outside a multiprocessing child
     ppid = os.getppid()
 

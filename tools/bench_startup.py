@@ -13,7 +13,8 @@ mesh set-up, checkpoint restore, the input pipeline's first batch, compilation, 
   4. steps 2 and 3 again, `--repeats` times in all: a 2-core machine's figures vary by a second
      from run to run, so the results are the medians.
 
-Both restarts do the same work but for compiling, so their difference is what the cache saves.
+Both restarts do the same work but for tracing and compiling the train step (the cache keeps both:
+training/exported_step.py), so their difference is what the cache saves.
 Last lines: `RESULT first_step_s_cold`, `RESULT first_step_s_warm`, `RESULT warm_over_cold`.
 """
 import json

@@ -57,6 +57,17 @@ def loss_and_grads(model, batch: Batch, accum: int = 1, num_shards: int = 1):
 
 def make_train_step(graphdef, state_shardings, mesh, config):
     """Return step(state, batch) -> (state, metrics), jitted and donating the old state."""
+    return sharding.under_mesh(mesh, jax.jit(
+        train_step_fn(graphdef, mesh, config),
+        in_shardings=(state_shardings, _batch_shardings(mesh)),
+        out_shardings=(state_shardings, None),
+        donate_argnums=0,
+    ))
+
+
+def train_step_fn(graphdef, mesh, config):
+    """The train step, step(state, batch) -> (state, metrics), not yet jitted: make_train_step jits it and
+    exported_step.py exports it."""
     accum = config.train.grad_accum_steps
     num_shards = sharding.num_batch_shards(mesh)
     schedule = learning_rate_schedule(config.train)
@@ -77,12 +88,7 @@ def make_train_step(graphdef, state_shardings, mesh, config):
         metrics["param_norm"] = optax.tree.norm(nnx.state(model, nnx.Param))
         return nnx.state((model, opt)), metrics
 
-    return sharding.under_mesh(mesh, jax.jit(
-        step,
-        in_shardings=(state_shardings, _batch_shardings(mesh)),
-        out_shardings=(state_shardings, None),
-        donate_argnums=0,
-    ))
+    return step
 
 
 def make_eval_step(model_graphdef, model_shardings, mesh):

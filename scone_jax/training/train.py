@@ -25,7 +25,7 @@ from scone_jax.runtime import compile_cache, distributed, storage, workdir as wo
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.ownership import OwnershipLost, hold as hold_workdir
-from scone_jax.training import assets, checkpoint, preemption, state as state_lib, steps
+from scone_jax.training import assets, checkpoint, exported_step, preemption, state as state_lib, steps
 from scone_jax.training.metrics import MetricsWriter, format_line
 from scone_jax.training.profile import StepProfiler
 from scone_jax.training.throughput import Throughput, peak_flops_per_device, process_uptime_s
@@ -153,6 +153,16 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
         return _train(config, workdir, mesh, owner, allow_config_changes)
 
 
+def _make_train_step(spec, mesh, config):
+    """With the compilation cache on, the step exported beside it (exported_step.py: a restart neither traces
+    nor compiles it); without, the plain jitted step."""
+    directory = jax.config.jax_compilation_cache_dir if config.train.compilation_cache_dir else ""
+    if not directory or storage.is_remote(directory):
+        return steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    return exported_step.ExportedTrainStep(steps.train_step_fn(spec.graphdef, mesh, config), spec.shardings, mesh,
+                                           config, directory)
+
+
 def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     """run() once this job owns the workdir; every process stops before its next write if another run
     takes the workdir over (`owner.lost()`, checked together at the steps that write)."""
@@ -191,7 +201,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     ), mesh, batcher, pipeline.worker_count(config.data),
         tuple(c.name for c in mixture.parse(config.data.train_files) or ()))
 
-    train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    train_step = _make_train_step(spec, mesh, config)
     eval_step = steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh)
     writer = MetricsWriter(workdir, enabled=is_chief, resume_step=step)
     t = config.train

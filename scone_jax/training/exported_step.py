@@ -1,0 +1,222 @@
+"""The train step traced once and kept beside the compilation cache (jax.export), so a restarted job
+skips tracing and lowering the step as well as compiling it (docs/training.md, "Restarts").
+
+JAX's persistent cache is keyed by the lowered program, so every start still traces the model
+and lowers it before it can look the executable up: on a CPU host that is most of what a warm
+restart of a small job does besides restoring, and on a pod every host does it. Here the step is
+exported (StableHLO with its shardings) at the first start, written to the cache directory, and
+later starts with the same program load it and compile it through the persistent cache.
+
+The key must name everything the traced program depends on, since a stale program would train
+the wrong model silently: the source of the scone_jax package, the versions of the libraries that
+are traced (jax, jaxlib, flax, optax), the JAX flags that change tracing, the devices and mesh, the
+config (but for the loop's own keys, LOOP_ONLY_KEYS), and the structure, shapes, dtypes and
+shardings of the step's arguments. Anything else misses and traces afresh. A file that cannot be
+read, or whose recorded key differs, is a miss too (and is replaced); a step that jax.export
+cannot export (a custom call without a stability guarantee) runs as a plain jitted step. Code
+outside the package that changes what the step computes (an edited flax checkout with an
+unchanged version, a monkeypatch) is not seen: `train.compilation_cache_dir=''` switches the cache
+and this off.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import struct
+
+import jax
+from absl import logging
+from jax import export as jax_export
+
+from scone_jax import sharding
+
+PREFIX = "scone-train-step-"
+KEEP = 4  # newest entries kept: a few configs or code versions in one cache
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax")
+_JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+              "jax_threefry_partitionable", "jax_numpy_rank_promotion")
+# Config keys the train step does not read (the loop's cadence, paths and switches): a resume that changes them
+# still loads the program. tests/test_exported_step.py checks that changing all of them leaves it unchanged.
+LOOP_ONLY_KEYS = {
+    "train": ("max_steps_per_run", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+              "peak_flops_per_device", "profile_steps", "profile_all_processes", "compilation_cache_dir"),
+    "data": ("worker_count", "prefetch_buffer", "eval_files"),
+}
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_fingerprint(package_dir: str = _PACKAGE_DIR) -> str:
+    """sha256 over every .py file of the package (relative path and bytes, in path order)."""
+    digest = hashlib.sha256()
+    paths = []
+    for root, dirs, names in os.walk(package_dir):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        paths += [os.path.join(root, n) for n in names if n.endswith(".py")]
+    for path in sorted(paths):
+        digest.update(os.path.relpath(path, package_dir).encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(f.read() + b"\0")
+    return digest.hexdigest()
+
+
+def _signature(tree) -> dict:
+    leaves, treedef = jax.tree.flatten(tree)
+    return {"tree": str(treedef),
+            "leaves": [[list(x.shape), str(x.dtype), str(getattr(x.sharding, "spec", x.sharding))] for x in leaves]}
+
+
+def _program_config(config) -> dict:
+    values = json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
+    for section, keys in LOOP_ONLY_KEYS.items():
+        for key in keys:
+            values.get(section, {}).pop(key, None)
+    return values
+
+
+def key_material(config, mesh, state, batch) -> dict:
+    """What the traced step depends on (module docstring): equal material, equal program."""
+    devices = jax.devices()
+    return {
+        "source": source_fingerprint(),
+        "libraries": {name: importlib.metadata.version(name) for name in _LIBRARIES},
+        "jax_flags": {name: str(getattr(jax.config, name)) for name in _JAX_FLAGS},
+        "devices": [devices[0].platform, devices[0].device_kind, len(devices), jax.process_count()],
+        "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
+        "config": _program_config(config),
+        "state": _signature(state),
+        "batch": _signature(batch),
+    }
+
+
+def entry_name(material: dict) -> str:
+    return PREFIX + hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:40]
+
+
+def _write(path: str, header: dict, payload: bytes) -> None:
+    """Header length (8 bytes), the header as JSON, the serialized export; atomically (rename)."""
+    head = json.dumps(header, sort_keys=True).encode()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + payload)
+    os.replace(tmp, path)
+
+
+def _read(path: str) -> tuple[dict, bytes]:
+    with open(path, "rb") as f:
+        raw = f.read()
+    (size,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + size]), raw[8 + size:]
+
+
+def _prune(directory: str, keep: int = KEEP) -> None:
+    """Remove all but the `keep` newest entries (the others belong to earlier code or configs)."""
+    entries = [os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(PREFIX) and ".tmp-" not in n]
+    for path in sorted(entries, key=os.path.getmtime, reverse=True)[keep:]:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+class ExportedTrainStep:
+    """step(state, batch) -> (state, metrics) like steps.make_train_step's, from the exported program in
+    `directory` when one with this key is there, else exported now (and written there by process 0).
+
+    `loaded` says, after the first call, whether the program came from the directory."""
+
+    def __init__(self, step_fn, state_shardings, mesh, config, directory: str):
+        self._step_fn, self._mesh, self._config, self._directory = step_fn, mesh, config, directory
+        self._state_shardings = jax.tree.leaves(state_shardings)
+        self._batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))
+        self._run = None
+        self.loaded = False
+
+    def __call__(self, state, batch):
+        if self._run is None:
+            self._run = self._prepare(state, batch)
+        return self._run(state, batch)
+
+    def _prepare(self, state, batch):
+        state_leaves, state_tree = jax.tree.flatten(state)
+        batch_leaves, batch_tree = jax.tree.flatten(batch)
+        if len(state_leaves) != len(self._state_shardings):
+            raise ValueError(f"the train state has {len(state_leaves)} arrays, its shardings {len(self._state_shardings)}")
+        batch_shardings = [self._batch_sharding] * len(batch_leaves)
+        material = key_material(self._config, self._mesh, state, batch)
+        path = os.path.join(self._directory, entry_name(material))
+        exported, metric_names = self._load(path, material)
+        if exported is None:
+            exported, metric_names, payload = self._export(state_leaves, state_tree, batch_leaves, batch_tree,
+                                                           batch_shardings)
+            if exported is None:  # not exportable: the plain jitted step
+                shardings = state_tree.unflatten(self._state_shardings)
+                return sharding.under_mesh(self._mesh, jax.jit(
+                    self._step_fn, in_shardings=(shardings, self._batch_sharding), out_shardings=(shardings, None),
+                    donate_argnums=0))
+            if jax.process_index() == 0:
+                self._save(path, material, metric_names, payload)
+        def train_step(state_leaves, batch_leaves):  # named: the cache entry and profiles say jit_train_step
+            return exported.call(state_leaves, batch_leaves)
+
+        run = jax.jit(train_step, in_shardings=(self._state_shardings, batch_shardings),
+                      out_shardings=(self._state_shardings, None), donate_argnums=0)
+
+        def step(state, batch):
+            with jax.set_mesh(self._mesh):
+                new_leaves, metrics = run(jax.tree.leaves(state), jax.tree.leaves(batch))
+            return state_tree.unflatten(new_leaves), dict(zip(metric_names, metrics))
+
+        return step
+
+    def _load(self, path: str, material: dict):
+        """(exported, metric names) from `path` if it holds this key's program, else (None, None)."""
+        if not os.path.exists(path):
+            return None, None
+        try:
+            header, payload = _read(path)
+            if header.get("material") != material:
+                logging.warning("Exported train step %s was written for another program; tracing the step again", path)
+                return None, None
+            exported = jax_export.deserialize(bytearray(payload))
+        except Exception as e:  # noqa: BLE001 - a damaged entry is a miss: the step is traced again and replaces it
+            logging.warning("Exported train step %s cannot be read (%s: %s); tracing the step again",
+                            path, type(e).__name__, e)
+            return None, None
+        self.loaded = True
+        logging.info("Train step: the traced program loaded from %s (not traced again)", path)
+        return exported, header["metrics"]
+
+    def _export(self, state_leaves, state_tree, batch_leaves, batch_tree, batch_shardings):
+        """Trace and lower the step over flat argument lists (jax.export serializes no custom pytree nodes)."""
+        names = []
+
+        def flat_step(state_leaves, batch_leaves):
+            new_state, metrics = self._step_fn(state_tree.unflatten(state_leaves), batch_tree.unflatten(batch_leaves))
+            new_leaves, new_tree = jax.tree.flatten(new_state)
+            if new_tree != state_tree:
+                raise ValueError("the train step returned a state of another structure than it was given")
+            names[:] = sorted(metrics)
+            return new_leaves, [metrics[k] for k in names]
+
+        jitted = jax.jit(flat_step, in_shardings=(self._state_shardings, batch_shardings),
+                         out_shardings=(self._state_shardings, None), donate_argnums=0)
+        abstract = ([jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(state_leaves, self._state_shardings)],
+                    [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(batch_leaves, batch_shardings)])
+        try:
+            with jax.set_mesh(self._mesh):
+                exported = jax_export.export(jitted)(*abstract)
+            payload = bytes(exported.serialize())
+        except Exception as e:  # noqa: BLE001 - a real error in the step also fails the plain jit, where it is raised
+            logging.warning("The train step cannot be exported (%s: %s); it is traced at every start",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return None, None, None
+        return exported, list(names), payload
+
+    def _save(self, path: str, material: dict, metric_names: list, payload: bytes) -> None:
+        try:
+            _write(path, {"material": material, "metrics": metric_names}, payload)
+            _prune(self._directory)
+        except OSError as e:  # a full or read-only cache costs the next start a trace, not this run
+            logging.warning("Could not write the exported train step to %s: %s", path, e)

@@ -54,6 +54,8 @@ def base_config() -> ml_collections.ConfigDict:
     s.d_model = 0  # f-gram model width; 0 = the main model's (else projected to it)
     s.num_heads = 0  # 0 = the main model's
     s.d_ff = 0  # 0 = the main model's
+    s.output_gain_init = 0.0  # 0 = off (the method); > 0: f-gram embeddings times a learned scalar gain that
+    #                           starts here (an experiment on their scale, docs/quality.md)
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "kjv"  # 'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'
@@ -111,8 +113,8 @@ def base_config() -> ml_collections.ConfigDict:
     t.profile_steps = ""  # 'START:END': a jax.profiler trace of those steps into <workdir>/profile (training/profile.py)
     t.profile_all_processes = False  # trace on every process, not only process 0
     t.compilation_cache_dir = "compilation_cache"  # JAX's persistent compilation cache, so a restart loads the
-    #                       compiled steps: relative = inside the workdir, absolute or gs:// as is, '' = off
-    #                       (runtime/compile_cache.py)
+    #                       compiled steps (and the traced train step, training/exported_step.py): relative =
+    #                       inside the workdir, absolute or gs:// as is, '' = off (runtime/compile_cache.py)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1: all devices not used by the other axes
@@ -301,6 +303,7 @@ RESUME_KEYS = (
     "model.tie_embeddings", "model.param_dtype",
     "scone.enabled", "scone.max_len", "scone.num_fgrams", "scone.min_count", "scone.extract_max_tokens",
     "scone.fgram_capacity", "scone.num_layers", "scone.d_model", "scone.num_heads", "scone.d_ff",
+    "scone.output_gain_init",
     "data.source", "data.train_files", "data.text_field", "data.document_unit", "data.eval_fraction",
     "data.seq_len", "data.global_batch_size", "data.shuffle_seed",
 )

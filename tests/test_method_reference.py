@@ -112,6 +112,21 @@ def test_fgram_model_tells_permutations_apart():
                                                                  arch_of(config)), rtol=1e-5, atol=1e-5)
 
 
+def test_the_output_gain_experiment_scales_the_method_embedding_and_is_not_decayed():
+    """scone.output_gain_init (an experiment on the f-gram rows' scale, docs/quality.md; off by default) multiplies the
+    method's f-gram embedding by one learned scalar, which weight decay leaves alone like a norm scale."""
+    config = scone_config(GPT2, num_layers=1, output_gain_init=0.25)
+    model = perturbed_model(config)
+    gain = float(model.fgram_model.output_gain[...])
+    assert abs(gain - 0.25) < 0.5 and gain != 0.25  # started at 0.25, moved like every parameter
+    tokens = jnp.array([[301, 302, 303, 0]], jnp.int32)
+    emb = np.asarray(model.fgram_embeddings(tokens, jnp.array([3], jnp.int32)))
+    want = gain * ref.fgram_embedding((301, 302, 303), reference_params(model, config), arch_of(config))
+    np.testing.assert_allclose(emb[0], want, rtol=1e-5, atol=1e-6)
+    assert "['fgram_model']['output_gain']" not in decayed_names(config)
+    assert decayed_names(config) == decayed_names(scone_config(GPT2, num_layers=1))
+
+
 # --- AdamW -----------------------------------------------------------------------------------------------
 
 def _flat(tree) -> dict:

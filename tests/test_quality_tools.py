@@ -9,6 +9,7 @@ from tests.common import run_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
+import embedding_scale  # noqa: E402
 import quality_protocol  # noqa: E402
 import split_corpus  # noqa: E402
 
@@ -142,3 +143,20 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     assert results["arms"]["scone"]["train_flops"] > results["arms"]["baseline"]["train_flops"]
     again = run_tool("tools/bench_quality.py", args, timeout=600)
     assert again.returncode == 0 and "training" not in again.stdout.replace("training split", "")
+
+
+@pytest.mark.slow  # exports the shared serving run (once per session)
+def test_embedding_scale_reads_final_norm_rows_against_the_token_rows(tmp_path_factory):
+    """At initialisation (norm scale 1, bias 0) a final-norm output has norm sqrt(d) exactly, up to the norm's epsilon
+    (docs/method.md §4), and the token rows have about init_std * sqrt(d): the figures the tool prints for the study."""
+    from tests import serving_run
+
+    path = serving_run.exported(tmp_path_factory, "float32")
+    fgram, token = embedding_scale.row_norms(path)
+    d, init_std = 64, 0.5  # tests/serving_run.py's model
+    assert abs(fgram - d ** 0.5) < 0.01 * d ** 0.5
+    assert abs(token - init_std * d ** 0.5) < 0.05 * init_std * d ** 0.5
+    result = run_tool("tools/embedding_scale.py", [f"--export={path}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    name = embedding_scale.export_name(path)
+    assert f"RESULT fgram_over_token_{name} {fgram / token:.3f}" in result.stdout

@@ -50,6 +50,10 @@ class FgramModel(nnx.Module):
         self.in_proj = dense(main_cfg.d_model, cfg.d_model, ("embed", "mlp"), cfg, rngs) if resize else None
         self.out_proj = dense(cfg.d_model, main_cfg.d_model, ("mlp", "embed"), cfg, rngs) if resize else None
         self.stack = BlockStack(cfg, cfg.num_layers, rngs)
+        # Off by default (docs/method.md §4). The final norm leaves rows of norm ~sqrt(d), over ten times the
+        # token embeddings they replace; a learned scalar gain starting at output_gain_init tests that scale.
+        gain = scone_cfg.output_gain_init
+        self.output_gain = nnx.Param(jnp.asarray(gain, dtype_of(cfg.param_dtype))) if gain else None
 
     def __call__(self, token_embeddings: jax.Array, lengths: jax.Array) -> jax.Array:
         """Embeddings of the f-grams themselves: the output at each row's last token, [U, d]."""
@@ -69,4 +73,5 @@ class FgramModel(nnx.Module):
         # Segment 1 = the f-gram's tokens; padding is segment 0 and never mixes with them.
         segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
         h = self.stack(x, segment_ids, positions)
-        return self.out_proj(h) if self.out_proj is not None else h
+        h = self.out_proj(h) if self.out_proj is not None else h
+        return h * self.output_gain[...].astype(h.dtype) if self.output_gain is not None else h

@@ -1,0 +1,50 @@
+"""How large an export's f-gram rows are next to the token embeddings they replace.
+
+  python tools/embedding_scale.py --export=/data/quality/scone/lr0.001/export [--export=...]
+
+A matched position's input is the f-gram row instead of T(token) (docs/method.md §3). The f-gram
+model ends in its block stack's final norm (§4), so its rows have a norm of about sqrt(d) times the
+norm's scale, while T's rows start at init_std * sqrt(d) and grow as they train. docs/quality.md
+reads the ratio for the study's arms. For each export (named by its two parent directories, e.g.
+`scone/lr0.001`), over all S table rows and all vocabulary rows of T, mean L2 norms:
+  RESULT fgram_row_norm_<name>, RESULT token_row_norm_<name>, RESULT fgram_over_token_<name>
+"""
+import os
+
+import numpy as np
+from absl import flags
+
+from scone_jax.runtime import tool_main
+
+_EXPORTS = flags.DEFINE_multi_string("export", [], "An export directory (scone_jax.serving.export); repeatable.")
+
+
+def export_name(path: str) -> str:
+    parts = os.path.normpath(path).split(os.sep)
+    return "/".join(parts[-3:-1]) if len(parts) >= 3 else parts[-1]
+
+
+def row_norms(path: str) -> tuple[float, float]:
+    """(mean norm of the f-gram table's rows, mean norm of the token embedding's rows) of one export."""
+    from scone_jax.serving import inference
+
+    served = inference.load(path)
+    table = np.asarray(served.table.gather(np.arange(served.table.num_rows)), np.float32)
+    embedding = np.asarray(served.params["token_embed"]["embedding"][...], np.float32)
+    return float(np.linalg.norm(table, axis=1).mean()), float(np.linalg.norm(embedding, axis=1).mean())
+
+
+def main():
+    if not _EXPORTS.value:
+        raise ValueError("Name at least one --export=DIR (an export bundle of a SCONE run).")
+    for path in _EXPORTS.value:
+        fgram, token = row_norms(path)
+        name = export_name(path)
+        print(f"{name}: f-gram rows {fgram:.3f}, token rows {token:.3f}, ratio {fgram / token:.2f}")
+        for figure, value in (("fgram_row_norm", f"{fgram:.4f}"), ("token_row_norm", f"{token:.4f}"),
+                              ("fgram_over_token", f"{fgram / token:.3f}")):
+            print(f"RESULT {figure}_{name} {value}")
+
+
+if __name__ == "__main__":
+    tool_main.run(main, "embedding_scale")

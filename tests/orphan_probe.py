@@ -1,6 +1,6 @@
 """A parent whose worker processes are busy for a minute, for tests/test_operator_safety.py to SIGKILL:
 `python -m tests.orphan_probe run_pool|extract_pool|grain WORKDIR`. It starts the workers on tasks that
-sleep 60 s and waits for the first result. `late_start` instead starts one worker that is still starting
+sleep 60 s (each first writes WORKDIR/busy-<pid>) and waits for the first result. `late_start` instead starts one worker that is still starting
 up (it calls parent_watch.exit_with_parent after 3 s) when the parent exits: it prints the worker's pid
 and exits at once."""
 import os
@@ -8,12 +8,20 @@ import sys
 import time
 
 
+def _mark_busy():
+    """A file per worker that has started its task (the test kills the parent only then, so a loaded machine's
+    slow worker start-up does not count against the exit bound)."""
+    open(os.path.join(os.environ["ORPHAN_PROBE_DIR"], f"busy-{os.getpid()}"), "w").close()
+
+
 def busy(_):
+    _mark_busy()
     time.sleep(60)
     return 0
 
 
 def slow_transform(batch):
+    _mark_busy()
     time.sleep(60)
     return batch
 
@@ -31,6 +39,7 @@ def late_worker():
 
 
 def main(kind: str, workdir: str) -> None:
+    os.environ["ORPHAN_PROBE_DIR"] = workdir  # inherited by the workers
     if kind == "late_start":
         import multiprocessing
 

@@ -62,14 +62,16 @@ def start(args: list, env_extra: dict | None = None) -> subprocess.Popen:
 
 
 def kill_and_check_workers_exit(proc: subprocess.Popen, min_workers: int, bound_s: float = 20,
-                                settle_s: float = 0) -> None:
-    """SIGKILL `proc` once it runs >= min_workers worker processes (and `settle_s` more seconds); all of them
-    must be gone within `bound_s`. The watchdog polls every second; a worker holding a few hundred MB takes a
-    few seconds more to exit on a loaded 2-core machine (seen: over 5 s with the suite on two processes). The
-    defect is minutes."""
+                                busy_dir=None) -> None:
+    """SIGKILL `proc` once it runs >= min_workers worker processes (and, with `busy_dir`, once that many of them
+    have started a task: tests/orphan_probe.py's busy-<pid> files); all of them must be gone within `bound_s`.
+    The watchdog polls every second; a worker holding a few hundred MB takes a few seconds more to exit on a
+    loaded 2-core machine (seen: over 5 s with the suite on two processes). The defect is minutes."""
     wait_for(lambda: len(descendants(proc.pid)) >= min_workers or proc.poll() is not None, 120,
              f"{min_workers} worker processes")
-    time.sleep(settle_s)
+    if busy_dir is not None:  # a fixed pause was too short when the suite loaded the machine (workers still starting)
+        wait_for(lambda: len(glob.glob(os.path.join(busy_dir, "busy-*"))) >= min_workers or proc.poll() is not None,
+                 120, f"{min_workers} workers busy on their tasks")
     assert proc.poll() is None, proc.communicate()[1][-2000:]
     workers = descendants(proc.pid)
     proc.kill()
@@ -155,8 +157,7 @@ def test_busy_workers_exit_within_a_second_of_their_parents_death(pool, tmp_path
     parent_watch.exit_with_parent doing nothing): they ran their task to the end, a minute later, and pools of
     whole shards for many minutes."""
     proc = start(["-m", "tests.orphan_probe", pool, str(tmp_path)])
-    # 3 s for the workers to pick up their minute-long tasks
-    kill_and_check_workers_exit(proc, min_workers=2, bound_s=10, settle_s=3)
+    kill_and_check_workers_exit(proc, min_workers=2, bound_s=10, busy_dir=tmp_path)
 
 
 def test_data_workers_of_a_killed_training_run_exit(tokenizer_path, tmp_path):

@@ -100,6 +100,22 @@ def test_a_damaged_or_foreign_entry_is_traced_again_and_replaced(tmp_path):
     assert restored.loaded
 
 
+@pytest.mark.slow
+def test_a_step_that_cannot_be_exported_runs_jitted_and_writes_nothing(tmp_path, monkeypatch):
+    """A step jax.export refuses (a custom call without a stability guarantee, say) trains as the jitted step does,
+    and the cache gets no entry."""
+    def refuse(_jitted, **_):
+        raise ValueError("Cannot serialize code with custom calls whose targets have no compatibility guarantees")
+
+    monkeypatch.setattr(exported_step.jax_export, "export", refuse)
+    config = scone_config({})
+    mesh, spec, batch = _setup(config)
+    step = _exported(config, mesh, spec, tmp_path)
+    _assert_same(_two_steps(step, config, spec, batch),
+                 _two_steps(steps.make_train_step(spec.graphdef, spec.shardings, mesh, config), config, spec, batch))
+    assert not step.loaded and _entries(tmp_path) == []
+
+
 def test_the_key_names_the_source_the_config_the_mesh_and_the_arguments(tmp_path):
     """Each thing the traced program depends on changes the key; a rerun of the same computes the same."""
     package = tmp_path / "pkg"

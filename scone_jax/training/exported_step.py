@@ -157,6 +157,7 @@ class ExportedTrainStep:
                     donate_argnums=0))
             if jax.process_index() == 0:
                 self._save(path, material, metric_names, payload)
+
         def train_step(state_leaves, batch_leaves):  # named: the cache entry and profiles say jit_train_step
             return exported.call(state_leaves, batch_leaves)
 

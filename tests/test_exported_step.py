@@ -21,8 +21,7 @@ def _setup(config):
 
 
 def _exported(config, mesh, spec, directory):
-    return exported_step.ExportedTrainStep(steps.train_step_fn(spec.graphdef, mesh, config), spec.shardings, mesh,
-                                           config, str(directory))
+    return exported_step.ExportedTrainStep(spec.graphdef, spec.shardings, mesh, config, str(directory))
 
 
 def _two_steps(step, config, spec, batch):

@@ -31,6 +31,7 @@ from absl import logging
 from jax import export as jax_export
 
 from scone_jax import sharding
+from scone_jax.training import steps
 
 PREFIX = "scone-train-step-"
 KEEP = 4  # newest entries kept: a few configs or code versions in one cache
@@ -126,10 +127,11 @@ class ExportedTrainStep:
 
     `loaded` says, after the first call, whether the program came from the directory."""
 
-    def __init__(self, step_fn, state_shardings, mesh, config, directory: str):
-        self._step_fn, self._mesh, self._config, self._directory = step_fn, mesh, config, directory
+    def __init__(self, graphdef, state_shardings, mesh, config, directory: str):
+        self._graphdef, self._mesh, self._config, self._directory = graphdef, mesh, config, directory
+        self._tree_shardings = state_shardings
         self._state_shardings = jax.tree.leaves(state_shardings)
-        self._batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))
+        self._batch_sharding = steps.batch_shardings(mesh)
         self._run = None
         self.loaded = False
 
@@ -151,18 +153,14 @@ class ExportedTrainStep:
             exported, metric_names, payload = self._export(state_leaves, state_tree, batch_leaves, batch_tree,
                                                            batch_shardings)
             if exported is None:  # not exportable: the plain jitted step
-                shardings = state_tree.unflatten(self._state_shardings)
-                return sharding.under_mesh(self._mesh, jax.jit(
-                    self._step_fn, in_shardings=(shardings, self._batch_sharding), out_shardings=(shardings, None),
-                    donate_argnums=0))
+                return steps.make_train_step(self._graphdef, self._tree_shardings, self._mesh, self._config)
             if jax.process_index() == 0:
                 self._save(path, material, metric_names, payload)
 
         def train_step(state_leaves, batch_leaves):  # named: the cache entry and profiles say jit_train_step
             return exported.call(state_leaves, batch_leaves)
 
-        run = jax.jit(train_step, in_shardings=(self._state_shardings, batch_shardings),
-                      out_shardings=(self._state_shardings, None), donate_argnums=0)
+        run = self._jit_flat(train_step, batch_shardings)
 
         def step(state, batch):
             with jax.set_mesh(self._mesh):
@@ -170,6 +168,11 @@ class ExportedTrainStep:
             return state_tree.unflatten(new_leaves), dict(zip(metric_names, metrics))
 
         return step
+
+    def _jit_flat(self, fn, batch_shardings):
+        """`fn(state_leaves, batch_leaves) -> (state_leaves, metrics)` jitted as steps.make_train_step jits the step."""
+        return jax.jit(fn, in_shardings=(self._state_shardings, batch_shardings),
+                       out_shardings=(self._state_shardings, None), donate_argnums=0)
 
     def _load(self, path: str, material: dict):
         """(exported, metric names) from `path` if it holds this key's program, else (None, None)."""
@@ -192,22 +195,21 @@ class ExportedTrainStep:
     def _export(self, state_leaves, state_tree, batch_leaves, batch_tree, batch_shardings):
         """Trace and lower the step over flat argument lists (jax.export serializes no custom pytree nodes)."""
         names = []
+        step_fn = steps.train_step_fn(self._graphdef, self._mesh, self._config)
 
         def flat_step(state_leaves, batch_leaves):
-            new_state, metrics = self._step_fn(state_tree.unflatten(state_leaves), batch_tree.unflatten(batch_leaves))
+            new_state, metrics = step_fn(state_tree.unflatten(state_leaves), batch_tree.unflatten(batch_leaves))
             new_leaves, new_tree = jax.tree.flatten(new_state)
             if new_tree != state_tree:
                 raise ValueError("the train step returned a state of another structure than it was given")
             names[:] = sorted(metrics)
             return new_leaves, [metrics[k] for k in names]
 
-        jitted = jax.jit(flat_step, in_shardings=(self._state_shardings, batch_shardings),
-                         out_shardings=(self._state_shardings, None), donate_argnums=0)
-        abstract = ([jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(state_leaves, self._state_shardings)],
-                    [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(batch_leaves, batch_shardings)])
+        abstract = (sharding.sharded_abstract(state_leaves, self._state_shardings),
+                    sharding.sharded_abstract(batch_leaves, batch_shardings))
         try:
             with jax.set_mesh(self._mesh):
-                exported = jax_export.export(jitted)(*abstract)
+                exported = jax_export.export(self._jit_flat(flat_step, batch_shardings))(*abstract)
             payload = bytes(exported.serialize())
         except Exception as e:  # noqa: BLE001 - a real error in the step also fails the plain jit, where it is raised
             logging.warning("The train step cannot be exported (%s: %s); it is traced at every start",

@@ -159,8 +159,7 @@ def _make_train_step(spec, mesh, config):
     directory = jax.config.jax_compilation_cache_dir if config.train.compilation_cache_dir else ""
     if not directory or storage.is_remote(directory):
         return steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    return exported_step.ExportedTrainStep(steps.train_step_fn(spec.graphdef, mesh, config), spec.shardings, mesh,
-                                           config, directory)
+    return exported_step.ExportedTrainStep(spec.graphdef, spec.shardings, mesh, config, directory)
 
 
 def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:

@@ -33,6 +33,9 @@ def base_config() -> ml_collections.ConfigDict:
     m.use_bias = True
     m.tie_embeddings = True
     m.init_std = 0.02
+    m.embedding_multiplier = 1.0  # the decoder's input T(token) times this (not the tied head, not the
+    #                               f-gram model's input, not f-gram rows); 1 = the method. A control of
+    #                               docs/quality.md: the baseline with input rows near the f-gram rows' scale.
     m.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16'
     m.param_dtype = "float32"  # master weights
     m.scan_layers = True  # blocks as one scan over stacked parameters (compiles once); False: a
@@ -190,7 +193,7 @@ def config_flag_error(argv) -> str | None:
 NUMERIC_RULES = {
     "model.vocab_size": ">= 0", "model.d_model": ">= 1", "model.num_layers": ">= 1", "model.num_heads": ">= 1",
     "model.head_dim": ">= 0", "model.d_ff": ">= 1", "model.max_seq_len": ">= 1", "model.rope_theta": "> 0",
-    "model.init_std": "> 0",
+    "model.init_std": "> 0", "model.embedding_multiplier": "> 0",
     "scone.max_len": ">= 2", "scone.num_fgrams": ">= 1", "scone.min_count": ">= 1",
     "scone.extract_max_tokens": ">= 1", "scone.fgram_capacity": ">= 1", "scone.num_layers": ">= 1",
     "scone.d_model": ">= 0", "scone.num_heads": ">= 0", "scone.d_ff": ">= 0",
@@ -300,7 +303,7 @@ def validate_batch_split(config: ml_collections.ConfigDict, num_batch_shards: in
 RESUME_KEYS = (
     "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.head_dim", "model.d_ff",
     "model.max_seq_len", "model.norm", "model.mlp", "model.position", "model.rope_theta", "model.use_bias",
-    "model.tie_embeddings", "model.param_dtype",
+    "model.tie_embeddings", "model.param_dtype", "model.embedding_multiplier",
     "scone.enabled", "scone.max_len", "scone.num_fgrams", "scone.min_count", "scone.extract_max_tokens",
     "scone.fgram_capacity", "scone.num_layers", "scone.d_model", "scone.num_heads", "scone.d_ff",
     "scone.output_gain_init",

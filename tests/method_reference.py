@@ -113,7 +113,7 @@ def token_losses(params, batch, arch, fgrams=(), max_len=0):
         for segment in np.unique(segments[r][segments[r] > 0]):
             cols = np.flatnonzero(segments[r] == segment)
             tokens = inputs[r, cols]
-            x = params["token_embed"][tokens].copy()
+            x = params["token_embed"][tokens] * arch.get("embedding_multiplier", 1.0)  # 1 in the method
             for i, gram in enumerate(longest_matches(tokens, fgrams, max_len)):
                 if gram is not None:
                     x[i] = fgram_embedding(gram, params, arch)

@@ -7,6 +7,7 @@ Bugs each test was seen to catch when injected into production code:
   - the f-gram model without its position embeddings (FgramModel.all_positions skipping pos_embed):
     loss differences of ~1e-1; and permuted f-grams getting the same embedding (test below);
   - T(token) added to the f-gram embedding instead of replaced by it (SconeModel.input_embeddings);
+  - model.embedding_multiplier applied to the f-gram rows too, or to T inside the f-gram model;
   - weight decay on norms and biases of scanned blocks (the old rank >= 2 mask), on embeddings, or on none.
 """
 import jax
@@ -125,6 +126,23 @@ def test_the_output_gain_experiment_scales_the_method_embedding_and_is_not_decay
     np.testing.assert_allclose(emb[0], want, rtol=1e-5, atol=1e-6)
     assert "['fgram_model']['output_gain']" not in decayed_names(config)
     assert decayed_names(config) == decayed_names(scone_config(GPT2, num_layers=1))
+
+
+def test_the_embedding_multiplier_control_scales_only_the_token_inputs():
+    """model.embedding_multiplier (a control of docs/quality.md; 1 in the method) multiplies T(token) where
+    it is the decoder's input, and nothing else: not the f-gram rows, not the f-gram model's input T, not
+    the tied output head. Against the reference, which scales only its token inputs."""
+    config = scone_config(GPT2)
+    config.model.embedding_multiplier = 4.0
+    model = perturbed_model(config)
+    batch, _ = production_batch(num_shards=2, capacity=48)
+    got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(
+        *nnx.split(model), device_arrays(batch)))
+    params = reference_params(model, config)
+    want = ref.token_losses(params, batch, arch_of(config) | {"embedding_multiplier": 4.0}, planted_grams(), K)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    plain = ref.token_losses(params, batch, arch_of(config), planted_grams(), K)
+    assert np.abs(want - plain).max() > 1e-2  # the multiplier changes the losses the test compares
 
 
 # --- AdamW -----------------------------------------------------------------------------------------------

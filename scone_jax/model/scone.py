@@ -67,7 +67,7 @@ def table_rows(batch) -> tuple[jax.Array, jax.Array]:
 def input_embeddings(model, batch) -> jax.Array:
     """T(token) everywhere, replaced by the f-gram embedding where a match ends (docs/method.md §3)."""
     decoder = decoder_of(model)
-    x = decoder.embed(batch.inputs)
+    x = decoder.input_tokens(batch.inputs)
     if batch.fgram_slot is not None:
         if not isinstance(model, SconeModel):
             raise ValueError("The batch carries trained f-gram slots but the model has no f-gram model.")

@@ -146,6 +146,13 @@ class Decoder(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
+    def input_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The decoder's input at token positions: T(tokens) times model.embedding_multiplier (1 in the
+        method; the f-gram model reads T itself, through `embed`)."""
+        x = self.embed(tokens)
+        multiplier = self.cfg.embedding_multiplier
+        return x if multiplier == 1.0 else x * jnp.asarray(multiplier, x.dtype)
+
     def decode(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array,
                cache: KVCache | None = None):
         """Input embeddings [B, T, d] -> final hidden states [B, T, d]. With `cache` (init_cache), the
@@ -166,4 +173,4 @@ class Decoder(nnx.Module):
         return out.astype(jnp.float32)
 
     def __call__(self, tokens, segment_ids, positions):
-        return self.logits(self.decode(self.embed(tokens), segment_ids, positions))
+        return self.logits(self.decode(self.input_tokens(tokens), segment_ids, positions))

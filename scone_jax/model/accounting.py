@@ -2,7 +2,8 @@
 
 Training FLOPs per token (forward + backward = 3x forward; a matmul of an [n] vector with an
 [n, m] matrix costs 2nm):
-    6 * (non-embedding matmul parameters + d_model * vocab_size for the output head)
+    6 * (non-embedding matmul parameters, an untied output head's among them,
+         + d_model * vocab_size for a tied head, which reuses the embedding table)
   + 12 * num_layers * seq_len * (num_heads * head_dim)      # attention scores and mixing
 Embedding lookups, norms and softmax are ignored (< 1% at our sizes). Attention is counted as
 if every query saw the whole sequence, as the PaLM paper does; causal masking halves the real
@@ -50,9 +51,11 @@ def fgram_flops_per_step(fgram_block_cfg, rows: int, non_embedding_params: int) 
 
 
 def decoder_flops_per_token(model_cfg, seq_len: int, non_embedding_params: int) -> float:
-    """Training FLOPs per token of the decoder (formula in the module docstring)."""
+    """Training FLOPs per token of the decoder (formula in the module docstring). An untied head's kernel
+    is already among the non-embedding parameters; a tied head is the embedding table, so it is added."""
     head_dim = head_dim_of(model_cfg)
-    matmul_params = non_embedding_params + model_cfg.d_model * model_cfg.vocab_size
+    tied_head = model_cfg.d_model * model_cfg.vocab_size if model_cfg.tie_embeddings else 0
+    matmul_params = non_embedding_params + tied_head
     attention = 12 * model_cfg.num_layers * seq_len * model_cfg.num_heads * head_dim
     return 6.0 * matmul_params + attention
 

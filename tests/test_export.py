@@ -96,14 +96,16 @@ def test_export_never_overwrites_a_different_export(run, fp32_export, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_without_scone_exports_a_decoder_only_bundle_served_like_any_other(tmp_path, tokenizer_path):
+@pytest.mark.parametrize("multiplier", [1.0, 2.0])
+def test_a_run_without_scone_exports_a_decoder_only_bundle_served_like_any_other(tmp_path, tokenizer_path, multiplier):
     """A baseline's bundle has an empty f-gram set (S = 0): the CLI exports it (it used to refuse), and
     serving.evaluate's perplexity equals the training graph's held-out loss of that checkpoint (fp32), so a
-    study compares baseline and SCONE through the same serving programs."""
+    study compares baseline and SCONE through the same serving programs; model.embedding_multiplier (the
+    study's scaled-input control) travels with the bundle. tools/embedding_scale.py reads such a bundle."""
     from scone_jax.serving import evaluate, inference
     from scone_jax.training import assets, checkpoint
 
-    config = small_config(init_std=0.5)  # far from uniform logits, so a wrong decoder shows
+    config = small_config(init_std=0.5, embedding_multiplier=multiplier)  # far from uniform logits
     config.data.tokenizer_path = tokenizer_path
     mesh = sharding.make_mesh(config.mesh)
     tokenizer = assets.ensure_tokenizer(config.data, str(tmp_path))
@@ -129,3 +131,8 @@ def test_a_run_without_scone_exports_a_decoder_only_bundle_served_like_any_other
     assert served_eval["tokens"] == graph["tokens"] > 1000
     np.testing.assert_allclose(served_eval["perplexity"], graph["perplexity"], rtol=1e-5)
     assert served_eval["perplexity"] > 2 * 512  # init_std 0.5: the untrained decoder is far worse than uniform
+    assert served.config.model.embedding_multiplier == multiplier
+    scale = subprocess.run([sys.executable, "tools/embedding_scale.py", f"--export={tmp_path / 'out'}"], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert scale.returncode == 0, scale.stderr[-2000:]
+    assert "RESULT token_row_norm_" in scale.stdout and "fgram_row_norm" not in scale.stdout

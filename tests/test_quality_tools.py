@@ -160,3 +160,8 @@ def test_embedding_scale_reads_final_norm_rows_against_the_token_rows(tmp_path_f
     assert result.returncode == 0, result.stderr[-2000:]
     name = embedding_scale.export_name(path)
     assert f"RESULT fgram_over_token_{name} {fgram / token:.3f}" in result.stdout
+    # model.embedding_multiplier travels with the export and scales the token rows the decoder reads
+    scaled = serving_run.exported_variant(tmp_path_factory, "multiplier3", embedding_multiplier=3.0)
+    fgram_scaled, token_scaled = embedding_scale.row_norms(scaled)
+    assert abs(token_scaled - 3 * init_std * d ** 0.5) < 0.05 * 3 * init_std * d ** 0.5
+    assert abs(fgram_scaled - d ** 0.5) < 0.01 * d ** 0.5

@@ -4,10 +4,12 @@
 
 A matched position's input is the f-gram row instead of T(token) (docs/method.md §3). The f-gram
 model ends in its block stack's final norm (§4), so its rows have a norm of about sqrt(d) times the
-norm's scale, while T's rows start at init_std * sqrt(d) and grow as they train. docs/quality.md
-reads the ratio for the study's arms. For each export (named by its two parent directories, e.g.
-`scone/lr0.001`), over all S table rows and all vocabulary rows of T, mean L2 norms:
+norm's scale, while T's rows start at init_std * sqrt(d) and grow as they train. The token rows
+are measured as the decoder reads them: times model.embedding_multiplier (1 in the method).
+docs/quality.md reads the ratio for the study's arms. For each export (named by its two parent
+directories, e.g. `scone/lr0.001`), over all S table rows and all vocabulary rows of T, mean L2 norms:
   RESULT fgram_row_norm_<name>, RESULT token_row_norm_<name>, RESULT fgram_over_token_<name>
+A decoder-only export (a baseline) has no f-gram rows: only its token_row_norm is printed.
 """
 import os
 
@@ -24,14 +26,18 @@ def export_name(path: str) -> str:
     return "/".join(parts[-3:-1]) if len(parts) >= 3 else parts[-1]
 
 
-def row_norms(path: str) -> tuple[float, float]:
-    """(mean norm of the f-gram table's rows, mean norm of the token embedding's rows) of one export."""
+def row_norms(path: str) -> tuple[float | None, float]:
+    """(mean norm of the f-gram table's rows, None for a decoder-only export; mean norm of the token
+    embedding's rows as decoder input, i.e. times model.embedding_multiplier) of one export."""
     from scone_jax.serving import inference
 
     served = inference.load(path)
-    table = np.asarray(served.table.gather(np.arange(served.table.num_rows)), np.float32)
     embedding = np.asarray(served.params["token_embed"]["embedding"][...], np.float32)
-    return float(np.linalg.norm(table, axis=1).mean()), float(np.linalg.norm(embedding, axis=1).mean())
+    token = float(np.linalg.norm(embedding, axis=1).mean()) * served.config.model.embedding_multiplier
+    if served.table.num_rows == 0:
+        return None, token
+    table = np.asarray(served.table.gather(np.arange(served.table.num_rows)), np.float32)
+    return float(np.linalg.norm(table, axis=1).mean()), token
 
 
 def main():
@@ -40,6 +46,10 @@ def main():
     for path in _EXPORTS.value:
         fgram, token = row_norms(path)
         name = export_name(path)
+        if fgram is None:
+            print(f"{name}: decoder-only export (no f-gram rows), token rows {token:.3f}")
+            print(f"RESULT token_row_norm_{name} {token:.4f}")
+            continue
         print(f"{name}: f-gram rows {fgram:.3f}, token rows {token:.3f}, ratio {fgram / token:.2f}")
         for figure, value in (("fgram_row_norm", f"{fgram:.4f}"), ("token_row_norm", f"{token:.4f}"),
                               ("fgram_over_token", f"{fgram / token:.3f}")):

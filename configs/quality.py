@@ -17,7 +17,8 @@ Variants (the arms; inference FLOPs per token grow with the decoder's depth only
   scone_s5k, scone_s100k               S = 5,000 / 100,000
   scone_k3                             K = 3
 The step count, learning rate, f-gram capacity and vocabulary path are set by the tool (or on the
-command line, e.g. --config.train.num_steps=1220 for 10M tokens).
+command line, e.g. --config.train.num_steps=1220 for 10M tokens). The stronger baseline of
+docs/quality.md is any arm with --config.model.embedding_multiplier=11.3137 (sqrt(d)).
 """
 import ml_collections
 

@@ -85,8 +85,9 @@ _ALLOW_EPOCHS = flags.DEFINE_bool("allow_epochs", False, "Allow budgets larger t
 _RECORD = flags.DEFINE_string("record", "", "Also write results.json here after every run (e.g. into the repo).")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke run: baseline and scone, one learning rate, 64 x 8-token-rows "
                            "steps for ~50k tokens; exercises every stage, compares nothing.")
-_OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra --config.KEY=VALUE for every run (e.g. "
-                                       "data.worker_count=1).")
+_OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra KEY=VALUE config setting for every run (e.g. "
+                                       "data.worker_count=1, or model.embedding_multiplier=11.3137 for the "
+                                       "scaled-input baseline of docs/quality.md); use a workdir of its own.")
 
 
 def parse_tokens(text: str) -> int:

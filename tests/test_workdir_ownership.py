@@ -80,10 +80,12 @@ def test_a_second_owner_is_refused_with_the_owner_named_until_the_first_releases
 
 
 def test_the_heartbeat_keeps_a_short_lease_alive(workdir):
-    owner = ownership.acquire(workdir, lease_s=0.6)  # renewed every 0.1 s
+    # A 3 s lease renewed every 0.5 s, held for 1.5 leases. (A 0.6 s lease failed in CI: with three test
+    # processes on two cores one renewal came 1.5 s late, a stall no real lease, of a minute or more, feels.)
+    owner = ownership.acquire(workdir, lease_s=3.0)
     try:
         first = owner_record(workdir)["renewed_unix"]
-        time.sleep(1.5)  # 2.5 leases
+        time.sleep(4.5)
         assert owner_record(workdir)["renewed_unix"] > first
         with pytest.raises(ownership.WorkdirBusy):
             ownership.acquire(workdir)

@@ -71,13 +71,17 @@ def test_bfloat16_compute_keeps_fp32_master_weights():
     assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
 
 
+def gpt2_non_embedding_params(cfg) -> int:
+    """By hand: per block the weights, biases and two LayerNorms, then the final LayerNorm."""
+    d, f = cfg.d_model, cfg.d_ff
+    return cfg.num_layers * (4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d) + 2 * d
+
+
 def test_param_counts_match_formula():
     cfg = small_model_cfg(**STYLES["gpt2"])
     counts = accounting.param_counts(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
-    d, f, layers = cfg.d_model, cfg.d_ff, cfg.num_layers
-    per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # weights, biases, two LayerNorms
-    assert counts["embedding"] == 96 * d + 32 * d
-    assert counts["non_embedding"] == layers * per_layer + 2 * d
+    assert counts["embedding"] == 96 * cfg.d_model + 32 * cfg.d_model
+    assert counts["non_embedding"] == gpt2_non_embedding_params(cfg)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -88,9 +92,8 @@ def test_training_flops_per_token_match_the_formula(tied):
     untied case."""
     cfg = small_model_cfg(**(STYLES["gpt2"] | {"tie_embeddings": tied}))
     counts = accounting.param_counts(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
-    d, f, layers, vocab, seq = cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.vocab_size, 32
-    blocks = layers * (4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d) + 2 * d  # as in the parameter-count test
-    want = 6 * (blocks + d * vocab) + 12 * layers * seq * d
+    d, seq = cfg.d_model, 32
+    want = 6 * (gpt2_non_embedding_params(cfg) + d * cfg.vocab_size) + 12 * cfg.num_layers * seq * d
     assert accounting.decoder_flops_per_token(cfg, seq, counts["non_embedding"]) == want
 
 

@@ -46,13 +46,13 @@ def main():
     for path in _EXPORTS.value:
         fgram, token = row_norms(path)
         name = export_name(path)
+        figures = [("token_row_norm", f"{token:.4f}")]
         if fgram is None:
             print(f"{name}: decoder-only export (no f-gram rows), token rows {token:.3f}")
-            print(f"RESULT token_row_norm_{name} {token:.4f}")
-            continue
-        print(f"{name}: f-gram rows {fgram:.3f}, token rows {token:.3f}, ratio {fgram / token:.2f}")
-        for figure, value in (("fgram_row_norm", f"{fgram:.4f}"), ("token_row_norm", f"{token:.4f}"),
-                              ("fgram_over_token", f"{fgram / token:.3f}")):
+        else:
+            print(f"{name}: f-gram rows {fgram:.3f}, token rows {token:.3f}, ratio {fgram / token:.2f}")
+            figures = [("fgram_row_norm", f"{fgram:.4f}")] + figures + [("fgram_over_token", f"{fgram / token:.3f}")]
+        for figure, value in figures:
             print(f"RESULT {figure}_{name} {value}")
 
 

@@ -14,7 +14,9 @@ arms on the 1x decoder: `scone` (f-gram model of 2 blocks = 1x, S = 20k, K = 5),
 split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
 --ablation_tokens for the rest). `baseline_short` and `scone_short` are the 1x models again at
 --ablation_tokens (left out when that equals --tokens): the points the ablations and baseline_4x are
-compared with, since a model trained on fewer tokens is worse whatever its shape.
+compared with, since a model trained on fewer tokens is worse whatever its shape. Every arm multiplies
+its token inputs by sqrt(d) (configs/quality.py says why); --override=model.embedding_multiplier=1
+gives the method's plain input layer.
 
 Protocol: `baseline` and `scone` each train at the --learning_rates values in ascending order, stop
 at the first whose validation perplexity is above the best of those below it, and keep the one with
@@ -79,15 +81,17 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Root of the study's runs and re
 _ARMS = flags.DEFINE_list("arms", list(ARMS), f"Arms to run, among {', '.join(ARMS)}.")
 _TOKENS = flags.DEFINE_string("tokens", "10m", "Training tokens of baseline, scone and baseline_2x (e.g. 10m).")
 _ABLATION_TOKENS = flags.DEFINE_string("ablation_tokens", "", "Training tokens of the other arms ('' = --tokens).")
-_LEARNING_RATES = flags.DEFINE_list("learning_rates", ["1e-3", "2e-3", "4e-3"],
-                                    "Peak learning rates swept by baseline and scone.")
+_LEARNING_RATES = flags.DEFINE_list("learning_rates", ["5e-4", "1e-3", "2e-3", "4e-3"],
+                                    "Peak learning rates swept by baseline and scone, lowest first (the "
+                                    "default brackets both families' best rates in docs/quality.md).")
 _ALLOW_EPOCHS = flags.DEFINE_bool("allow_epochs", False, "Allow budgets larger than one pass over the corpus.")
 _RECORD = flags.DEFINE_string("record", "", "Also write results.json here after every run (e.g. into the repo).")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke run: baseline and scone, one learning rate, 64 x 8-token-rows "
                            "steps for ~50k tokens; exercises every stage, compares nothing.")
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra KEY=VALUE config setting for every run (e.g. "
-                                       "data.worker_count=1, or model.embedding_multiplier=11.3137 for the "
-                                       "scaled-input baseline of docs/quality.md); use a workdir of its own.")
+                                       "data.worker_count=1, or model.embedding_multiplier=1 for the method's "
+                                       "plain input layer, the first comparison of docs/quality.md); use a "
+                                       "workdir of its own.")
 
 
 def parse_tokens(text: str) -> int:

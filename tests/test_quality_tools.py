@@ -126,7 +126,8 @@ def test_bench_quality_refuses_bad_input_before_training(corpus, tmp_path, extra
 @pytest.mark.slow
 def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(corpus, tmp_path):
     """--quick trains baseline and scone, exports both and scores the test split through serving.evaluate;
-    the RESULT lines carry the test perplexities it recorded, and a rerun trains nothing."""
+    the RESULT lines carry the test perplexities it recorded, a rerun trains nothing, and a rerun with other
+    settings is refused. Caught: finished runs reused whatever the settings (check_finished_runs not called)."""
     args = quality_args(corpus, tmp_path / "study", "--quick", "--allow_epochs", "--override=data.vocab_size=512")
     first = run_tool("tools/bench_quality.py", args, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -143,6 +144,13 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     assert results["arms"]["scone"]["train_flops"] > results["arms"]["baseline"]["train_flops"]
     again = run_tool("tools/bench_quality.py", args, timeout=600)
     assert again.returncode == 0 and "training" not in again.stdout.replace("training split", "")
+    # a finished run is not reused for other settings (here the method's plain input layer): refused in one line
+    before = (tmp_path / "study" / "results.json").read_text()
+    changed = run_tool("tools/bench_quality.py", [*args, "--override=model.embedding_multiplier=1"], timeout=600)
+    assert changed.returncode == 2, changed.stdout[-2000:] + changed.stderr[-2000:]
+    assert "baseline/lr0.0005 in" in changed.stderr and "model.embedding_multiplier: 11.31" in changed.stderr
+    assert "Traceback" not in changed.stderr and "training" not in changed.stdout.replace("training split", "")
+    assert (tmp_path / "study" / "results.json").read_text() == before
 
 
 @pytest.mark.slow  # exports the shared serving run (once per session)

@@ -31,7 +31,8 @@ progress and an ETA. Results go to WORKDIR/results.json (and --record, after eve
 perplexity against inference and training FLOPs to WORKDIR/quality.png (needs matplotlib: the [plot]
 extra), and RESULT lines: ppl_<arm>, inference_flops_per_token_<arm>, train_flops_<arm>.
 Bad input (an unknown arm, a budget under one step, splits that share documents, a corpus smaller than
-the budget without --allow_epochs) is one line and exit 2, before anything trains.
+the budget without --allow_epochs, a finished run in WORKDIR trained with other settings than this
+invocation's) is one line and exit 2, before anything trains.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import time
 import numpy as np
 from absl import flags
 
-from scone_jax.config import load_config_file
+from scone_jax.config import load_config_file, resume_changes
 from scone_jax.data import documents, pipeline, sources
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
@@ -223,6 +224,29 @@ def check_splits(config, test_files: str) -> None:
                 raise ValueError(f"The {a} and {b} splits share {shared} documents (by content): perplexity on a split "
                                  "the model trained on means nothing. Fix: split the corpus by document "
                                  "(tools/split_corpus.py does, by a hash of each file's path).")
+
+
+def check_finished_runs(study: "Study", tokenizer) -> None:
+    """Refuse to reuse a finished run of this invocation's arms that was trained with other settings than
+    this invocation would train it with (a changed --override, --tokens or configs/quality.py): its
+    results would silently join a table of runs that differ in more than the arm. Compared: the keys a
+    checkpoint must match to resume (config.RESUME_KEYS, but the training files' path: moved files are
+    the same corpus) and the step count, against the run's own WORKDIR/<arm>/lr<rate>/config.json."""
+    for key, record in sorted(study.results["runs"].items()):
+        arm, rate = record["arm"], key.split("/lr", 1)[1]
+        saved = _read_json(os.path.join(study.root, arm, f"lr{rate}", "config.json"))
+        if arm not in study.arms or saved is None:
+            continue
+        extra = {"scone.fgram_capacity": record["fgram_capacity"]} if record["fgram_capacity"] else {}
+        config = study.config(arm, rate, extra, tokenizer)
+        changes = [c for c in resume_changes(saved, config) if not c.startswith("data.train_files:")]
+        if saved["train"]["num_steps"] != config.train.num_steps:
+            changes.append(f"train.num_steps: {saved['train']['num_steps']} -> {config.train.num_steps}")
+        if changes:
+            raise ValueError(f"{key} in {study.root} is finished but was trained with other settings than this "
+                             f"invocation's (trained -> now: {'; '.join(changes)}). Fix: use a new --workdir for "
+                             "the new settings, or pass the old ones (e.g. --override=KEY=VALUE, --tokens) to "
+                             "continue that study.")
 
 
 def train_positions(config, tokenizer) -> int:
@@ -449,6 +473,7 @@ def main():
         tok_cfg.tokenizer_path = ""
         assets.ensure_tokenizer(tok_cfg, root)  # trained once, on the training split, into root/tokenizer.model
     tokenizer = assets.ensure_tokenizer(probe.data, root)
+    check_finished_runs(study, tokenizer)
     positions = train_positions(probe, tokenizer)
     epochs = max(study.budget.values()) / positions
     print(f"training split: {positions:,} positions; the largest budget is {epochs:.2f} epochs", flush=True)

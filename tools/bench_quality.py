@@ -52,7 +52,7 @@ from scone_jax.data import documents, pipeline, sources
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.model import accounting
-from scone_jax.runtime import tool_main
+from scone_jax.runtime import tool_main, workdir as workdir_layout
 from scone_jax.training import assets, state as state_lib
 from quality_protocol import best_rate, sweep_stopped
 
@@ -158,6 +158,10 @@ class Study:
         return f"{len(planned) - sum(f'{a}/lr{r}' not in self.results['runs'] for a, r in planned)}/{len(planned)} " \
                f"runs done, {left / 1e6:.1f}M tokens left, ETA {eta}"
 
+    def run_dir(self, arm: str, rate: str) -> str:
+        """WORKDIR/<arm>/lr<rate>: the main job's workdir of one run."""
+        return os.path.join(self.root, arm, f"lr{rate}")
+
     def save(self, record: str):
         _write_json(self.results_path, self.results)
         if record:
@@ -234,8 +238,10 @@ def check_finished_runs(study: "Study", tokenizer) -> None:
     the same corpus) and the step count, against the run's own WORKDIR/<arm>/lr<rate>/config.json."""
     for key, record in sorted(study.results["runs"].items()):
         arm, rate = record["arm"], key.split("/lr", 1)[1]
-        saved = _read_json(os.path.join(study.root, arm, f"lr{rate}", "config.json"))
-        if arm not in study.arms or saved is None:
+        if arm not in study.arms:
+            continue
+        saved = _read_json(os.path.join(study.run_dir(arm, rate), workdir_layout.CONFIG))
+        if saved is None:
             continue
         extra = {"scone.fgram_capacity": record["fgram_capacity"]} if record["fgram_capacity"] else {}
         config = study.config(arm, rate, extra, tokenizer)
@@ -306,7 +312,7 @@ def _error_line(log_path: str) -> str:
 def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> dict:
     """Train (or resume) one run, export it and score it on the test split; returns its record."""
     key = f"{arm}/lr{rate}"
-    workdir = os.path.join(study.root, arm, f"lr{rate}")
+    workdir = study.run_dir(arm, rate)
     os.makedirs(workdir, exist_ok=True)
     log = os.path.join(workdir, "train.log")
     start = time.time()
@@ -335,7 +341,7 @@ def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> di
     else:
         raise RuntimeError(f"training {key} kept overflowing scone.fgram_capacity (log: {log})")
     trained = time.time() - start
-    metrics = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
+    metrics = [json.loads(x) for x in open(os.path.join(workdir, workdir_layout.METRICS))]
     validation = [m for m in metrics if m.get("split") == "eval"][-1]
     export = os.path.join(workdir, "export")
     rc = run_cli(["-m", "scone_jax.serving.export", f"--workdir={workdir}", f"--output={export}"], log, lambda _: None)

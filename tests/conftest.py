@@ -1,5 +1,5 @@
-"""Test setup: 8 virtual CPU devices (before JAX starts), one compilation cache for the session,
-parsed absl flags for grain workers, and the order the parallel run hands modules out in."""
+"""Test setup: 8 virtual CPU devices (before JAX starts), one compilation cache for the session, and
+parsed absl flags for grain workers."""
 import os
 import shutil
 import tempfile
@@ -56,21 +56,6 @@ def bucket():
 
 def pytest_unconfigure(config):
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
-
-
-# Modules holding the suite's longest tests (`pytest --durations`), heaviest first. The README's command
-# (`-n 3 --dist loadscope --no-loadscope-reorder`) hands whole modules to the workers in this order: each
-# module's fixtures (a trained run, two processes' checkpoints) are built once, by one worker, and the end of
-# a run is the many short modules spread over the workers, not one long module handed out last (the --quick
-# study, collected at 85% of the suite, used to run alone at the end).
-_LONGEST_FIRST = ("test_quality_tools", "test_multihost", "test_exported_step", "test_train", "test_preemption",
-                  "test_compile_cache", "test_operator_safety", "test_resume_safety", "test_method_reference",
-                  "test_scone_training", "test_hf_tokenizer", "test_profile")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
 
 
 def pytest_configure(config):

@@ -21,8 +21,8 @@ def test_a_malformed_profile_range_is_named_before_anything_runs(value):
 
 @pytest.mark.slow
 def test_profiled_steps_leave_a_trace_and_the_same_losses(tmp_path, tokenizer_path):
-    """Through the CLI, in a process of its own: a process that has loaded libtpu (the suite's TPU compile
-    checks do) crashes in jax.profiler.start_trace on a CPU host (libtpu's profiler plugin)."""
+    """Through the CLI, in a process of its own, as a user profiles a job (and safe from libtpu: a process
+    that has loaded it crashes in jax.profiler.start_trace on a CPU host)."""
     def run(workdir, profile):
         done = run_main(workdir, "--config.train.num_steps=4", "--config.train.eval_every=0",
                         "--config.train.log_every=1", f"--config.train.profile_steps={profile}",

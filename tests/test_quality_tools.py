@@ -50,6 +50,16 @@ def test_sweep_stops_at_the_first_rise_and_keeps_the_best_rate():
     assert quality_protocol.best_rate({}, "scone", rates) == 0.0005
 
 
+def test_short_arms_asked_for_at_one_budget_run_as_their_1x_arms(capsys):
+    """With --ablation_tokens equal to --tokens, `baseline_short` is `baseline`: it runs in its place, once, and
+    says so. Caught: the short arms were dropped without a word (a seed study trained no baseline)."""
+    assert quality_protocol.without_short_arms(["baseline_short", "scone_short", "scone_s5k"]) == [
+        "baseline", "scone", "scone_s5k"]
+    assert "baseline_short: --ablation_tokens equals --tokens, so it is baseline" in capsys.readouterr().out
+    assert quality_protocol.without_short_arms(["baseline", "baseline_short", "scone_k3"]) == ["baseline", "scone_k3"]
+    assert capsys.readouterr().out == ""  # the default arm list: nothing to say
+
+
 def read_split(out, name):
     with open(out / f"{name}.jsonl") as f:
         return [json.loads(line) for line in f]

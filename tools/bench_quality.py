@@ -13,7 +13,7 @@ arms on the 1x decoder: `scone` (f-gram model of 2 blocks = 1x, S = 20k, K = 5),
 `scone_fgram2x`, `scone_s5k`, `scone_s100k`, `scone_k3`. All share one tokenizer (trained on the training
 split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
 --ablation_tokens for the rest). `baseline_short` and `scone_short` are the 1x models again at
---ablation_tokens (left out when that equals --tokens): the points the ablations and baseline_4x are
+--ablation_tokens (the 1x arms themselves when that equals --tokens): the points the ablations and baseline_4x are
 compared with, since a model trained on fewer tokens is worse whatever its shape. Every arm multiplies
 its token inputs by sqrt(d) (configs/quality.py says why); --override=model.embedding_multiplier=1
 gives the method's plain input layer.
@@ -54,7 +54,7 @@ from scone_jax.fgram.matcher import Matcher
 from scone_jax.model import accounting
 from scone_jax.runtime import tool_main, workdir as workdir_layout
 from scone_jax.training import assets, state as state_lib
-from quality_protocol import best_rate, sweep_stopped
+from quality_protocol import best_rate, sweep_stopped, variant, without_short_arms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "quality.py")
@@ -63,12 +63,6 @@ ARMS = ("baseline", "baseline_2x", "baseline_short", "baseline_4x", "scone", "sc
         "scone_s100k", "scone_k3")
 SWEPT = {"baseline": "baseline", "scone": "scone"}  # arm -> the family whose swept learning rate it uses
 MAIN_ARMS = ("baseline", "scone", "baseline_2x")  # trained for --tokens; the others for --ablation_tokens
-SHORT_ARMS = ("baseline_short", "scone_short")  # the 1x models at --ablation_tokens
-
-
-def variant(arm: str) -> str:
-    """The configs/quality.py variant an arm trains (a _short arm: its 1x model)."""
-    return arm[:-len("_short")] if arm in SHORT_ARMS else arm
 
 _SOURCE = flags.DEFINE_enum("source", "jsonl", ["text", "jsonl", "arrayrecord"], "Corpus format (data.source).")
 _TRAIN = flags.DEFINE_string("train_files", None, "Training split: comma-separated globs.")
@@ -459,8 +453,7 @@ def main():
         rates = rates[:1]
     tokens = 50_000 if _QUICK.value else parse_tokens(_TOKENS.value)
     ablation = tokens if _QUICK.value or not _ABLATION_TOKENS.value else parse_tokens(_ABLATION_TOKENS.value)
-    if ablation == tokens:  # the 1x arms themselves are the reference
-        arms = [a for a in arms if a not in SHORT_ARMS]
+    arms = without_short_arms(arms) if ablation == tokens else arms
     root = os.path.abspath(_WORKDIR.value)
     data = {"source": _SOURCE.value, "train_files": _TRAIN.value, "eval_files": _VALIDATION.value,
             "document_unit": _UNIT.value, "text_field": _TEXT_FIELD.value,

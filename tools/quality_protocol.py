@@ -1,8 +1,27 @@
-"""The learning-rate rule of tools/bench_quality.py, apart from its flags so that tests can import it.
+"""The learning-rate rule and arm names of tools/bench_quality.py, apart from its flags so that tests can import them.
 
 `runs` maps "<arm>/lr<rate>" to a finished run's record (its "validation_ppl" and "learning_rate").
 """
 from __future__ import annotations
+
+SHORT_ARMS = ("baseline_short", "scone_short")  # the 1x models at --ablation_tokens
+
+
+def variant(arm: str) -> str:
+    """The configs/quality.py variant an arm trains (a _short arm: its 1x model)."""
+    return arm[:-len("_short")] if arm in SHORT_ARMS else arm
+
+
+def without_short_arms(arms: list[str]) -> list[str]:
+    """With --ablation_tokens equal to --tokens a _short arm is its 1x arm: that arm runs in its place, once
+    (it used to be dropped without a word, so `--arms=baseline_short,...` silently trained no baseline)."""
+    out = []
+    for arm in arms:
+        if arm in SHORT_ARMS and variant(arm) not in arms:
+            print(f"{arm}: --ablation_tokens equals --tokens, so it is {variant(arm)}, which runs instead", flush=True)
+        if variant(arm) not in out:
+            out.append(variant(arm))
+    return out
 
 
 def sweep_stopped(runs: dict, family: str, rate: str, rates: list[str]) -> bool:

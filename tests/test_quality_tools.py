@@ -60,6 +60,18 @@ def test_short_arms_asked_for_at_one_budget_run_as_their_1x_arms(capsys):
     assert capsys.readouterr().out == ""  # the default arm list: nothing to say
 
 
+def test_progress_counts_runs_an_earlier_invocation_finished():
+    """An ablation arm's rate is its family's best so far, so its finished run counts as done. Caught: runs whose
+    rate the sweep decides counted as left ("0/4 runs done, 12.0M tokens left" with two of four finished)."""
+    runs = {"scone/lr0.001": {"validation_ppl": 48.0, "learning_rate": 0.001},
+            "scone/lr0.002": {"validation_ppl": 49.0, "learning_rate": 0.002},
+            "scone_s5k/lr0.001": {"validation_ppl": 45.0, "learning_rate": 0.001}}
+    planned = [("scone", "0.001"), ("scone", "0.002"), ("scone_s5k", None), ("baseline_4x", None)]
+    keys = quality_protocol.planned_keys(planned, runs, ["0.001", "0.002"])
+    assert keys == ["scone/lr0.001", "scone/lr0.002", "scone_s5k/lr0.001", "baseline_4x/lr0.001"]
+    assert [k in runs for k in keys] == [True, True, True, False]
+
+
 def read_split(out, name):
     with open(out / f"{name}.jsonl") as f:
         return [json.loads(line) for line in f]

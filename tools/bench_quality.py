@@ -54,7 +54,7 @@ from scone_jax.fgram.matcher import Matcher
 from scone_jax.model import accounting
 from scone_jax.runtime import tool_main, workdir as workdir_layout
 from scone_jax.training import assets, state as state_lib
-from quality_protocol import best_rate, sweep_stopped, variant, without_short_arms
+from quality_protocol import best_rate, family, planned_keys, sweep_stopped, variant, without_short_arms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "quality.py")
@@ -143,14 +143,14 @@ class Study:
         return [f"--config.{k}={v}" for k, v in flat.items() if base.get(k) != v]
 
     # --- progress ----------------------------------------------------------------------------------
-    def progress(self, planned: list[tuple[str, str]]) -> str:
-        planned = [p for p in planned if p not in self.skipped]
-        left = sum(self.budget[a] for a, r in planned if f"{a}/lr{r}" not in self.results["runs"])
+    def progress(self, planned: list[tuple[str, str | None]]) -> str:
+        keys = planned_keys([p for p in planned if p not in self.skipped], self.results["runs"], self.rates)
+        todo = [k for k in keys if k not in self.results["runs"]]
+        left = sum(self.budget[k.split("/lr")[0]] for k in todo)
         elapsed = time.time() - self.started
         rate = self.tokens_done / elapsed if self.tokens_done else 0
         eta = f"{left / rate / 60:.0f} min" if rate else "?"
-        return f"{len(planned) - sum(f'{a}/lr{r}' not in self.results['runs'] for a, r in planned)}/{len(planned)} " \
-               f"runs done, {left / 1e6:.1f}M tokens left, ETA {eta}"
+        return f"{len(keys) - len(todo)}/{len(keys)} runs done, {left / 1e6:.1f}M tokens left, ETA {eta}"
 
     def run_dir(self, arm: str, rate: str) -> str:
         """WORKDIR/<arm>/lr<rate>: the main job's workdir of one run."""
@@ -485,8 +485,8 @@ def main():
     planned = [(a, r) for a in ("baseline", "scone") if a in arms for r in rates]
     best = {}
 
-    def chosen(family):
-        return best_rate(study.results["runs"], family, rates)
+    def chosen(swept):
+        return best_rate(study.results["runs"], swept, rates)
 
     for arm in arms:
         if arm not in SWEPT:
@@ -494,8 +494,7 @@ def main():
     resolved = []
     for arm, rate in planned:
         if rate is None:
-            family = "scone" if arm.startswith("scone") else "baseline"
-            rate = str(best.get(family) or chosen(family))
+            rate = str(best.get(family(arm)) or chosen(family(arm)))
         resolved.append((arm, rate))
         key = f"{arm}/lr{rate}"
         if key not in study.results["runs"] and arm in SWEPT and sweep_stopped(study.results["runs"], arm, rate, rates):
@@ -522,8 +521,7 @@ def main():
                                 for r in rates):
             best[arm] = chosen(arm)
     for arm in arms:
-        family = "scone" if arm.startswith("scone") else "baseline"
-        rate = best.get(family) or chosen(family)
+        rate = best.get(family(arm)) or chosen(family(arm))
         run = study.results["runs"].get(f"{arm}/lr{float(rate)}")
         if run:
             study.results["arms"][arm] = run

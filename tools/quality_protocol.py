@@ -47,3 +47,15 @@ def best_rate(runs: dict, family: str, rates: list[str]) -> float:
     if not done:
         return min(float(r) for r in rates)
     return min(done, key=lambda r: r["validation_ppl"])["learning_rate"]
+
+
+def family(arm: str) -> str:
+    """The swept arm whose learning rate `arm` trains at."""
+    return "scone" if arm.startswith("scone") else "baseline"
+
+
+def planned_keys(planned: list[tuple[str, str | None]], runs: dict, rates: list[str]) -> list[str]:
+    """"<arm>/lr<rate>" of every planned run, for progress and ETA. A rate not yet resolved (None: the family's
+    sweep decides it) is the family's best so far, so a run finished by an earlier invocation counts as done
+    (it used to count as left whatever its state: "0/4 runs done, 12.0M tokens left" with two of four done)."""
+    return [f"{arm}/lr{rate if rate is not None else best_rate(runs, family(arm), rates)}" for arm, rate in planned]

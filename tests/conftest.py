@@ -54,6 +54,17 @@ def bucket():
         yield url
 
 
+def pytest_sessionstart(session):
+    """The CLIs' filter on the asyncio logger of this process too: the tests that fail a checkpoint write in
+    process leave orbax's abandoned write tasks behind, and their 'exception was never retrieved' tracebacks
+    (a hundred or more) printed when a worker exited, outside any test's captured output."""
+    import logging
+
+    from scone_jax.runtime import logs
+
+    logging.getLogger("asyncio").addFilter(logs._QuietLibraries())
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 

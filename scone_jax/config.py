@@ -34,8 +34,9 @@ def base_config() -> ml_collections.ConfigDict:
     m.tie_embeddings = True
     m.init_std = 0.02
     m.embedding_multiplier = 1.0  # the decoder's input T(token) times this (not the tied head, not the
-    #                               f-gram model's input, not f-gram rows); 1 = the method. A control of
-    #                               docs/quality.md: the baseline with input rows near the f-gram rows' scale.
+    #                               f-gram model's input: scone.input_multiplier, not f-gram rows); 1 = the
+    #                               method. A control of docs/quality.md: the baseline with input rows near
+    #                               the f-gram rows' scale.
     m.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16'
     m.param_dtype = "float32"  # master weights
     m.scan_layers = True  # blocks as one scan over stacked parameters (compiles once); False: a
@@ -59,6 +60,9 @@ def base_config() -> ml_collections.ConfigDict:
     s.d_ff = 0  # 0 = the main model's
     s.output_gain_init = 0.0  # 0 = off (the method); > 0: f-gram embeddings times a learned scalar gain that
     #                           starts here (an experiment on their scale, docs/quality.md)
+    s.input_multiplier = 1.0  # the f-gram model's input T(t_i) times this, before its position embeddings;
+    #                           1 = the method. An experiment of docs/quality.md: model.embedding_multiplier's
+    #                           scaled input for the f-gram model's blocks too
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "kjv"  # 'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'
@@ -197,6 +201,7 @@ NUMERIC_RULES = {
     "scone.max_len": ">= 2", "scone.num_fgrams": ">= 1", "scone.min_count": ">= 1",
     "scone.extract_max_tokens": ">= 1", "scone.fgram_capacity": ">= 1", "scone.num_layers": ">= 1",
     "scone.d_model": ">= 0", "scone.num_heads": ">= 0", "scone.d_ff": ">= 0",
+    "scone.input_multiplier": "> 0",
     "data.eval_fraction": "in (0, 1)", "data.vocab_size": ">= 1", "data.tokenizer_size": ">= 0",
     "data.character_coverage": "in (0, 1]", "data.seq_len": ">= 1",
     "data.global_batch_size": ">= 1", "data.worker_count": ">= -1", "data.prefetch_buffer": ">= 1",
@@ -306,7 +311,7 @@ RESUME_KEYS = (
     "model.tie_embeddings", "model.param_dtype", "model.embedding_multiplier",
     "scone.enabled", "scone.max_len", "scone.num_fgrams", "scone.min_count", "scone.extract_max_tokens",
     "scone.fgram_capacity", "scone.num_layers", "scone.d_model", "scone.num_heads", "scone.d_ff",
-    "scone.output_gain_init",
+    "scone.output_gain_init", "scone.input_multiplier",
     "data.source", "data.train_files", "data.text_field", "data.document_unit", "data.eval_fraction",
     "data.seq_len", "data.global_batch_size", "data.shuffle_seed",
 )

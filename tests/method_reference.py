@@ -81,7 +81,7 @@ def fgram_embedding(gram, params, arch):
     """§4: T(t_1..t_n) (+ width projection), plus the f-gram model's own positions 0..n-1, through its
     blocks (causal), the hidden state at the last token (projected back to the main width)."""
     f = params["fgram"]
-    x = params["token_embed"][list(gram)]
+    x = params["token_embed"][list(gram)] * arch.get("fgram_input_multiplier", 1.0)  # 1 in the method
     if "in_proj" in f:
         x = linear(x, f["in_proj"])
     x = x + f["pos_embed"][: len(gram)]

@@ -8,6 +8,7 @@ Bugs each test was seen to catch when injected into production code:
     loss differences of ~1e-1; and permuted f-grams getting the same embedding (test below);
   - T(token) added to the f-gram embedding instead of replaced by it (SconeModel.input_embeddings);
   - model.embedding_multiplier applied to the f-gram rows too, or to T inside the f-gram model;
+  - scone.input_multiplier applied after the f-gram model's position embeddings, or to the f-gram rows;
   - weight decay on norms and biases of scanned blocks (the old rank >= 2 mask), on embeddings, or on none.
 """
 import jax
@@ -140,6 +141,23 @@ def test_the_embedding_multiplier_control_scales_only_the_token_inputs():
         *nnx.split(model), device_arrays(batch)))
     params = reference_params(model, config)
     want = ref.token_losses(params, batch, arch_of(config) | {"embedding_multiplier": 4.0}, planted_grams(), K)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    plain = ref.token_losses(params, batch, arch_of(config), planted_grams(), K)
+    assert np.abs(want - plain).max() > 1e-2  # the multiplier changes the losses the test compares
+
+
+def test_the_fgram_input_multiplier_experiment_scales_only_the_fgram_models_token_inputs():
+    """scone.input_multiplier (an experiment of docs/quality.md; 1 in the method) multiplies T(t_i) where it is the
+    f-gram model's input, before its position embeddings, and nothing else: not the decoder's token inputs, not
+    the f-gram rows. Against the reference, which scales only T inside its f-gram embedding."""
+    config = scone_config(GPT2)
+    config.scone.input_multiplier = 4.0
+    model = perturbed_model(config)
+    batch, _ = production_batch(num_shards=2, capacity=48)
+    got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(
+        *nnx.split(model), device_arrays(batch)))
+    params = reference_params(model, config)
+    want = ref.token_losses(params, batch, arch_of(config) | {"fgram_input_multiplier": 4.0}, planted_grams(), K)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     plain = ref.token_losses(params, batch, arch_of(config), planted_grams(), K)
     assert np.abs(want - plain).max() > 1e-2  # the multiplier changes the losses the test compares

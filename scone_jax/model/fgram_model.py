@@ -1,7 +1,8 @@
 """The f-gram model: the main model's block architecture over one f-gram at a time.
 
 Input: the main model's token embeddings T(tok_1..tok_n) of a left-aligned f-gram (right
-padding up to K), plus this model's own learned position embedding with K positions.
+padding up to K) times scone.input_multiplier (1 in the method), plus this model's own learned
+position embedding with K positions.
 Output: the final-norm hidden state at the f-gram's last token, width d of the main model.
 Attention is causal, so right padding never reaches the last real token (docs/method.md §4).
 """
@@ -54,6 +55,8 @@ class FgramModel(nnx.Module):
         # token embeddings they replace; a learned scalar gain starting at output_gain_init tests that scale.
         gain = scone_cfg.output_gain_init
         self.output_gain = nnx.Param(jnp.asarray(gain, dtype_of(cfg.param_dtype))) if gain else None
+        # 1 in the method; sqrt(d) gives the blocks the decoder's scaled input (model.embedding_multiplier).
+        self.input_multiplier = float(scone_cfg.input_multiplier)
 
     def __call__(self, token_embeddings: jax.Array, lengths: jax.Array) -> jax.Array:
         """Embeddings of the f-grams themselves: the output at each row's last token, [U, d]."""
@@ -66,6 +69,8 @@ class FgramModel(nnx.Module):
         the prefix f-gram (t_1..t_{j+1}), since attention is causal and rows left-aligned."""
         u, k, _ = token_embeddings.shape
         x = token_embeddings.astype(self.dtype)
+        if self.input_multiplier != 1.0:
+            x = x * jnp.asarray(self.input_multiplier, x.dtype)
         if self.in_proj is not None:
             x = self.in_proj(x)
         positions = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (u, k))

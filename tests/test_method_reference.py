@@ -157,10 +157,14 @@ def test_the_fgram_input_multiplier_experiment_scales_only_the_fgram_models_toke
     got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(
         *nnx.split(model), device_arrays(batch)))
     params = reference_params(model, config)
-    want = ref.token_losses(params, batch, arch_of(config) | {"fgram_input_multiplier": 4.0}, planted_grams(), K)
+    arch = arch_of(config) | {"fgram_input_multiplier": 4.0}
+    want = ref.token_losses(params, batch, arch, planted_grams(), K)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     plain = ref.token_losses(params, batch, arch_of(config), planted_grams(), K)
     assert np.abs(want - plain).max() > 1e-2  # the multiplier changes the losses the test compares
+    # The export's path (SconeModel.fgram_embeddings, the table's rows) scales the same way.
+    emb = np.asarray(model.fgram_embeddings(jnp.array([[301, 302, 303, 0]], jnp.int32), jnp.array([3], jnp.int32)))
+    np.testing.assert_allclose(emb[0], ref.fgram_embedding((301, 302, 303), params, arch), rtol=1e-5, atol=1e-5)
 
 
 # --- AdamW -----------------------------------------------------------------------------------------------

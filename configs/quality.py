@@ -19,8 +19,10 @@ Variants (the arms; inference FLOPs per token grow with the decoder's depth only
 Every arm multiplies its token inputs by sqrt(d) = 11.31 (model.embedding_multiplier; 1 in the
 method): at width 128 the plain GPT-2 input rows are small next to the blocks' output, a handicap the
 f-gram rows (final-norm output, norm sqrt(d)) never have, so without it the baseline is 15-22% worse
-and SCONE's lead is the scale (docs/quality.md). --config.model.embedding_multiplier=1 gives the
-method's plain input. The step count, learning rate, f-gram capacity and vocabulary path are set by
+and SCONE's lead is the scale (docs/quality.md). The SCONE arms' f-gram models read T times sqrt(d)
+too (scone.input_multiplier; 1 in the method): with the plain T their blocks carry the same handicap,
+and SCONE at 3M tokens is 20% worse (99.7 against 80.6). --config.model.embedding_multiplier=1
+--config.scone.input_multiplier=1 gives the method's plain inputs. The step count, learning rate, f-gram capacity and vocabulary path are set by
 the tool (or on the command line, e.g. --config.train.num_steps=1220 for 10M tokens).
 """
 import math
@@ -64,5 +66,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     if s.enabled:
         s.num_layers, s.num_fgrams, s.max_len, s.min_count = fgram_layers, num_fgrams, max_len, 5
         s.fgram_capacity = 4096
+        s.input_multiplier = m.embedding_multiplier  # the f-gram model's blocks get the scaled input too
     config.lock()
     return config

@@ -15,8 +15,8 @@ split), one data order (data.shuffle_seed) and one token budget (--tokens for th
 --ablation_tokens for the rest). `baseline_short` and `scone_short` are the 1x models again at
 --ablation_tokens (the 1x arms themselves when that equals --tokens): the points the ablations and baseline_4x are
 compared with, since a model trained on fewer tokens is worse whatever its shape. Every arm multiplies
-its token inputs by sqrt(d) (configs/quality.py says why); --override=model.embedding_multiplier=1
-gives the method's plain input layer.
+its token inputs by sqrt(d), the f-gram models' inputs included (configs/quality.py says why);
+--override=model.embedding_multiplier=1 --override=scone.input_multiplier=1 gives the method's plain inputs.
 
 Protocol: `baseline` and `scone` each train at the --learning_rates values in ascending order, stop
 at the first whose validation perplexity is above the best of those below it, and keep the one with
@@ -84,9 +84,10 @@ _RECORD = flags.DEFINE_string("record", "", "Also write results.json here after 
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke run: baseline and scone, one learning rate, 64 x 8-token-rows "
                            "steps for ~50k tokens; exercises every stage, compares nothing.")
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra KEY=VALUE config setting for every run (e.g. "
-                                       "data.worker_count=1, or model.embedding_multiplier=1 for the method's "
-                                       "plain input layer, the first comparison of docs/quality.md); use a "
-                                       "workdir of its own.")
+                                       "data.worker_count=1, or model.embedding_multiplier=1 and "
+                                       "scone.input_multiplier=1 for the method's plain inputs, the first "
+                                       "comparison of docs/quality.md); repeat it for several; use a workdir "
+                                       "of its own.")
 
 
 def parse_tokens(text: str) -> int:

@@ -129,20 +129,27 @@ def test_the_output_gain_experiment_scales_the_method_embedding_and_is_not_decay
     assert decayed_names(config) == decayed_names(scone_config(GPT2, num_layers=1))
 
 
+def losses_with_and_without(config, arch_extra: dict):
+    """(production losses, reference losses with `arch_extra`, reference losses without it, params) on the
+    test batch: a control must match the reference that applies it, and must change the losses at all."""
+    model = perturbed_model(config)
+    batch, _ = production_batch(num_shards=2, capacity=48)
+    got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(
+        *nnx.split(model), device_arrays(batch)))
+    params = reference_params(model, config)
+    want = ref.token_losses(params, batch, arch_of(config) | arch_extra, planted_grams(), K)
+    plain = ref.token_losses(params, batch, arch_of(config), planted_grams(), K)
+    return model, got, want, plain, params
+
+
 def test_the_embedding_multiplier_control_scales_only_the_token_inputs():
     """model.embedding_multiplier (a control of docs/quality.md; 1 in the method) multiplies T(token) where
     it is the decoder's input, and nothing else: not the f-gram rows, not the f-gram model's input T, not
     the tied output head. Against the reference, which scales only its token inputs."""
     config = scone_config(GPT2)
     config.model.embedding_multiplier = 4.0
-    model = perturbed_model(config)
-    batch, _ = production_batch(num_shards=2, capacity=48)
-    got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(
-        *nnx.split(model), device_arrays(batch)))
-    params = reference_params(model, config)
-    want = ref.token_losses(params, batch, arch_of(config) | {"embedding_multiplier": 4.0}, planted_grams(), K)
+    _, got, want, plain, _ = losses_with_and_without(config, {"embedding_multiplier": 4.0})
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    plain = ref.token_losses(params, batch, arch_of(config), planted_grams(), K)
     assert np.abs(want - plain).max() > 1e-2  # the multiplier changes the losses the test compares
 
 
@@ -152,19 +159,14 @@ def test_the_fgram_input_multiplier_experiment_scales_only_the_fgram_models_toke
     the f-gram rows. Against the reference, which scales only T inside its f-gram embedding."""
     config = scone_config(GPT2)
     config.scone.input_multiplier = 4.0
-    model = perturbed_model(config)
-    batch, _ = production_batch(num_shards=2, capacity=48)
-    got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(
-        *nnx.split(model), device_arrays(batch)))
-    params = reference_params(model, config)
-    arch = arch_of(config) | {"fgram_input_multiplier": 4.0}
-    want = ref.token_losses(params, batch, arch, planted_grams(), K)
+    extra = {"fgram_input_multiplier": 4.0}
+    model, got, want, plain, params = losses_with_and_without(config, extra)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    plain = ref.token_losses(params, batch, arch_of(config), planted_grams(), K)
     assert np.abs(want - plain).max() > 1e-2  # the multiplier changes the losses the test compares
     # The export's path (SconeModel.fgram_embeddings, the table's rows) scales the same way.
     emb = np.asarray(model.fgram_embeddings(jnp.array([[301, 302, 303, 0]], jnp.int32), jnp.array([3], jnp.int32)))
-    np.testing.assert_allclose(emb[0], ref.fgram_embedding((301, 302, 303), params, arch), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(emb[0], ref.fgram_embedding((301, 302, 303), params, arch_of(config) | extra),
+                               rtol=1e-5, atol=1e-5)
 
 
 # --- AdamW -----------------------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
     s.input_multiplier = 1.0  # the f-gram model's input T(t_i) times this, before its position embeddings;
     #                           1 = the method. An experiment of docs/quality.md: model.embedding_multiplier's
     #                           scaled input for the f-gram model's blocks too
+    s.output_norm = True  # the f-gram embedding is the hidden state after the f-gram model's final norm
+    #                       (docs/method.md §4); False: its last block's residual stream, at the scale of
+    #                       the token inputs it replaces (docs/quality.md: the final norm's rows collapse)
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "kjv"  # 'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'
@@ -311,7 +314,7 @@ RESUME_KEYS = (
     "model.tie_embeddings", "model.param_dtype", "model.embedding_multiplier",
     "scone.enabled", "scone.max_len", "scone.num_fgrams", "scone.min_count", "scone.extract_max_tokens",
     "scone.fgram_capacity", "scone.num_layers", "scone.d_model", "scone.num_heads", "scone.d_ff",
-    "scone.output_gain_init", "scone.input_multiplier",
+    "scone.output_gain_init", "scone.input_multiplier", "scone.output_norm",
     "data.source", "data.train_files", "data.text_field", "data.document_unit", "data.eval_fraction",
     "data.seq_len", "data.global_batch_size", "data.shuffle_seed",
 )

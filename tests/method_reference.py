@@ -70,23 +70,25 @@ def mlp(x, p, arch):
     return linear(gelu(linear(x, p["up"])), p["down"])
 
 
-def block_stack(x, blocks, final_norm, positions, arch):
+def block_stack(x, blocks, final_norm, positions, arch, apply_final_norm=True):
     for b in blocks:
         x = x + attention(norm(x, b["attn_norm"], arch["norm"]), b["attn"], positions, arch)
         x = x + mlp(norm(x, b["mlp_norm"], arch["norm"]), b["mlp"], arch)
-    return norm(x, final_norm, arch["norm"])
+    return norm(x, final_norm, arch["norm"]) if apply_final_norm else x
 
 
 def fgram_embedding(gram, params, arch):
     """§4: T(t_1..t_n) (+ width projection), plus the f-gram model's own positions 0..n-1, through its
-    blocks (causal), the hidden state at the last token (projected back to the main width)."""
+    blocks (causal), the hidden state at the last token after the final norm (projected back to the main width).
+    arch["fgram_output_norm"] False (an experiment of docs/quality.md): the residual stream, without the norm."""
     f = params["fgram"]
     x = params["token_embed"][list(gram)] * arch.get("fgram_input_multiplier", 1.0)  # 1 in the method
     if "in_proj" in f:
         x = linear(x, f["in_proj"])
     x = x + f["pos_embed"][: len(gram)]
     fgram_arch = arch | {"rope": False, "num_heads": arch["fgram_num_heads"]}
-    h = block_stack(x, f["blocks"], f["final_norm"], np.arange(len(gram)), fgram_arch)[-1]
+    h = block_stack(x, f["blocks"], f.get("final_norm"), np.arange(len(gram)), fgram_arch,
+                    apply_final_norm=arch.get("fgram_output_norm", True))[-1]
     return linear(h, f["out_proj"]) if "out_proj" in f else h
 
 

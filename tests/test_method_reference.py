@@ -9,6 +9,7 @@ Bugs each test was seen to catch when injected into production code:
   - T(token) added to the f-gram embedding instead of replaced by it (SconeModel.input_embeddings);
   - model.embedding_multiplier applied to the f-gram rows too, or to T inside the f-gram model;
   - scone.input_multiplier applied after the f-gram model's position embeddings, or to the f-gram rows;
+  - scone.output_norm=False leaving the f-gram model's final norm in place, or dropping the decoder's too;
   - weight decay on norms and biases of scanned blocks (the old rank >= 2 mask), on embeddings, or on none.
 """
 import jax
@@ -62,8 +63,9 @@ def reference_params(model, config) -> dict:
         out["pos_embed"] = dec["pos_embed"]["embedding"]
     if "head" in dec:
         out["head"] = dec["head"]["kernel"]
-    out["fgram"] = {"pos_embed": fg["pos_embed"]["embedding"], "blocks": _blocks(fg["stack"], config.scone.num_layers),
-                    "final_norm": fg["stack"]["final_norm"]}
+    out["fgram"] = {"pos_embed": fg["pos_embed"]["embedding"], "blocks": _blocks(fg["stack"], config.scone.num_layers)}
+    if "final_norm" in fg["stack"]:  # absent without scone.output_norm
+        out["fgram"]["final_norm"] = fg["stack"]["final_norm"]
     for name in ("in_proj", "out_proj"):
         if name in fg:
             out["fgram"][name] = fg[name]
@@ -167,6 +169,28 @@ def test_the_fgram_input_multiplier_experiment_scales_only_the_fgram_models_toke
     emb = np.asarray(model.fgram_embeddings(jnp.array([[301, 302, 303, 0]], jnp.int32), jnp.array([3], jnp.int32)))
     np.testing.assert_allclose(emb[0], ref.fgram_embedding((301, 302, 303), params, arch_of(config) | extra),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_output_norm_experiment_drops_only_the_fgram_models_final_norm():
+    """scone.output_norm=False (an experiment of docs/quality.md; on in the method) makes the f-gram embedding the
+    f-gram model's last residual stream, without its final norm; the decoder keeps its own. Against the reference,
+    which skips only the f-gram model's norm, in the training losses and in the export's rows."""
+    config = scone_config(GPT2, output_norm=False)
+    model = perturbed_model(config)
+    assert model.fgram_model.stack.final_norm is None and model.decoder.stack.final_norm is not None
+    batch, _ = production_batch(num_shards=2, capacity=48)
+    got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(
+        *nnx.split(model), device_arrays(batch)))
+    params = reference_params(model, config)
+    arch = arch_of(config) | {"fgram_output_norm": False}
+    np.testing.assert_allclose(got, ref.token_losses(params, batch, arch, planted_grams(), K), rtol=1e-5, atol=1e-5)
+    gram = (301, 302, 303)
+    emb = np.asarray(model.fgram_embeddings(jnp.array([[*gram, 0]], jnp.int32), jnp.array([3], jnp.int32)))[0]
+    np.testing.assert_allclose(emb, ref.fgram_embedding(gram, params, arch), rtol=1e-5, atol=1e-5)
+    # The rows differ from the normed ones: a unit LayerNorm on the same residual stream moves them.
+    unit = {"scale": np.ones(emb.shape), "bias": np.zeros(emb.shape)}
+    normed = ref.fgram_embedding(gram, params | {"fgram": params["fgram"] | {"final_norm": unit}}, arch_of(config))
+    assert np.abs(normed - emb).max() > 1e-1
 
 
 # --- AdamW -----------------------------------------------------------------------------------------------

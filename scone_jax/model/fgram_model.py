@@ -3,7 +3,8 @@
 Input: the main model's token embeddings T(tok_1..tok_n) of a left-aligned f-gram (right
 padding up to K) times scone.input_multiplier (1 in the method), plus this model's own learned
 position embedding with K positions.
-Output: the final-norm hidden state at the f-gram's last token, width d of the main model.
+Output: the final-norm hidden state at the f-gram's last token, width d of the main model (without the
+final norm, the last block's residual stream, if scone.output_norm is off: an experiment of docs/quality.md).
 Attention is causal, so right padding never reaches the last real token (docs/method.md §4).
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ class FgramModel(nnx.Module):
         resize = cfg.d_model != main_cfg.d_model
         self.in_proj = dense(main_cfg.d_model, cfg.d_model, ("embed", "mlp"), cfg, rngs) if resize else None
         self.out_proj = dense(cfg.d_model, main_cfg.d_model, ("mlp", "embed"), cfg, rngs) if resize else None
-        self.stack = BlockStack(cfg, cfg.num_layers, rngs)
+        self.stack = BlockStack(cfg, cfg.num_layers, rngs, final_norm=scone_cfg.output_norm)
         # Off by default (docs/method.md §4). The final norm leaves rows of norm ~sqrt(d), over ten times the
         # token embeddings they replace; a learned scalar gain starting at output_gain_init tests that scale.
         gain = scone_cfg.output_gain_init

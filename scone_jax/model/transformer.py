@@ -18,7 +18,8 @@ LAYERS_AXIS = "layers"  # logical name of the stacked-layer dimension (sharding.
 
 
 class BlockStack(nnx.Module):
-    """`num_layers` blocks followed by a final norm (shared by the decoder and the f-gram model).
+    """`num_layers` blocks followed by a final norm (shared by the decoder and the f-gram model; the f-gram
+    model may leave the norm out, scone.output_norm).
 
     With cfg.scan_layers (the default) the blocks' parameters are stacked along a leading
     'layers' axis and the stack runs as one jax.lax.scan, so XLA compiles one block however deep
@@ -31,7 +32,7 @@ class BlockStack(nnx.Module):
     slice; unscanned, the loop hands layer i its entry i. Without a cache nothing of this is traced.
     """
 
-    def __init__(self, cfg, num_layers: int, rngs: nnx.Rngs):
+    def __init__(self, cfg, num_layers: int, rngs: nnx.Rngs, final_norm: bool = True):
         self.scanned = cfg.scan_layers
         self.remat = cfg.remat
         remat.check(cfg.remat)
@@ -44,10 +45,11 @@ class BlockStack(nnx.Module):
             self.blocks = stacked(rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(num_layers)])
-        self.final_norm = make_norm(cfg, rngs)
+        self.final_norm = make_norm(cfg, rngs) if final_norm else None
 
     def __call__(self, x, segment_ids, positions, cache: KVCache | None = None):
-        """[B, T, d] -> final-norm hidden states; with `cache`, (those, the updated cache)."""
+        """[B, T, d] -> final-norm hidden states (the last block's residual stream without the final norm); with
+        `cache`, (those, the updated cache)."""
         def layer(x, block_state, layer_cache=None):
             block = nnx.merge(graphdef, block_state)
             return block(constrain(x, ACTIVATION_AXES), segment_ids, positions, layer_cache)
@@ -76,7 +78,8 @@ class BlockStack(nnx.Module):
                     keys.append(key)
                     values.append(value)
             keys, values = tuple(keys), tuple(values)
-        h = self.final_norm(constrain(x, ACTIVATION_AXES))
+        x = constrain(x, ACTIVATION_AXES)
+        h = self.final_norm(x) if self.final_norm is not None else x
         return h if cache is None else (h, KVCache(keys, values, cache.index + x.shape[1]))
 
 

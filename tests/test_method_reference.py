@@ -289,6 +289,9 @@ def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers):
     assert grad_norm > 2 * t.grad_clip_norm  # the clip is exercised
     assert abs(float(metrics["learning_rate"]) - lr) < 1e-9 and 0 < lr < t.learning_rate
     np.testing.assert_allclose(float(metrics["grad_norm"]), grad_norm, rtol=1e-4)
+    fgram_norm = np.sqrt(sum((g * g).sum() for name, g in grads.items() if name.startswith("['fgram_model']")))
+    assert 0 < fgram_norm < grad_norm
+    np.testing.assert_allclose(float(metrics["fgram/model_grad_norm"]), fgram_norm, rtol=1e-4)
     for name in params0:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
         moved = np.abs(want[name] - params0[name]).max()

@@ -3,6 +3,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from tests.common import run_tool
@@ -182,16 +183,34 @@ def test_embedding_scale_reads_final_norm_rows_against_the_token_rows(tmp_path_f
     from tests import serving_run
 
     path = serving_run.exported(tmp_path_factory, "float32")
-    fgram, token = embedding_scale.row_norms(path)
+    fgram_rows, token_rows = embedding_scale.rows(path)
+    fgram, token = embedding_scale.mean_norm(fgram_rows), embedding_scale.mean_norm(token_rows)
     d, init_std = 64, 0.5  # tests/serving_run.py's model
     assert abs(fgram - d ** 0.5) < 0.01 * d ** 0.5
     assert abs(token - init_std * d ** 0.5) < 0.05 * init_std * d ** 0.5
     result = run_tool("tools/embedding_scale.py", [f"--export={path}"])
     assert result.returncode == 0, result.stderr[-2000:]
     name = embedding_scale.export_name(path)
-    assert f"RESULT fgram_over_token_{name} {fgram / token:.3f}" in result.stdout
+    assert f"RESULT fgram_over_token_{name} {fgram / token:.4f}" in result.stdout
+    assert f"RESULT token_row_alignment_{name} {embedding_scale.alignment(token_rows):.4f}" in result.stdout
     # model.embedding_multiplier travels with the export and scales the token rows the decoder reads
     scaled = serving_run.exported_variant(tmp_path_factory, "multiplier3", embedding_multiplier=3.0)
-    fgram_scaled, token_scaled = embedding_scale.row_norms(scaled)
+    fgram_scaled, token_scaled = (embedding_scale.mean_norm(x) for x in embedding_scale.rows(scaled))
     assert abs(token_scaled - 3 * init_std * d ** 0.5) < 0.05 * 3 * init_std * d ** 0.5
     assert abs(fgram_scaled - d ** 0.5) < 0.01 * d ** 0.5
+
+
+def test_alignment_is_one_for_collapsed_rows_and_small_for_unrelated_ones():
+    """The collapse measure: rows that are one direction at different lengths give 1; independent Gaussian rows give
+    about 1/sqrt(rows); a shared offset three times the rows' own part gives 3/sqrt(10). Rows of zero norm (unused
+    table rows) do not count. Caught: dividing every row by its norm (the zero rows made it nan)."""
+    rng = np.random.default_rng(0)
+    direction = rng.normal(size=64)
+    collapsed = np.outer(rng.uniform(1, 5, 100), direction)
+    assert abs(embedding_scale.alignment(np.vstack([collapsed, np.zeros((3, 64))])) - 1) < 1e-6
+    unrelated = rng.normal(size=(10_000, 64))
+    assert abs(embedding_scale.alignment(unrelated) - 0.01) < 0.005
+    offset = 3 * np.sqrt(64) * direction / np.linalg.norm(direction)
+    own = rng.normal(size=(10_000, 64)) * 100  # long rows, offset relative to each row's own scale below
+    own = own / np.linalg.norm(own, axis=1, keepdims=True) * np.sqrt(64)
+    assert abs(embedding_scale.alignment(own + offset) - 3 / np.sqrt(10)) < 0.02

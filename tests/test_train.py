@@ -119,6 +119,7 @@ def test_scone_training_extracts_fgrams_logs_their_figures_and_pins_the_vocabula
     assert 2.0 <= result["fgram/mean_matched_length"] <= 4.0
     assert 0.0 < result["fgram/unique_ratio"] <= 1.0
     assert result["fgram/model_tokens"] == 8 * 64 * 4  # 8 data shards x U rows x K tokens
+    assert 0 < result["fgram/model_grad_norm"] < result["grad_norm"]  # a part of the whole (log_every=1)
     assert os.path.exists(os.path.join(workdir, "fgrams", "vocab.json"))
 
     other = str(tmp_path / "other_fgrams")

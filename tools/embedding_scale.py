@@ -9,7 +9,11 @@ are measured as the decoder reads them: times model.embedding_multiplier (1 in t
 docs/quality.md reads the ratio for the study's arms. For each export (named by its two parent
 directories, e.g. `scone/lr0.001`), over all S table rows and all vocabulary rows of T, mean L2 norms:
   RESULT fgram_row_norm_<name>, RESULT token_row_norm_<name>, RESULT fgram_over_token_<name>
-A decoder-only export (a baseline) has no f-gram rows: only its token_row_norm is printed.
+and how much the rows share one direction (alignment: the norm of the mean of the unit rows; 1 = every row
+points the same way, about 1/sqrt(rows) for unrelated directions), the measure of the f-gram rows' collapse
+that docs/quality.md describes:
+  RESULT fgram_row_alignment_<name>, RESULT token_row_alignment_<name>
+A decoder-only export (a baseline) has no f-gram rows: only its token figures are printed.
 """
 import os
 
@@ -26,34 +30,46 @@ def export_name(path: str) -> str:
     return "/".join(parts[-3:-1]) if len(parts) >= 3 else parts[-1]
 
 
-def row_norms(path: str) -> tuple[float | None, float]:
-    """(mean norm of the f-gram table's rows, None for a decoder-only export; mean norm of the token
-    embedding's rows as decoder input, i.e. times model.embedding_multiplier) of one export."""
+def rows(path: str) -> tuple[np.ndarray | None, np.ndarray]:
+    """(the f-gram table's rows [S, d], None for a decoder-only export; the token embedding's rows as decoder
+    input [V, d], i.e. times model.embedding_multiplier) of one export, in float32."""
     from scone_jax.serving import inference
 
     served = inference.load(path)
-    embedding = np.asarray(served.params["token_embed"]["embedding"][...], np.float32)
-    token = float(np.linalg.norm(embedding, axis=1).mean()) * served.config.model.embedding_multiplier
+    token = np.asarray(served.params["token_embed"]["embedding"][...], np.float32) * served.config.model.embedding_multiplier
     if served.table.num_rows == 0:
         return None, token
-    table = np.asarray(served.table.gather(np.arange(served.table.num_rows)), np.float32)
-    return float(np.linalg.norm(table, axis=1).mean()), token
+    return np.asarray(served.table.gather(np.arange(served.table.num_rows)), np.float32), token
+
+
+def mean_norm(x: np.ndarray) -> float:
+    return float(np.linalg.norm(x, axis=1).mean())
+
+
+def alignment(x: np.ndarray) -> float:
+    """Norm of the mean unit row: 1 when all rows point the same way; rows of zero norm are left out."""
+    norms = np.linalg.norm(x, axis=1)
+    unit = x[norms > 0] / norms[norms > 0, None]
+    return float(np.linalg.norm(unit.mean(axis=0)))
 
 
 def main():
     if not _EXPORTS.value:
         raise ValueError("Name at least one --export=DIR (an export bundle of a SCONE run).")
     for path in _EXPORTS.value:
-        fgram, token = row_norms(path)
+        fgram, token = rows(path)
         name = export_name(path)
-        figures = [("token_row_norm", f"{token:.4f}")]
+        figures = [("token_row_norm", mean_norm(token)), ("token_row_alignment", alignment(token))]
         if fgram is None:
-            print(f"{name}: decoder-only export (no f-gram rows), token rows {token:.3f}")
+            print(f"{name}: decoder-only export (no f-gram rows), token rows {mean_norm(token):.3f}")
         else:
-            print(f"{name}: f-gram rows {fgram:.3f}, token rows {token:.3f}, ratio {fgram / token:.2f}")
-            figures = [("fgram_row_norm", f"{fgram:.4f}")] + figures + [("fgram_over_token", f"{fgram / token:.3f}")]
+            ratio = mean_norm(fgram) / mean_norm(token)
+            print(f"{name}: f-gram rows {mean_norm(fgram):.3f} (alignment {alignment(fgram):.3f}), token rows "
+                  f"{mean_norm(token):.3f} (alignment {alignment(token):.3f}), ratio {ratio:.2f}")
+            figures += [("fgram_row_norm", mean_norm(fgram)), ("fgram_row_alignment", alignment(fgram)),
+                        ("fgram_over_token", ratio)]
         for figure, value in figures:
-            print(f"RESULT {figure}_{name} {value}")
+            print(f"RESULT {figure}_{name} {value:.4f}")
 
 
 if __name__ == "__main__":

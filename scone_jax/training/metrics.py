@@ -123,4 +123,6 @@ def format_line(step: int, total: int, scalars: dict) -> str:
             f" | fgram hit {scalars['fgram/hit_rate']:.3f} len {scalars['fgram/mean_matched_length']:.2f} "
             f"unique {scalars['fgram/unique_ratio']:.3f} rows {scalars['fgram/row_ratio']:.3f} model_tok/step {scalars['fgram/model_tokens']:,.0f}"
         )
+        if "fgram/model_grad_norm" in scalars:
+            line += f" grad {scalars['fgram/model_grad_norm']:.3f}"
     return line

@@ -83,6 +83,8 @@ def train_step_fn(graphdef, mesh, config):
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": schedule(opt.step[...]),
         }
+        if "fgram_model" in grads:  # SCONE: how much of the gradient reaches the f-gram model (docs/quality.md)
+            metrics["fgram/model_grad_norm"] = optax.tree.norm(grads["fgram_model"])
         opt.update(model, grads)
         # A finite loss can still leave exploded weights; their norm overflows and is caught too.
         metrics["param_norm"] = optax.tree.norm(nnx.state(model, nnx.Param))

@@ -214,3 +214,40 @@ def test_alignment_is_one_for_collapsed_rows_and_small_for_unrelated_ones():
     own = rng.normal(size=(10_000, 64)) * 100  # long rows, offset relative to each row's own scale below
     own = own / np.linalg.norm(own, axis=1, keepdims=True) * np.sqrt(64)
     assert abs(embedding_scale.alignment(own + offset) - 3 / np.sqrt(10)) < 0.02
+
+
+@pytest.mark.slow
+def test_trace_steps_replays_a_run_through_the_production_step(tmp_path_factory):
+    """tools/trace_steps.py on a SCONE run: every step's loss (the production train step's) is the mean of the
+    losses it reads before that step at matched and unmatched positions, both kinds present; the rows' alignment
+    is a cosine-like figure in (0, 1]. Caught: reading the state after the step (the split then missed the step's
+    loss by 21% here) and splitting by the batch's loss mask instead of its f-gram slots
+    (no matched positions). Bad input is one line and exit 2."""
+    from scone_jax import config as config_lib
+    from tests import serving_run
+
+    run = serving_run.trained_run(tmp_path_factory)
+    config = run["config"].copy_and_resolve_references()
+    with config.unlocked():
+        config.scone.vocab_path = os.path.join(run["workdir"], "fgrams")
+        config.train.learning_rate = 0.05  # large enough that one update moves the next step's loss visibly
+        config.scone.fgram_capacity = 512  # one device here, so one data shard holds every row
+    replay = str(tmp_path_factory.mktemp("replay"))
+    config_lib.write_config(config, replay)
+    output = os.path.join(replay, "trace.jsonl")
+    result = run_tool("tools/trace_steps.py", [f"--run={replay}", "--steps=3", f"--output={output}", "--print_every=1"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in open(output)]
+    assert [r["step"] for r in records] == [1, 2, 3] and result.stdout.count("step ") == 3
+    for r in records:
+        assert r["matched_positions"] > 0 and r["unmatched_positions"] > 0
+        split = (r["loss_matched"] * r["matched_positions"] + r["loss_unmatched"] * r["unmatched_positions"]) / (
+            r["matched_positions"] + r["unmatched_positions"])
+        np.testing.assert_allclose(split, r["loss"], rtol=1e-5)
+        assert 0 < r["fgram_row_alignment"] <= 1 and 0 < r["fgram/model_grad_norm"] < r["grad_norm"]
+    assert abs(records[2]["loss"] - records[0]["loss"]) > 1e-3  # it trains: the state moves between steps
+
+    missing = run_tool("tools/trace_steps.py", [f"--run={tmp_path_factory.mktemp('empty')}"])
+    assert missing.returncode == 2 and "config.json" in missing.stderr and "Traceback" not in missing.stderr
+    unknown = run_tool("tools/trace_steps.py", [f"--run={replay}", "--override=train.sed=1"])
+    assert unknown.returncode == 2 and "train.sed" in unknown.stderr and "Traceback" not in unknown.stderr

@@ -1,0 +1,138 @@
+"""Replay the first steps of a training run and trace what the f-gram model does, step by step.
+
+  python tools/trace_steps.py --run=/data/quality/scone/lr0.002 --steps=200 --output=trace.jsonl
+  python tools/trace_steps.py --run=... --override=scone.output_norm=false --override=train.seed=1
+
+A run's first steps are deterministic on one CPU (the same config, init seed and batch order), so this
+trains them again from scratch with the run's config.json, tokenizer and f-gram vocabulary, through the
+production train step (scone_jax.training.steps), and before each step reads, on the same batch and
+state: the loss at matched and at unmatched positions, and how much the f-gram rows of the batch share
+one direction (tools/embedding_scale.py's alignment: near 1 when they have collapsed onto one vector,
+docs/quality.md). Each step's record (also the step's loss, gradient norms and learning rate) goes to
+--output as JSONL; every --print_every steps a line is printed. --override=KEY=VALUE replays the same
+batches under another setting (another seed, learning rate or scone.output_norm).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+from flax import nnx
+
+from embedding_scale import alignment
+from scone_jax import sharding
+from scone_jax.config import validate
+from scone_jax.data import pipeline
+from scone_jax.model.scone import SconeModel, token_losses
+from scone_jax.runtime import tool_main, workdir as workdir_layout
+from scone_jax.serving import bundle
+from scone_jax.training import assets, state as state_lib, steps
+
+_RUN = flags.DEFINE_string("run", None, "A training run's workdir (it holds config.json).")
+_STEPS = flags.DEFINE_integer("steps", 200, "Steps to replay from the start.")
+_OVERRIDES = flags.DEFINE_multi_string("override", [], "KEY=VALUE config setting to replay under (repeatable).")
+_OUTPUT = flags.DEFINE_string("output", "", "JSONL file for every step's record ('' = print only).")
+_PRINT_EVERY = flags.DEFINE_integer("print_every", 10, "Print a line every this many steps.")
+
+
+def run_config(run: str, overrides: list[str]):
+    """The run's resolved config (config.json) with the --override settings."""
+    path = workdir_layout.path(run, workdir_layout.CONFIG)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: --run must be a training run's workdir (scone_jax.main "
+                                "writes config.json there when it starts).")
+    with open(path) as f:
+        config = bundle.stored_config(json.load(f))
+    with config.unlocked():
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--override={item} has no '='. Fix: write KEY=VALUE.")
+            *parents, leaf = key.split(".")
+            node = config
+            try:
+                for p in parents:
+                    node = node[p]
+                old = node[leaf]
+            except KeyError:
+                raise ValueError(f"--override={item}: no config key {key!r}. Fix: name a key of config.json, "
+                                 "e.g. --override=train.seed=1.") from None
+            node[leaf] = str(value).lower() in ("1", "true") if isinstance(old, bool) else type(old)(value)
+    validate(config)
+    return config
+
+
+def make_probe(spec, mesh):
+    """probe(model state, batch) -> summed losses and counts at matched / unmatched positions, and the
+    f-gram rows of the batch's unique f-grams (a SCONE model) in float32."""
+    def probe(model_state, batch):
+        model = nnx.merge(spec.model_graphdef, model_state)
+        losses, counted = token_losses(model, batch), batch.loss_mask > 0
+        matched = batch.fgram_slot >= 0 if batch.fgram_slot is not None else jnp.zeros_like(counted)
+        out = {"matched_sum": jnp.sum(losses * (counted & matched)), "matched": jnp.sum(counted & matched),
+               "unmatched_sum": jnp.sum(losses * (counted & ~matched)), "unmatched": jnp.sum(counted & ~matched)}
+        if isinstance(model, SconeModel):
+            k = batch.fgram_tokens.shape[-1]
+            out["rows"] = model.fgram_embeddings(batch.fgram_tokens.reshape(-1, k),
+                                                 batch.fgram_lengths.reshape(-1)).astype(jnp.float32)
+            out["row_used"] = batch.fgram_lengths.reshape(-1) > 0
+        return out
+
+    return sharding.under_mesh(mesh, jax.jit(probe))
+
+
+def record(step: int, metrics: dict, probed: dict) -> dict:
+    out = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+    for kind in ("matched", "unmatched"):
+        count = float(probed[kind])
+        out[f"{kind}_positions"] = count
+        out[f"loss_{kind}"] = float(probed[f"{kind}_sum"]) / count if count else float("nan")
+    if "rows" in probed:
+        rows = np.asarray(probed["rows"])[np.asarray(probed["row_used"])]
+        out["fgram_row_alignment"] = alignment(rows)
+        out["fgram_row_norm"] = float(np.linalg.norm(rows, axis=1).mean())
+    return out
+
+
+def main():
+    if not _RUN.value:
+        raise ValueError("Name a training run's workdir: --run=DIR.")
+    if _STEPS.value < 1:
+        raise ValueError(f"--steps={_STEPS.value}: replay at least one step.")
+    config = run_config(_RUN.value, _OVERRIDES.value)
+    mesh = sharding.make_mesh(config.mesh)
+    tokenizer = assets.ensure_tokenizer(config.data, _RUN.value)
+    assets.resolve_vocab_size(config, tokenizer)
+    _, batcher = assets.fgram_batcher(config, tokenizer, _RUN.value, mesh)
+    build = pipeline.batch_builder(config.data, tokenizer, batch_transform=batcher)
+    spec = state_lib.state_spec(config, mesh)
+    state = state_lib.init_state(config, spec)
+    train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    probe = make_probe(spec, mesh)
+    out = open(_OUTPUT.value, "w") if _OUTPUT.value else None
+    try:
+        for step in range(1, _STEPS.value + 1):
+            batch = sharding.global_batch(build(step - 1).for_device(), mesh)
+            probed = jax.device_get(probe(state[0], batch))  # before the step: the state the step's loss saw
+            state, metrics = train_step(state, batch)
+            rec = record(step, jax.device_get(metrics), probed)
+            if out is not None:
+                out.write(json.dumps(rec) + "\n")
+            if step % _PRINT_EVERY.value == 0 or step == _STEPS.value:
+                line = (f"step {step} loss {rec['loss']:.3f} (matched {rec['loss_matched']:.3f}, unmatched "
+                        f"{rec['loss_unmatched']:.3f}) grad_norm {rec['grad_norm']:.3f} lr {rec['learning_rate']:.2e}")
+                if "fgram_row_alignment" in rec:
+                    line += (f" | f-gram model grad {rec['fgram/model_grad_norm']:.3f} rows: alignment "
+                             f"{rec['fgram_row_alignment']:.3f} norm {rec['fgram_row_norm']:.2f}")
+                print(line, flush=True)
+    finally:
+        if out is not None:
+            out.close()
+
+
+if __name__ == "__main__":
+    tool_main.run(main, "trace_steps")

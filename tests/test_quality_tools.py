@@ -220,7 +220,7 @@ def test_alignment_is_one_for_collapsed_rows_and_small_for_unrelated_ones():
 def test_trace_steps_replays_a_run_through_the_production_step(tmp_path_factory):
     """tools/trace_steps.py on a SCONE run: every step's loss (the production train step's) is the mean of the
     losses it reads before that step at matched and unmatched positions, both kinds present; the rows' alignment
-    is a cosine-like figure in (0, 1]. Caught: reading the state after the step (the split then missed the step's
+    is a cosine-like figure in (0, 1]; --positions_from splits a baseline's losses at the same positions. Caught: reading the state after the step (the split then missed the step's
     loss by 21% here) and splitting by the batch's loss mask instead of its f-gram slots
     (no matched positions). Bad input is one line and exit 2."""
     from scone_jax import config as config_lib
@@ -246,6 +246,23 @@ def test_trace_steps_replays_a_run_through_the_production_step(tmp_path_factory)
         np.testing.assert_allclose(split, r["loss"], rtol=1e-5)
         assert 0 < r["fgram_row_alignment"] <= 1 and 0 < r["fgram/model_grad_norm"] < r["grad_norm"]
     assert abs(records[2]["loss"] - records[0]["loss"]) > 1e-3  # it trains: the state moves between steps
+
+    # --positions_from: the run's own vocabulary splits the positions as its slots do; a baseline gets the split too.
+    vocab = os.path.join(run["workdir"], "fgrams")
+    own = run_tool("tools/trace_steps.py", [f"--run={replay}", "--steps=1", f"--positions_from={vocab}",
+                                            f"--output={output}"])
+    assert own.returncode == 0, own.stderr[-2000:]
+    first = json.loads(open(output).readline())
+    assert first["matched_positions"] == records[0]["matched_positions"] and first["loss"] == records[0]["loss"]
+    with config.unlocked():
+        config.scone.enabled = False
+    baseline = str(tmp_path_factory.mktemp("replay_baseline"))
+    config_lib.write_config(config, baseline)
+    plain = run_tool("tools/trace_steps.py", [f"--run={baseline}", "--steps=1", f"--positions_from={vocab}",
+                                              f"--output={output}"])
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    first = json.loads(open(output).readline())
+    assert first["matched_positions"] == records[0]["matched_positions"] and "fgram_row_alignment" not in first
 
     missing = run_tool("tools/trace_steps.py", [f"--run={tmp_path_factory.mktemp('empty')}"])
     assert missing.returncode == 2 and "config.json" in missing.stderr and "Traceback" not in missing.stderr

@@ -10,7 +10,9 @@ state: the loss at matched and at unmatched positions, and how much the f-gram r
 one direction (tools/embedding_scale.py's alignment: near 1 when they have collapsed onto one vector,
 docs/quality.md). Each step's record (also the step's loss, gradient norms and learning rate) goes to
 --output as JSONL; every --print_every steps a line is printed. --override=KEY=VALUE replays the same
-batches under another setting (another seed, learning rate or scone.output_norm).
+batches under another setting (another seed, learning rate or scone.output_norm); --positions_from=VOCAB
+splits the losses by that f-gram vocabulary's matches instead of the run's own, so that two runs (a baseline
+and a SCONE arm, or two values of S) compare their losses at the same positions.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from embedding_scale import alignment
 from scone_jax import sharding
 from scone_jax.config import validate
 from scone_jax.data import pipeline
+from scone_jax.fgram.matcher import Matcher
+from scone_jax.fgram.vocab import load_vocab
 from scone_jax.model.scone import SconeModel, token_losses
 from scone_jax.runtime import tool_main, workdir as workdir_layout
 from scone_jax.serving import bundle
@@ -37,6 +41,8 @@ _STEPS = flags.DEFINE_integer("steps", 200, "Steps to replay from the start.")
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "KEY=VALUE config setting to replay under (repeatable).")
 _OUTPUT = flags.DEFINE_string("output", "", "JSONL file for every step's record ('' = print only).")
 _PRINT_EVERY = flags.DEFINE_integer("print_every", 10, "Print a line every this many steps.")
+_POSITIONS_FROM = flags.DEFINE_string("positions_from", "", "An f-gram vocabulary whose matches decide which "
+                                      "positions count as matched ('' = the run's own f-gram slots).")
 
 
 def run_config(run: str, overrides: list[str]):
@@ -67,12 +73,11 @@ def run_config(run: str, overrides: list[str]):
 
 
 def make_probe(spec, mesh):
-    """probe(model state, batch) -> summed losses and counts at matched / unmatched positions, and the
-    f-gram rows of the batch's unique f-grams (a SCONE model) in float32."""
-    def probe(model_state, batch):
+    """probe(model state, batch, matched [B, T]) -> summed losses and counts at matched / unmatched positions, and
+    the f-gram rows of the batch's unique f-grams (a SCONE model) in float32."""
+    def probe(model_state, batch, matched):
         model = nnx.merge(spec.model_graphdef, model_state)
         losses, counted = token_losses(model, batch), batch.loss_mask > 0
-        matched = batch.fgram_slot >= 0 if batch.fgram_slot is not None else jnp.zeros_like(counted)
         out = {"matched_sum": jnp.sum(losses * (counted & matched)), "matched": jnp.sum(counted & matched),
                "unmatched_sum": jnp.sum(losses * (counted & ~matched)), "unmatched": jnp.sum(counted & ~matched)}
         if isinstance(model, SconeModel):
@@ -109,6 +114,8 @@ def main():
     assets.resolve_vocab_size(config, tokenizer)
     _, batcher = assets.fgram_batcher(config, tokenizer, _RUN.value, mesh)
     build = pipeline.batch_builder(config.data, tokenizer, batch_transform=batcher)
+    other = (Matcher(load_vocab(_POSITIONS_FROM.value, expected_tokenizer_fingerprint=tokenizer.fingerprint))
+             if _POSITIONS_FROM.value else None)
     spec = state_lib.state_spec(config, mesh)
     state = state_lib.init_state(config, spec)
     train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
@@ -116,8 +123,13 @@ def main():
     out = open(_OUTPUT.value, "w") if _OUTPUT.value else None
     try:
         for step in range(1, _STEPS.value + 1):
-            batch = sharding.global_batch(build(step - 1).for_device(), mesh)
-            probed = jax.device_get(probe(state[0], batch))  # before the step: the state the step's loss saw
+            host = build(step - 1)
+            if other is not None:
+                matched = other.match(host.inputs, host.segment_ids) >= 0
+            else:
+                matched = host.fgram_slot >= 0 if host.fgram_slot is not None else np.zeros(host.inputs.shape, bool)
+            batch, matched = sharding.global_batch((host.for_device(), matched), mesh)
+            probed = jax.device_get(probe(state[0], batch, matched))  # before the step: the state its loss saw
             state, metrics = train_step(state, batch)
             rec = record(step, jax.device_get(metrics), probed)
             if out is not None:

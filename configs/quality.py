@@ -22,8 +22,11 @@ f-gram rows (final-norm output, norm sqrt(d)) never have, so without it the base
 and SCONE's lead is the scale (docs/quality.md). The SCONE arms' f-gram models read T times sqrt(d)
 too (scone.input_multiplier; 1 in the method): with the plain T their blocks carry the same handicap,
 and SCONE at 3M tokens is 20% worse (99.7 against 80.6). --config.model.embedding_multiplier=1
---config.scone.input_multiplier=1 gives the method's plain inputs. The step count, learning rate,
-f-gram capacity and vocabulary path are set by the tool (or on the command line, e.g. --config.train.num_steps=1220 for 10M tokens).
+--config.scone.input_multiplier=1 gives the method's plain inputs. The f-gram model keeps the method's
+final norm (scone.output_norm): without it its rows collapsed for less long early in training, but the
+perplexity was no better (docs/quality.md). The step count, learning rate, f-gram capacity and
+vocabulary path are set by the tool (or on the command line, e.g. --config.train.num_steps=1220 for 10M
+tokens).
 """
 import math
 

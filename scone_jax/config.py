@@ -112,6 +112,9 @@ def base_config() -> ml_collections.ConfigDict:
     t.b2 = 0.95
     t.eps = 1e-8
     t.grad_clip_norm = 1.0  # 0 disables clipping
+    t.fgram_model_delay_steps = 0  # SCONE: the f-gram model's updates are 0 for this many steps, then ramp
+    #                       linearly to full over as many more (0 = the method's joint training from step 1;
+    #                       docs/training.md). Switching between 0 and > 0 on resume is refused.
     t.grad_accum_steps = 1  # micro-batches per step; must divide the rows per data shard (and, with
     #                         SCONE, scone.fgram_capacity, which is split evenly across micro-batches)
     t.log_every = 10
@@ -211,6 +214,7 @@ NUMERIC_RULES = {
     "train.num_steps": ">= 1", "train.max_steps_per_run": ">= 0", "train.learning_rate": "> 0",
     "train.warmup_steps": ">= 0", "train.min_lr_ratio": "in [0, 1]", "train.weight_decay": ">= 0",
     "train.b1": "in [0, 1)", "train.b2": "in [0, 1)", "train.eps": "> 0", "train.grad_clip_norm": ">= 0",
+    "train.fgram_model_delay_steps": ">= 0",
     "train.grad_accum_steps": ">= 1", "train.log_every": ">= 1", "train.eval_every": ">= 0",
     "train.eval_batches": ">= 0", "train.checkpoint_every": ">= 1", "train.keep_checkpoints": ">= 1",
     "train.peak_flops_per_device": ">= 0",

@@ -139,9 +139,19 @@ def learning_rate(step, peak, warmup, total, min_ratio):
     return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def delayed_factor(step, delay):
+    """docs/training.md, train.fgram_model_delay_steps = D: the f-gram model's update is scaled by 0
+    up to step D, then by (step - D) / D until it reaches 1 at step 2D."""
+    if delay == 0:
+        return 1.0
+    return min(1.0, max(0.0, (step - delay) / delay))
+
+
 def adamw_step(params, grads, mu, nu, count, decayed, hp):
     """One AdamW update of flat {name: array} trees: global-norm clipping, bias-corrected moments,
-    decoupled weight decay on the names in `decayed`, learning rate of step `count` (before the update).
+    decoupled weight decay on the names in `decayed`, learning rate of step `count` (before the update);
+    the whole update of the f-gram model's parameters (names starting "['fgram_model']") times
+    delayed_factor(count, hp["fgram_delay"]) when hp has that key.
     Returns (params, mu, nu, learning rate, gradient norm before clipping)."""
     norm_ = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
     scale = min(1.0, hp["clip"] / norm_) if hp["clip"] > 0 else 1.0
@@ -155,5 +165,7 @@ def adamw_step(params, grads, mu, nu, count, decayed, hp):
         update = (new_mu[name] / (1 - hp["b1"] ** t)) / (np.sqrt(new_nu[name] / (1 - hp["b2"] ** t)) + hp["eps"])
         if name in decayed:
             update = update + hp["weight_decay"] * p
+        if name.startswith("['fgram_model']"):
+            update = update * delayed_factor(count, hp.get("fgram_delay", 0))
         new_p[name] = p - lr * update
     return new_p, new_mu, new_nu, lr, norm_

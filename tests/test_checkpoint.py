@@ -111,6 +111,33 @@ def test_a_checkpoint_of_another_model_shape_is_refused_in_one_line(tmp_path):
     ckpt.close()
 
 
+def test_switching_the_fgram_model_delay_on_at_resume_is_refused_naming_the_key(tmp_path):
+    """train.fgram_model_delay_steps > 0 adds a counter to the optimizer state: a run saved without it
+    is refused in one line naming the key; another positive delay restores."""
+    def spec_and_state(delay):
+        config = small_config()
+        config.train.fgram_model_delay_steps = delay
+        spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
+        return spec, state_lib.init_state(config, spec)
+
+    _, plain = spec_and_state(0)
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "plain"), async_save=False)
+    ckpt.save(1, plain, {"step": 1})
+    delayed_spec, delayed = spec_and_state(40)
+    with pytest.raises(checkpoint.CheckpointMismatchError,
+                       match=r"^Checkpoint .*/1 does not fit the optimizer this config builds: 1/.*count.* is absent "
+                             r"there and \(\) here\. Fix: .*train\.fgram_model_delay_steps"):
+        ckpt.restore(1, state_lib.abstract_with_shardings(delayed_spec))
+    ckpt.close()
+
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "delayed"), async_save=False)
+    ckpt.save(1, delayed, {"step": 1})
+    other_spec, _ = spec_and_state(80)
+    restored, _ = ckpt.restore(1, state_lib.abstract_with_shardings(other_spec))
+    assert len(jax.tree.leaves(restored)) == len(jax.tree.leaves(delayed))
+    ckpt.close()
+
+
 def test_state_checksums_cover_every_array_and_see_swaps_and_small_changes(tmp_path):
     """The checksums a checkpoint saves cover every array of the state, change when two rows
     swap places or one element moves by 1e-3, and equal those of the restored state (on any

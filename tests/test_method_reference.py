@@ -247,14 +247,17 @@ def test_a_model_without_weight_matrices_is_refused_when_decay_is_on():
 
 
 @pytest.mark.slow  # a whole train step of both models against the reference: ~30 s each
-@pytest.mark.parametrize("main,scan_layers", [(GPT2, True), (OLMO, False)],
-                         ids=["gpt2", "olmo-unscanned"])
-def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers):
+@pytest.mark.parametrize("main,scan_layers,delay", [(GPT2, True, 0), (OLMO, False, 2)],
+                         ids=["gpt2", "olmo-unscanned-fgram-delay"])
+def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers, delay):
     """The production train step (mean-loss gradients, clipping, warmup-cosine schedule, moments, decay
-    mask) from a state at step 3 with non-zero moments equals ref.adamw_step on the same gradients."""
+    mask) from a state at step 3 with non-zero moments equals ref.adamw_step on the same gradients.
+    With train.fgram_model_delay_steps = 2, step 3 moves the f-gram model by half its AdamW update
+    (seen to catch: the factor on the decoder too; the ramp starting at 0 instead of after the delay)."""
     config = scone_config(main, scan_layers)
     t = config.train
     t.weight_decay, t.grad_clip_norm, t.warmup_steps, t.num_steps = 0.5, 0.05, 2, 6  # clipping active
+    t.fgram_model_delay_steps = delay
     mesh = sharding.make_mesh(config.mesh)
     spec = state_lib.state_spec(config, mesh)
     model = perturbed_model(config)
@@ -284,7 +287,9 @@ def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers):
 
     decayed = {k for k in params0 if k.endswith("['kernel'].value")}  # the weight matrices, by the test's own rule
     hp = {"lr": t.learning_rate, "warmup": t.warmup_steps, "total": t.num_steps, "min_ratio": t.min_lr_ratio,
-          "b1": t.b1, "b2": t.b2, "eps": t.eps, "weight_decay": t.weight_decay, "clip": t.grad_clip_norm}
+          "b1": t.b1, "b2": t.b2, "eps": t.eps, "weight_decay": t.weight_decay, "clip": t.grad_clip_norm,
+          "fgram_delay": delay}
+    assert ref.delayed_factor(count, delay) == (0.5 if delay else 1.0)
     want, _, _, lr, grad_norm = ref.adamw_step(params0, grads, mu0, nu0, count, decayed, hp)
     assert grad_norm > 2 * t.grad_clip_norm  # the clip is exercised
     assert abs(float(metrics["learning_rate"]) - lr) < 1e-9 and 0 < lr < t.learning_rate

@@ -1,7 +1,8 @@
 """What each parameter is, decided by its name: the embedding tables, the weight matrices, and the rest.
 
-Role decides two things: which parameters count as embedding parameters (accounting.py) and which
-are weight-decayed (training/optimizer.py). It is read from the parameter's path, never from its
+Role decides which parameters count as embedding parameters (accounting.py), which are
+weight-decayed (training/optimizer.py) and which belong to the f-gram model (whose updates
+train.fgram_model_delay_steps holds back). It is read from the parameter's path, never from its
 rank: with scanned layers (model.scan_layers) a norm scale or a bias is stacked to [layers, d] and
 looks like a matrix.
 
@@ -25,6 +26,11 @@ def _names(path) -> list:
 
 def is_embedding(path) -> bool:
     return any(name in EMBEDDING_MODULES for name in _names(path))
+
+
+def in_fgram_model(path) -> bool:
+    """True for the f-gram model's parameters (model/scone.py's `fgram_model`), in either block layout."""
+    return "fgram_model" in _names(path)
 
 
 def is_decayed(path) -> bool:

@@ -139,10 +139,14 @@ class Checkpointer:
         have = {_names(p): tuple(getattr(a, "shape", ())) for p, a in jax.tree_util.tree_leaves_with_path(saved)}
         for path in sorted(set(want) | set(have)):
             if want.get(path) != have.get(path):
+                optimizer = path[:1] == ("1",)  # the state is (model, optimizer): training/state.py
+                fix = ("the optimizer settings the checkpoint was saved with (train.fgram_model_delay_steps "
+                       "switched between 0 and > 0 changes the optimizer's state)" if optimizer
+                       else "the model config the checkpoint was saved with")
                 raise CheckpointMismatchError(
-                    f"Checkpoint {self.directory}/{step} does not fit the model this config builds: "
-                    f"{'/'.join(path)} is {have.get(path, 'absent')} there and {want.get(path, 'absent')} here. "
-                    "Fix: resume with the model config the checkpoint was saved with, or use a fresh --workdir.")
+                    f"Checkpoint {self.directory}/{step} does not fit the {'optimizer' if optimizer else 'model'} "
+                    f"this config builds: {'/'.join(path)} is {have.get(path, 'absent')} there and "
+                    f"{want.get(path, 'absent')} here. Fix: resume with {fix}, or use a fresh --workdir.")
 
     def set_aside(self, step: int) -> str:
         """Rename a damaged step directory to `damaged-<step>-<unix time>` (kept for inspection; orbax

@@ -1,7 +1,9 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping."""
+"""AdamW with linear warmup, cosine decay and global-norm clipping; optionally the f-gram model's
+updates held back for the first steps (train.fgram_model_delay_steps, docs/training.md)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from scone_jax.model import roles
@@ -31,7 +33,20 @@ def decay_mask(params, weight_decay: float = 0.0):
     return mask
 
 
+def fgram_model_update_scale(train_cfg) -> optax.Schedule:
+    """The factor on the f-gram model's updates at each step: 0 for the first D =
+    train.fgram_model_delay_steps steps, then rising linearly to 1 over the next D. Why: with the
+    method's joint training from step 1, the f-gram model's rows all turn to one direction early on
+    and stop improving for a while (docs/quality.md, 'collapse'); letting the decoder and the token
+    embeddings settle first avoids that."""
+    delay = train_cfg.fgram_model_delay_steps
+    return lambda step: jnp.clip((step - delay) / max(delay, 1), 0.0, 1.0)
+
+
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
+    """The optimizer of the whole model. With train.fgram_model_delay_steps > 0 its state holds one
+    more counter, so a run cannot switch between 0 and > 0 on resume (the checkpoint's shape check
+    says so); other delay values may change."""
     parts = []
     if train_cfg.grad_clip_norm > 0:
         parts.append(optax.clip_by_global_norm(train_cfg.grad_clip_norm))
@@ -46,4 +61,8 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
             mask=lambda params: decay_mask(params, train_cfg.weight_decay),
         )
     )
+    if train_cfg.fgram_model_delay_steps > 0:
+        parts.append(optax.masked(
+            optax.scale_by_schedule(fgram_model_update_scale(train_cfg)),
+            lambda params: jax.tree_util.tree_map_with_path(lambda path, _: roles.in_fgram_model(path), params)))
     return optax.chain(*parts)

@@ -1,4 +1,5 @@
-"""Host table: gathers equal numpy's, the bounded cache stays bounded, the prefetcher keeps order and errors."""
+"""Host table: gathers equal numpy's, the bounded cache stays bounded, the prefetcher keeps order and errors, the
+dispatch window keeps XLA:CPU from deadlocking."""
 import os
 import shutil
 import threading
@@ -8,7 +9,7 @@ import pytest
 import tensorstore as ts
 
 from scone_jax.serving import bundle
-from scone_jax.serving.prefetch import Prefetcher
+from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
 from scone_jax.serving.table import HostTable
 from tests import serving_run
 
@@ -118,3 +119,43 @@ def test_prefetcher_keeps_order_and_reraises():
 
     with pytest.raises(RuntimeError, match="bad batch 2"):
         list(Prefetcher(range(5), broken))
+
+
+_MANY_PROGRAMS = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from scone_jax.serving.prefetch import DispatchWindow
+mesh = Mesh(np.array(jax.devices()), ("data",))
+w = jax.device_put(jnp.ones((256, 256)), NamedSharding(mesh, P()))
+xs = [jax.device_put(np.full((64, 256), i / 8, np.float32), NamedSharding(mesh, P("data"))) for i in range(8)]
+f = jax.jit(lambda w, x: jnp.sum(jnp.tanh(x @ w)), out_shardings=NamedSharding(mesh, P()))  # an all-reduce
+window = DispatchWindow(mesh)
+outs = [window.add(f(w, xs[i % 8])) for i in range(int(sys.argv[1]))]
+print(window.limit, float(sum(outs)))
+"""
+
+
+@pytest.mark.slow  # a fresh process with 8 virtual CPU devices
+def test_dispatch_window_keeps_xla_cpu_from_deadlocking_on_collectives():
+    """Thousands of independent programs with an all-reduce, dispatched through DispatchWindow on 8 virtual
+    CPU devices (the serving loops' pattern), all finish. Caught: dispatching without the window (what
+    serving.evaluate did): XLA:CPU's pool fills with tasks of different programs waiting for each other, logs
+    "rendezvous ... may be stuck" and aborts the process after about a minute (3 of 3 runs of this program,
+    and a crash of the test suite)."""
+    import subprocess
+    import sys
+
+    from jax.sharding import Mesh
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "-c", _MANY_PROGRAMS, "3000"], env=env, capture_output=True, text=True,
+                            timeout=240, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr[-3000:]
+    limit, total = result.stdout.split()
+    expected = sum(np.float32(np.tanh(np.float32(256 * (i % 8) / 8))) * 64 * 256 for i in range(3000))
+    assert limit == "1" and float(total) == pytest.approx(expected, rel=1e-4)
+    import jax
+
+    one_device = Mesh(np.array(jax.devices()[:1]), ("data",))
+    assert DispatchWindow(one_device).limit == 2  # no pool shared between devices: keep the next step queued

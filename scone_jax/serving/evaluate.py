@@ -27,7 +27,7 @@ from scone_jax.model import losses
 from scone_jax.runtime import logs, tool_main
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.serving import inference
-from scone_jax.serving.prefetch import Prefetcher
+from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
 
 
 def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_batches: int = 0,
@@ -47,12 +47,13 @@ def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_
         return (hits, int(real.sum())), inference.device_batch(served, batch)
 
     prefetch = Prefetcher((b for i, b in zip(range(count), batches)), prepare)
+    window = DispatchWindow(served.mesh)
     sums, hits, positions = [], 0, 0
     start = last_log = time.time()
     first_tokens = 0.0
     try:
         for i, ((hit, real), batch) in enumerate(prefetch):
-            sums.append(step(batch))
+            sums.append(window.add(step(batch)))
             hits, positions = hits + hit, positions + real
             if i == 0:  # the first step compiles: time the rest
                 first_tokens = float(jax.device_get(sums[0][1]))

@@ -42,6 +42,7 @@ from scone_jax.runtime import (compile_cache, distributed, job_flags, logs, owne
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
 from scone_jax.serving import bundle
+from scone_jax.serving.prefetch import DispatchWindow
 from scone_jax.training import checkpoint, state as state_lib
 
 _MAX_PENDING_WRITES = 3
@@ -309,8 +310,9 @@ def _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s) -> d
     if todo:  # compile before the clock starts, so rows/s and the ETA are the steady rate
         jax.block_until_ready(embed(*batch_inputs(vocab, todo[0], batch_rows, mesh)))
     start_time, computed, in_flight = time.time(), 0, None
+    window = DispatchWindow(mesh)
     for start in todo:
-        result = embed(*batch_inputs(vocab, start, batch_rows, mesh))  # dispatched; runs while we write
+        result = window.add(embed(*batch_inputs(vocab, start, batch_rows, mesh)))  # dispatched; runs while we write
         if in_flight is not None:
             writer.write(*in_flight, done)
             progress.add(min(batch_rows, total - in_flight[0]))

@@ -42,7 +42,7 @@ from scone_jax.model import scone
 from scone_jax.runtime import logs, tool_main
 from scone_jax.runtime.errors import one_line
 from scone_jax.serving import generate, inference
-from scone_jax.serving.prefetch import Prefetcher
+from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
 
 try:  # absolute import: the top-level harness package, not this module
     from lm_eval.api.model import TemplateLM
@@ -201,10 +201,11 @@ class SconeHarnessLM(TemplateLM):
                 out[i] = (logp[r, :n].astype(np.float64), greedy[r, :n])
 
         prefetch = Prefetcher(chunks, prepare)
+        window = DispatchWindow(self.served.mesh)
         pending = None
         try:
             for chunk, batch in prefetch:
-                result = self._score_step(batch)  # dispatched; the previous batch's result is read meanwhile
+                result = window.add(self._score_step(batch))  # dispatched; the previous batch's result is read meanwhile
                 if pending is not None:
                     collect(*pending)
                 pending = (chunk, result)

@@ -54,6 +54,7 @@ from scone_jax.fgram.matcher import Matcher
 from scone_jax.model import accounting
 from scone_jax.runtime import tool_main, workdir as workdir_layout
 from scone_jax.training import assets, state as state_lib
+import quality_figure
 from quality_protocol import best_rate, family, planned_keys, sweep_stopped, variant, without_short_arms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -398,50 +399,6 @@ def markdown(results: dict) -> str:
     return "\n".join(rows) + "\n\nEvery run (the learning-rate sweep included):\n\n" + "\n".join(runs) + "\n"
 
 
-def plot(results: dict, path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    arms = results["arms"]
-
-    def budget(members):
-        tokens = {arms[a]["tokens"] for a in members if a in arms}
-        return f", {max(tokens) / 1e6:.0f}M tokens" if len(tokens) == 1 else ""
-
-    # Curves join arms trained on the same budget only; with no _short arms the 1x arms stand in.
-    ref = {f: f"{f}_short" if f"{f}_short" in arms else f for f in ("baseline", "scone")}
-    families = {"baseline, depth 1x/2x": ["baseline", "baseline_2x"],
-                "baseline, depth 1x/4x": [ref["baseline"], "baseline_4x"],
-                "SCONE 1x": ["scone"],
-                "SCONE, f-gram model 0.5x/1x/2x": ["scone_fgram0.5x", ref["scone"], "scone_fgram2x"],
-                "SCONE, S 5k/20k/100k": ["scone_s5k", ref["scone"], "scone_s100k"],
-                "SCONE, K 3/5": ["scone_k3", ref["scone"]]}
-
-    for ax, x_key, label in ((axes[0], "inference_flops_per_token", "inference FLOPs per token"),
-                             (axes[1], "train_flops", "training FLOPs (whole run)")):
-        for (name, members), marker in zip(families.items(), "os*Dv^"):
-            pts = [(arms[a][x_key], arms[a]["test_ppl"], a) for a in members if a in arms]
-            if not pts:
-                continue
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name + budget(members))
-            for x, y, a in pts:
-                ax.annotate(a, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xscale("log")
-        ax.set_xlabel(label)
-        ax.set_ylabel("test perplexity")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("Test perplexity after equal token budgets (tools/bench_quality.py)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
-
-
 def main():
     tool_main.require(train_files=_TRAIN.value, validation_files=_VALIDATION.value, eval_files=_TEST.value,
                       workdir=_WORKDIR.value)
@@ -530,7 +487,7 @@ def main():
     with open(os.path.join(root, "quality.md"), "w") as f:
         f.write(markdown(study.results))
     print(f"table: {os.path.join(root, 'quality.md')}")
-    if plot(study.results, os.path.join(root, "quality.png")):
+    if quality_figure.plot(study.results, os.path.join(root, "quality.png")):
         print(f"plot: {os.path.join(root, 'quality.png')}")
     for arm, r in study.results["arms"].items():
         if arm in arms:

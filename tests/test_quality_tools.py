@@ -11,6 +11,7 @@ from tests.common import run_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
+import bench_quality  # noqa: E402
 import embedding_scale  # noqa: E402
 import plot_quality  # noqa: E402
 import quality_protocol  # noqa: E402
@@ -115,6 +116,23 @@ def test_plot_quality_bad_input_is_one_line(tmp_path):
     assert f"plot_quality: error: {path} holds no arm 'scone'; it has the arms ['baseline']" in result.stderr
     missing = run_tool("tools/plot_quality.py", [f"--png={tmp_path / 'q.png'}"])
     assert missing.returncode == 2 and "pass --runs" in missing.stderr
+
+
+def test_bench_quality_names_the_line_that_says_why_a_job_stopped(tmp_path):
+    """A failed job is reported by its last one-line error, else its last line, of this attempt only. Caught:
+    the whole log searched for "error:" in any case, so a SIGTERM'd run was reported by libtpu's CPU warning
+    ("INVALID_ARGUMENT: Error: unexpected worker hostname ...") instead of "Stopped by SIGTERM ... rerun to resume"."""
+    log = tmp_path / "train.log"
+    log.write_text("scone_jax: error: an earlier attempt's error\n")
+    seen = []
+    stopped = ("print('E0000 common_lib.cc:906] INVALID_ARGUMENT: Error: unexpected worker hostname'); "
+               "print('W main.py:81] Stopped by SIGTERM after saving a checkpoint at step 600; rerun to resume.'); "
+               "print(); raise SystemExit(143)")
+    rc, line = bench_quality.run_cli(["-c", stopped], str(log), seen.append)
+    assert (rc, line) == (143, "W main.py:81] Stopped by SIGTERM after saving a checkpoint at step 600; rerun to resume.")
+    assert seen[0].endswith("unexpected worker hostname") and "earlier attempt" in log.read_text()
+    refused = "import sys; print('scone_jax: error: unknown key foo'); print('I exiting', file=sys.stderr); sys.exit(2)"
+    assert bench_quality.run_cli(["-c", refused], str(log), seen.append) == (2, "scone_jax: error: unknown key foo")
 
 
 def read_split(out, name):

@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -285,9 +286,17 @@ def flops(config) -> tuple[float, float]:
 
 # --- running one arm ----------------------------------------------------------------------------------
 
-def run_cli(args: list[str], log_path: str, show) -> int:
-    """Run a program of this package, its output appended to log_path; `show(line)` sees each line."""
+# A program's one-line error ("scone_jax: error: ...", runtime/tool_main.py's): lower case, after a program name or
+# at the start, so libraries' lines that merely contain "Error:" (libtpu's warnings on a CPU) are not taken for it.
+_ONE_LINE_ERROR = re.compile(r"(^|: )error: ")
+
+
+def run_cli(args: list[str], log_path: str, show) -> tuple[int, str]:
+    """Run a program of this package, its output appended to log_path; `show(line)` sees each line. Returns
+    its exit status and the line that says why it stopped: its last one-line error, else its last line (this
+    invocation's only: the log holds every earlier attempt too)."""
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    last, error = "(no output)", None
     with open(log_path, "a") as log:
         proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
@@ -295,14 +304,10 @@ def run_cli(args: list[str], log_path: str, show) -> int:
             log.write(line)
             log.flush()
             show(line.rstrip("\n"))
-        return proc.wait()
-
-
-def _error_line(log_path: str) -> str:
-    with open(log_path) as f:
-        lines = [x.strip() for x in f if x.strip()]
-    errors = [x for x in lines if "error:" in x.lower()]
-    return (errors or lines or ["(no output)"])[-1][:500]
+            if line.strip():
+                last = line.strip()
+                error = last if _ONE_LINE_ERROR.search(last) else error
+        return proc.wait(), (error or last)[:500]
 
 
 def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> dict:
@@ -321,12 +326,11 @@ def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> di
 
     allow = []
     for _ in range(4):  # a capacity overflow: raise it and resume from the checkpoint the run saved
-        rc = run_cli(["-m", "scone_jax.main", f"--config={CONFIG}:{variant(arm)}", f"--workdir={workdir}",
+        rc, last = run_cli(["-m", "scone_jax.main", f"--config={CONFIG}:{variant(arm)}", f"--workdir={workdir}",
                       *study.flags_for(config, arm), *([f"--allow_config_change={','.join(allow)}"] if allow else [])],
                      log, show)
         if rc == 0:
             break
-        last = _error_line(log)
         if "scone.fgram_capacity" in last and config.scone.enabled:
             with config.unlocked():
                 config.scone.fgram_capacity = int(config.scone.fgram_capacity * 1.5 // 128 * 128)
@@ -340,14 +344,15 @@ def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> di
     metrics = [json.loads(x) for x in open(os.path.join(workdir, workdir_layout.METRICS))]
     validation = [m for m in metrics if m.get("split") == "eval"][-1]
     export = os.path.join(workdir, "export")
-    rc = run_cli(["-m", "scone_jax.serving.export", f"--workdir={workdir}", f"--output={export}"], log, lambda _: None)
+    rc, last = run_cli(["-m", "scone_jax.serving.export", f"--workdir={workdir}", f"--output={export}"], log,
+                       lambda _: None)
     if rc:
-        raise RuntimeError(f"exporting {key} failed (exit {rc}): {_error_line(log)} (log: {log})")
+        raise RuntimeError(f"exporting {key} failed (exit {rc}): {last} (log: {log})")
     result_path = os.path.join(workdir, "test_eval.json")
-    rc = run_cli(["-m", "scone_jax.serving.evaluate", f"--export={export}", f"--result={result_path}",
-                  f"--config.data.eval_files={study.test_files}"], log, lambda _: None)
+    rc, last = run_cli(["-m", "scone_jax.serving.evaluate", f"--export={export}", f"--result={result_path}",
+                        f"--config.data.eval_files={study.test_files}"], log, lambda _: None)
     if rc:
-        raise RuntimeError(f"evaluating {key} failed (exit {rc}): {_error_line(log)} (log: {log})")
+        raise RuntimeError(f"evaluating {key} failed (exit {rc}): {last} (log: {log})")
     test = _read_json(result_path)
     inference, train_flops = flops(config)
     record = {

@@ -2,11 +2,15 @@
 dispatch window keeps XLA:CPU from deadlocking."""
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
+import jax
 import numpy as np
 import pytest
 import tensorstore as ts
+from jax.sharding import Mesh
 
 from scone_jax.serving import bundle
 from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
@@ -143,11 +147,6 @@ def test_dispatch_window_keeps_xla_cpu_from_deadlocking_on_collectives():
     serving.evaluate did): XLA:CPU's pool fills with tasks of different programs waiting for each other, logs
     "rendezvous ... may be stuck" and aborts the process after about a minute (3 of 3 runs of this program,
     and a crash of the test suite)."""
-    import subprocess
-    import sys
-
-    from jax.sharding import Mesh
-
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     result = subprocess.run([sys.executable, "-c", _MANY_PROGRAMS, "3000"], env=env, capture_output=True, text=True,
                             timeout=240, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,7 +154,5 @@ def test_dispatch_window_keeps_xla_cpu_from_deadlocking_on_collectives():
     limit, total = result.stdout.split()
     expected = sum(np.float32(np.tanh(np.float32(256 * (i % 8) / 8))) * 64 * 256 for i in range(3000))
     assert limit == "1" and float(total) == pytest.approx(expected, rel=1e-4)
-    import jax
-
     one_device = Mesh(np.array(jax.devices()[:1]), ("data",))
     assert DispatchWindow(one_device).limit == 2  # no pool shared between devices: keep the next step queued

@@ -10,13 +10,12 @@ import glob
 import json
 import os
 import threading
-import zlib
 
 import numpy as np
 from absl import logging
 from array_record.python import array_record_module
 
-from scone_jax.data import compressed, corpus, mixture, shards
+from scone_jax.data import compressed, corpus, shards
 
 SOURCES = ("kjv", "text", "jsonl", "arrayrecord")
 _SCAN_BYTES = 1 << 24
@@ -388,52 +387,3 @@ def open_source(data_cfg, split: str, tokenizer_fingerprint: str | None = None):
     if kind == "arrayrecord" and tokenizer_fingerprint is not None:
         source.check_tokenizer(tokenizer_fingerprint)
     return source
-
-
-_EDGE_BYTES = 1 << 20  # how much of each end of a pre-tokenized shard without sidecars its identity reads
-
-
-def _file_crc(path: str, limit: int | None = None) -> str:
-    """CRC-32 of the file's bytes (all of them, or the first and last `limit` bytes)."""
-    crc = 0
-    with open(path, "rb") as f:
-        if limit is None or os.path.getsize(path) <= 2 * limit:
-            while block := f.read(1 << 22):
-                crc = zlib.crc32(block, crc)
-        else:
-            crc = zlib.crc32(f.read(limit), crc)
-            f.seek(-limit, os.SEEK_END)
-            crc = zlib.crc32(f.read(limit), crc)
-    return f"{crc:08x}"
-
-
-def train_data_identity(data_cfg) -> dict:
-    """What the training documents are, for checkpoints to compare on resume (a changed corpus would be
-    a different data stream under the same batch numbers): {file: [size, content id]} of every file the
-    training globs match. The content id is a CRC-32 of a text or JSONL file's bytes (they are read whole at
-    start anyway), a pre-tokenized shard's sidecar (its document and token counts, tokenizer, first
-    document), or, for a shard without one, of its first and last MiB. No modification times: a corpus
-    copied to a new machine unchanged still resumes. The embedded corpus has none ({})."""
-    if data_cfg.source == "kjv":
-        return {}
-    out = {}
-    for path in expand_files(mixture.all_files(data_cfg.train_files)):
-        if data_cfg.source == "arrayrecord":
-            sidecar = shards.meta_path(path)
-            content = _file_crc(sidecar) if os.path.exists(sidecar) else _file_crc(path, _EDGE_BYTES)
-        else:
-            content = _file_crc(path)
-        out[os.path.abspath(path)] = [os.path.getsize(path), content]
-    return out
-
-
-def identity_changes(saved: dict, now: dict) -> list[str]:
-    """The differences between two train_data_identity results, one phrase each (empty: the same data)."""
-    changes = [f"{p} is new" for p in sorted(set(now) - set(saved))]
-    changes += [f"{p} is gone" for p in sorted(set(saved) - set(now))]
-    for p in sorted(set(saved) & set(now)):
-        if list(saved[p]) != list(now[p]):
-            (size0, id0), (size1, id1) = saved[p], now[p]
-            changes.append(f"{p} changed ({size0} -> {size1} bytes)" if size0 != size1 else f"{p} changed (same size, "
-                           f"content {id0} -> {id1})")
-    return changes

@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.data import eval_sets, mixture, pipeline, sources
+from scone_jax.data import eval_sets, identity, mixture, pipeline
 from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, losses
@@ -173,7 +173,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                                    keep=config.train.keep_checkpoints)
     try:
         # Refused resumes stop here, before anything in the workdir changes (f-grams, config.json).
-        train_data = sources.train_data_identity(config.data)
+        train_data = identity.train_data_identity(config.data)
         _check_resume_config(ckpt, config, allow_config_changes, train_data)
         vocab, batcher = assets.fgram_batcher(config, tokenizer, workdir, mesh)
         spec = state_lib.state_spec(config, mesh)
@@ -324,7 +324,7 @@ def _check_resume_config(ckpt, config, allowed, train_data: dict) -> None:
     if "train_data" not in meta:
         changes.append("data.train_files: the checkpoint does not record its training files")
     else:
-        changes += [f"data.train_files: {c}" for c in sources.identity_changes(meta["train_data"], train_data)[:5]]
+        changes += [f"data.train_files: {c}" for c in identity.identity_changes(meta["train_data"], train_data)[:5]]
     changes = [c for c in changes if c.split(":")[0] not in allowed]
     if changes:
         raise checkpoint.CheckpointMismatchError(

@@ -154,8 +154,9 @@ def test_a_gate_on_a_baseline_run_stops_the_main_job_with_one_line_and_exit_2(tm
     result = run_main(workdir, "--config.scone.gate=true", devices=1)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("scone_jax: error:")]
-    assert lines == ["scone_jax: error: scone.gate=True is set on a run without SCONE (scone.enabled=False): it applies "
-                     "to the f-gram model only. Fix: set --config.scone.enabled=True, or leave scone.gate at False."]
+    assert lines == ["scone_jax: error: scone.gate=True is set on a run without SCONE (scone.enabled=False): it "
+                     "applies to the f-gram model only. Fix: set --config.scone.enabled=True, or leave scone.gate at "
+                     "False."]
     assert "Traceback" not in result.stderr and not (workdir / "checkpoints").exists()
 
 

@@ -26,7 +26,11 @@ and SCONE at 3M tokens is 20% worse (99.7 against 80.6). --config.model.embeddin
 final norm (scone.output_norm): without it its rows collapsed for less long early in training, but the
 perplexity was no better (docs/quality.md). The step count, learning rate, f-gram capacity and
 vocabulary path are set by the tool (or on the command line, e.g. --config.train.num_steps=1220 for 10M
-tokens).
+tokens). The experiments on how the f-gram model trains are overrides of the tool (docs/training.md), off
+here: --override=train.fgram_model_delay_steps=40, or train.fgram_model_delay_steps_per_layer=20 (20, 40,
+80 steps for the 1-, 2-, 4-block f-gram models), scone.learning_rate_multiplier=0.5, scone.gate=true. A
+baseline arm refuses the last two (they mean nothing without SCONE) unless its run is already finished, so
+pass --arms with SCONE arms only when its runs are not.
 """
 import math
 

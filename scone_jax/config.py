@@ -66,6 +66,13 @@ def base_config() -> ml_collections.ConfigDict:
     s.output_norm = True  # the f-gram embedding is the hidden state after the f-gram model's final norm
     #                       (docs/method.md §4); False: its last block's residual stream, at the scale of
     #                       the token inputs it replaces (docs/quality.md: the final norm's rows collapse)
+    s.learning_rate_multiplier = 1.0  # the f-gram model's parameters (model/roles.py) train at this multiple
+    #                       of the learning rate (its whole schedule; the decoder and the shared T keep the
+    #                       rate); 1 = the method. > 0; != 1 only with enabled (docs/training.md)
+    s.gate = False  # the method (False): a matched position's input is the f-gram embedding f. True: a learned
+    #               scalar g, starting at 0, mixes it with the token's own input, (1 - g) T(token) + g f, so
+    #               training starts as the baseline's and reaches the method's replacement at g = 1; the
+    #               export bakes g into the table's rows (docs/training.md). Only with enabled
 
     c.data = d = ml_collections.ConfigDict()
     d.source = "kjv"  # 'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'
@@ -112,9 +119,12 @@ def base_config() -> ml_collections.ConfigDict:
     t.b2 = 0.95
     t.eps = 1e-8
     t.grad_clip_norm = 1.0  # 0 disables clipping
-    t.fgram_model_delay_steps = 0  # SCONE: the f-gram model's updates are 0 for this many steps, then ramp
-    #                       linearly to full over as many more (0 = the method's joint training from step 1;
-    #                       docs/training.md). Switching between 0 and > 0 on resume is refused.
+    t.fgram_model_delay_steps = 0  # SCONE: the f-gram model's updates are 0 for steps 1..D (D = this), then
+    #                       ramp linearly, D+k getting k/D, to full from step 2D on (0 = the method's joint
+    #                       training from step 1; docs/training.md). Switching between 0 and > 0 on resume is refused.
+    t.fgram_model_delay_steps_per_layer = 0  # the same delay scaled with the f-gram model's depth: D = this x
+    #                       scone.num_layers (so 20 gives a 1-, 2-, 4-block f-gram model D = 20, 40, 80);
+    #                       0 = off. At most one of the two delay keys may be > 0.
     t.grad_accum_steps = 1  # micro-batches per step; must divide the rows per data shard (and, with
     #                         SCONE, scone.fgram_capacity, which is split evenly across micro-batches)
     t.log_every = 10
@@ -207,14 +217,14 @@ NUMERIC_RULES = {
     "scone.max_len": ">= 2", "scone.num_fgrams": ">= 1", "scone.min_count": ">= 1",
     "scone.extract_max_tokens": ">= 1", "scone.fgram_capacity": ">= 1", "scone.num_layers": ">= 1",
     "scone.d_model": ">= 0", "scone.num_heads": ">= 0", "scone.d_ff": ">= 0",
-    "scone.input_multiplier": "> 0",
+    "scone.input_multiplier": "> 0", "scone.learning_rate_multiplier": "> 0",
     "data.eval_fraction": "in (0, 1)", "data.vocab_size": ">= 1", "data.tokenizer_size": ">= 0",
     "data.character_coverage": "in (0, 1]", "data.seq_len": ">= 1",
     "data.global_batch_size": ">= 1", "data.worker_count": ">= -1", "data.prefetch_buffer": ">= 1",
     "train.num_steps": ">= 1", "train.max_steps_per_run": ">= 0", "train.learning_rate": "> 0",
     "train.warmup_steps": ">= 0", "train.min_lr_ratio": "in [0, 1]", "train.weight_decay": ">= 0",
     "train.b1": "in [0, 1)", "train.b2": "in [0, 1)", "train.eps": "> 0", "train.grad_clip_norm": ">= 0",
-    "train.fgram_model_delay_steps": ">= 0",
+    "train.fgram_model_delay_steps": ">= 0", "train.fgram_model_delay_steps_per_layer": ">= 0",
     "train.grad_accum_steps": ">= 1", "train.log_every": ">= 1", "train.eval_every": ">= 0",
     "train.eval_batches": ">= 0", "train.checkpoint_every": ">= 1", "train.keep_checkpoints": ">= 1",
     "train.peak_flops_per_device": ">= 0",
@@ -231,6 +241,7 @@ _RULE_HINTS = {
     "train.checkpoint_every": " (steps between checkpoints; the last step is always saved)",
     "train.log_every": " (steps between log lines)",
     "train.grad_accum_steps": " (1 = no accumulation)",
+    "scone.learning_rate_multiplier": " (the f-gram model's learning rate over train.learning_rate; 1 = the same)",
     "data.tokenizer_size": " (0 = any tokenizer that fits model.vocab_size)",
     "data.worker_count": " (-1 = half the cores, 0 = a thread of the training process)",
     "mesh.data": " (-1 = all devices the other axes leave)", "mesh.fsdp": " (-1 = all devices the other axes leave)",
@@ -256,12 +267,29 @@ def _check_special_tokens(d: ml_collections.ConfigDict) -> None:
                              f"spelling of one token of its vocabulary, e.g. --config.data.{role}_token='<|endoftext|>'.")
 
 
+def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
+    """The f-gram model's own settings mean nothing without one (a baseline run), and the delay has one value."""
+    s, t = config.scone, config.train
+    if not s.enabled:
+        for key, value, default in (("learning_rate_multiplier", s.learning_rate_multiplier, 1.0),
+                                    ("gate", s.gate, False)):
+            if value != default:
+                raise ValueError(f"scone.{key}={value!r} is set on a run without SCONE (scone.enabled=False): it "
+                                 "applies to the f-gram model only. Fix: set --config.scone.enabled=True, or leave "
+                                 f"scone.{key} at {default!r}.")
+    if t.fgram_model_delay_steps and t.fgram_model_delay_steps_per_layer:
+        raise ValueError(f"train.fgram_model_delay_steps={t.fgram_model_delay_steps} and "
+                         f"train.fgram_model_delay_steps_per_layer={t.fgram_model_delay_steps_per_layer} are both set; "
+                         "they are two ways to give the one delay. Fix: set one of them to 0.")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Every numeric key's range (NUMERIC_RULES), then cross-field checks that ml_collections
     cannot express; each error names the key and says the fix."""
     _check_numbers(config)
     m, d, t = config.model, config.data, config.train
     _check_special_tokens(d)
+    _check_fgram_training(config)
     eval_sets.parse(d.eval_files)  # named held-out sets: a set without files or a name used twice
     mixture.parse(d.train_files)  # a training mixture: a component without files, a bad weight, a name used twice
     if t.profile_steps:
@@ -310,15 +338,18 @@ def validate_batch_split(config: ml_collections.ConfigDict, num_batch_shards: in
 # What a checkpoint's state and the batches after it mean: resuming with another value of any of
 # these is refused (train.run), unless named in --allow_config_change. Everything else (learning-rate
 # schedule, optimizer constants, mesh, attention implementation, remat, scan_layers (converted on
-# restore), compute dtype, evaluation, logging) may change between runs. The tokenizer and the f-gram
-# vocabulary are pinned by their fingerprints instead of their paths, so moved files still resume.
+# restore), compute dtype, evaluation, logging) may change between runs, but for the f-gram model's
+# learning-rate multiplier: a run trained at two ratios of the rates would be neither experiment's.
+# The tokenizer and the f-gram vocabulary are pinned by their fingerprints instead of their paths, so
+# moved files still resume.
 RESUME_KEYS = (
     "model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads", "model.head_dim", "model.d_ff",
     "model.max_seq_len", "model.norm", "model.mlp", "model.position", "model.rope_theta", "model.use_bias",
     "model.tie_embeddings", "model.param_dtype", "model.embedding_multiplier",
     "scone.enabled", "scone.max_len", "scone.num_fgrams", "scone.min_count", "scone.extract_max_tokens",
     "scone.fgram_capacity", "scone.num_layers", "scone.d_model", "scone.num_heads", "scone.d_ff",
-    "scone.output_gain_init", "scone.input_multiplier", "scone.output_norm",
+    "scone.output_gain_init", "scone.input_multiplier", "scone.output_norm", "scone.learning_rate_multiplier",
+    "scone.gate",
     "data.source", "data.train_files", "data.text_field", "data.document_unit", "data.eval_fraction",
     "data.seq_len", "data.global_batch_size", "data.shuffle_seed",
 )

@@ -92,6 +92,18 @@ def fgram_embedding(gram, params, arch):
     return linear(h, f["out_proj"]) if "out_proj" in f else h
 
 
+def matched_input(gram, params, arch):
+    """§3: what the decoder reads at a position where `gram` is the longest match: its f-gram embedding. With the
+    gate of docs/training.md (scone.gate; params["fgram"]["gate"] = g, absent in the method) the mix
+    (1 - g) T(token) + g f, the token there being the f-gram's last one and T(token) the decoder's own input
+    (times its embedding multiplier). The export's table row of `gram`."""
+    f = fgram_embedding(gram, params, arch)
+    if "gate" not in params["fgram"]:
+        return f
+    g = float(params["fgram"]["gate"])
+    return (1 - g) * params["token_embed"][gram[-1]] * arch.get("embedding_multiplier", 1.0) + g * f
+
+
 def longest_matches(tokens, fgrams, max_len):
     """§2: for each position of one document piece, the longest f-gram ending there (tuple) or None."""
     out = []
@@ -118,7 +130,7 @@ def token_losses(params, batch, arch, fgrams=(), max_len=0):
             x = params["token_embed"][tokens] * arch.get("embedding_multiplier", 1.0)  # 1 in the method
             for i, gram in enumerate(longest_matches(tokens, fgrams, max_len)):
                 if gram is not None:
-                    x[i] = fgram_embedding(gram, params, arch)
+                    x[i] = matched_input(gram, params, arch)
             positions = batch.positions[r, cols]
             if not arch["rope"]:
                 x = x + params["pos_embed"][positions]
@@ -140,23 +152,25 @@ def learning_rate(step, peak, warmup, total, min_ratio):
 
 
 def delayed_factor(step, delay):
-    """docs/training.md, train.fgram_model_delay_steps = D: the f-gram model's update is scaled by 0
-    up to step D, then by (step - D) / D until it reaches 1 at step 2D."""
+    """docs/training.md, train.fgram_model_delay_steps = D: the f-gram model's update at step `step` (counted
+    from 1) is scaled by 0 for steps 1..D, by k / D at step D + k, and by 1 from step 2D on."""
     if delay == 0:
         return 1.0
     return min(1.0, max(0.0, (step - delay) / delay))
 
 
 def adamw_step(params, grads, mu, nu, count, decayed, hp):
-    """One AdamW update of flat {name: array} trees: global-norm clipping, bias-corrected moments,
-    decoupled weight decay on the names in `decayed`, learning rate of step `count` (before the update);
-    the whole update of the f-gram model's parameters (names starting "['fgram_model']") times
-    delayed_factor(count, hp["fgram_delay"]) when hp has that key.
+    """One AdamW update of flat {name: array} trees, the step numbered count + 1 (`count` steps done before it):
+    global-norm clipping, bias-corrected moments, decoupled weight decay on the names in `decayed`, learning
+    rate of step `count` (before the update). The f-gram model's parameters (names starting "['fgram_model']")
+    train at hp["fgram_lr_multiplier"] (1 if absent) times that rate, their whole update (decay included)
+    scaled by it and by delayed_factor(count + 1, hp["fgram_delay"]) (no delay if absent).
     Returns (params, mu, nu, learning rate, gradient norm before clipping)."""
     norm_ = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
     scale = min(1.0, hp["clip"] / norm_) if hp["clip"] > 0 else 1.0
     lr = learning_rate(count, hp["lr"], hp["warmup"], hp["total"], hp["min_ratio"])
     t = count + 1
+    fgram_factor = hp.get("fgram_lr_multiplier", 1.0) * delayed_factor(t, hp.get("fgram_delay", 0))
     new_p, new_mu, new_nu = {}, {}, {}
     for name, p in params.items():
         g = grads[name] * scale
@@ -166,6 +180,6 @@ def adamw_step(params, grads, mu, nu, count, decayed, hp):
         if name in decayed:
             update = update + hp["weight_decay"] * p
         if name.startswith("['fgram_model']"):
-            update = update * delayed_factor(count, hp.get("fgram_delay", 0))
+            update = update * fgram_factor
         new_p[name] = p - lr * update
     return new_p, new_mu, new_nu, lr, norm_

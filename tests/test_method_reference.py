@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 from scone_jax import sharding
+from scone_jax.serving import export
 from scone_jax.training import optimizer, state as state_lib, steps
 from tests import method_reference as ref
 from tests.common import small_config
@@ -66,7 +67,7 @@ def reference_params(model, config) -> dict:
     out["fgram"] = {"pos_embed": fg["pos_embed"]["embedding"], "blocks": _blocks(fg["stack"], config.scone.num_layers)}
     if "final_norm" in fg["stack"]:  # absent without scone.output_norm
         out["fgram"]["final_norm"] = fg["stack"]["final_norm"]
-    for name in ("in_proj", "out_proj"):
+    for name in ("in_proj", "out_proj", "gate"):
         if name in fg:
             out["fgram"][name] = fg[name]
     return out
@@ -193,6 +194,44 @@ def test_the_output_norm_experiment_drops_only_the_fgram_models_final_norm():
     assert np.abs(normed - emb).max() > 1e-1
 
 
+def test_the_gate_mixes_token_and_fgram_inputs_and_the_export_bakes_it_into_the_table():
+    """scone.gate (docs/training.md; off in the method): the decoder's input at a matched position is
+    (1 - g) T(token) + g f, T(token) its own input there (model.embedding_multiplier included) and g one learned
+    scalar that starts at 0. Against the reference (ref.matched_input) in the training losses at g = 0.3, at
+    g = 0 (the baseline's: no f-gram reaches the decoder) and at g = 1 (the method's), and in the export's table
+    rows, which are what the decoder receives, so serving's replacement stays exact. Caught: the gate as a
+    multiplier on f added to T (T + g f); g starting at 1; the export's rows without the gate (f alone, or
+    mixed with T without the embedding multiplier)."""
+    config = scone_config(GPT2, gate=True)
+    config.model.embedding_multiplier = 2.0
+    arch = arch_of(config) | {"embedding_multiplier": 2.0}
+    assert float(state_lib.build_model(config).fgram_model.gate[...]) == 0.0
+    model = perturbed_model(config)
+    batch, vocab = production_batch(num_shards=2, capacity=48)
+    losses = jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))
+    mesh = sharding.make_mesh(config.mesh)
+    rows = 8 * -(-vocab.num_fgrams // 8)  # whole rows per device
+    for g in (0.3, 0.0, 1.0):
+        model.fgram_model.gate[...] = jnp.asarray(g, jnp.float32)
+        got = np.asarray(losses(*nnx.split(model), device_arrays(batch)))
+        params = reference_params(model, config)
+        want = ref.token_losses(params, batch, arch, planted_grams(), K)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        plain = {**params, "fgram": {k: v for k, v in params["fgram"].items() if k != "gate"}}
+        if g == 0.0:
+            np.testing.assert_allclose(want, ref.token_losses(params, batch, arch, (), K), rtol=1e-9, atol=1e-9)
+        elif g == 1.0:
+            np.testing.assert_allclose(want, ref.token_losses(plain, batch, arch, planted_grams(), K), rtol=1e-9,
+                                       atol=1e-9)
+        else:
+            assert np.abs(want - ref.token_losses(plain, batch, arch, planted_grams(), K)).max() > 1e-2
+            assert np.abs(want - ref.token_losses(params, batch, arch, (), K)).max() > 1e-2
+            table = np.asarray(export.embed_fn(model, mesh, "float32")(*export.batch_inputs(vocab, 0, rows, mesh)))
+            for i in range(vocab.num_fgrams):
+                gram = tuple(int(t) for t in vocab.tokens[i, : vocab.lengths[i]])
+                np.testing.assert_allclose(table[i], ref.matched_input(gram, params, arch), rtol=1e-5, atol=1e-5)
+
+
 # --- AdamW -----------------------------------------------------------------------------------------------
 
 def _flat(tree) -> dict:
@@ -247,14 +286,17 @@ def test_a_model_without_weight_matrices_is_refused_when_decay_is_on():
 
 
 @pytest.mark.slow  # a whole train step of both models against the reference: ~30 s each
-@pytest.mark.parametrize("main,scan_layers,delay", [(GPT2, True, 0), (OLMO, False, 2)],
-                         ids=["gpt2", "olmo-unscanned-fgram-delay"])
-def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers, delay):
+@pytest.mark.parametrize("main,scan_layers,delay,multiplier,fgram_factor", [
+    (GPT2, True, 0, 1.0, 1.0), (GPT2, True, 0, 3.0, 3.0), (OLMO, False, 3, 0.5, 0.5 / 3)],
+    ids=["gpt2", "gpt2-fgram-lr-x3", "olmo-unscanned-fgram-delay-lr-x0.5"])
+def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers, delay, multiplier, fgram_factor):
     """The production train step (mean-loss gradients, clipping, warmup-cosine schedule, moments, decay
-    mask) from a state at step 3 with non-zero moments equals ref.adamw_step on the same gradients.
-    With train.fgram_model_delay_steps = 2, step 3 moves the f-gram model by half its AdamW update
-    (seen to catch: the factor on the decoder too; the ramp starting at 0 instead of after the delay)."""
-    config = scone_config(main, scan_layers)
+    mask) from a state after 3 steps with non-zero moments equals ref.adamw_step on the same gradients:
+    step 4. The f-gram model's update is scone.learning_rate_multiplier times its AdamW update, and with
+    train.fgram_model_delay_steps = 3 also 1/3 (step 4 = D + 1 of the ramp). Seen to catch: the factor on
+    the decoder too; the ramp starting at 0 instead of after the delay; the ramp one step late (optax's count
+    taken for the step: 0 at step 4); the multiplier on the whole model, or left out of the delayed schedule."""
+    config = scone_config(main, scan_layers, learning_rate_multiplier=multiplier)
     t = config.train
     t.weight_decay, t.grad_clip_norm, t.warmup_steps, t.num_steps = 0.5, 0.05, 2, 6  # clipping active
     t.fgram_model_delay_steps = delay
@@ -266,7 +308,7 @@ def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers, delay):
     mu0 = {k: rng.normal(0, 1e-3, v.shape) for k, v in params0.items()}
     nu0 = {k: rng.uniform(0, 1e-5, v.shape) for k, v in params0.items()}
 
-    opt = nnx.Optimizer(model, optimizer.make_optimizer(t), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, optimizer.make_optimizer(config), wrt=nnx.Param)
     state = nnx.state((model, opt))
 
     def seeded(path, x):
@@ -288,8 +330,8 @@ def test_train_step_equals_a_hand_written_adamw_step(main, scan_layers, delay):
     decayed = {k for k in params0 if k.endswith("['kernel'].value")}  # the weight matrices, by the test's own rule
     hp = {"lr": t.learning_rate, "warmup": t.warmup_steps, "total": t.num_steps, "min_ratio": t.min_lr_ratio,
           "b1": t.b1, "b2": t.b2, "eps": t.eps, "weight_decay": t.weight_decay, "clip": t.grad_clip_norm,
-          "fgram_delay": delay}
-    assert ref.delayed_factor(count, delay) == (0.5 if delay else 1.0)
+          "fgram_delay": delay, "fgram_lr_multiplier": multiplier}
+    assert multiplier * ref.delayed_factor(count + 1, delay) == pytest.approx(fgram_factor)
     want, _, _, lr, grad_norm = ref.adamw_step(params0, grads, mu0, nu0, count, decayed, hp)
     assert grad_norm > 2 * t.grad_clip_norm  # the clip is exercised
     assert abs(float(metrics["learning_rate"]) - lr) < 1e-9 and 0 < lr < t.learning_rate

@@ -58,6 +58,9 @@ class FgramModel(nnx.Module):
         self.output_gain = nnx.Param(jnp.asarray(gain, dtype_of(cfg.param_dtype))) if gain else None
         # 1 in the method; sqrt(d) gives the blocks the decoder's scaled input (model.embedding_multiplier).
         self.input_multiplier = float(scone_cfg.input_multiplier)
+        # Off by default (the method). scone.gate: the scalar g of SconeModel.matched_inputs, from 0; one of this
+        # model's parameters, so the f-gram model's delay and learning-rate multiplier apply to it too.
+        self.gate = nnx.Param(jnp.zeros((), dtype_of(cfg.param_dtype))) if scone_cfg.gate else None
 
     def __call__(self, token_embeddings: jax.Array, lengths: jax.Array) -> jax.Array:
         """Embeddings of the f-grams themselves: the output at each row's last token, [U, d]."""

@@ -2,9 +2,9 @@
 
 Role decides which parameters count as embedding parameters (accounting.py), which are
 weight-decayed (training/optimizer.py) and which belong to the f-gram model (whose updates
-train.fgram_model_delay_steps holds back). It is read from the parameter's path, never from its
-rank: with scanned layers (model.scan_layers) a norm scale or a bias is stacked to [layers, d] and
-looks like a matrix.
+train.fgram_model_delay_steps holds back and scone.learning_rate_multiplier scales). It is read
+from the parameter's path, never from its rank: with scanned layers (model.scan_layers) a norm
+scale or a bias is stacked to [layers, d] and looks like a matrix.
 
   embedding  the tables of nnx.Embed modules named in EMBEDDING_MODULES (token embedding T, the
              decoder's learned positions, the f-gram model's K positions): not decayed

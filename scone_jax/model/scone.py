@@ -2,8 +2,8 @@
 losses, for every caller (train and eval steps, serving's evaluation, harness scoring, generation).
 
 The decoder's input is T(token) everywhere, replaced where an f-gram ends by that f-gram's embedding
-(docs/method.md §3). The embeddings come from one of two providers, chosen by the batch's arrays
-(data/batch.py):
+(docs/method.md §3; with scone.gate, by its mix with T(token), SconeModel.matched_inputs). The
+embeddings come from one of two providers, chosen by the batch's arrays (data/batch.py):
   trained  the f-gram model of a SconeModel, run once per row of each group's maximal unique f-grams
            (fgram_tokens [G, C, K], fgram_lengths [G, C]) and read back per position through its slot
            (fgram_slot, row*K + j, -1 = no match), inside the group: the arrays of group g sit on the
@@ -33,8 +33,25 @@ class SconeModel(nnx.Module):
         self.fgram_model = FgramModel(main_cfg, scone_cfg, rngs)
 
     def fgram_embeddings(self, fgram_tokens: jax.Array, fgram_lengths: jax.Array) -> jax.Array:
-        """F-gram model over f-gram rows [N, K] -> [N, d]; shares T with the decoder (the export's table)."""
-        return self.fgram_model(self.decoder.embed(fgram_tokens), fgram_lengths)
+        """F-gram rows [N, K] -> [N, d]: what the decoder receives at a position where that f-gram is matched,
+        so the export's table holds it and serving replaces T(token) by it as the method does. That is the
+        f-gram model's output (sharing T with the decoder), mixed by scone.gate with the decoder's input for
+        the f-gram's last token, the token at that position."""
+        rows = self.fgram_model(self.decoder.embed(fgram_tokens), fgram_lengths)
+        if self.fgram_model.gate is None:
+            return rows
+        last = jnp.take_along_axis(fgram_tokens, jnp.maximum(fgram_lengths - 1, 0)[:, None], axis=1)[:, 0]
+        return self.matched_inputs(rows, self.decoder.input_tokens(last))
+
+    def matched_inputs(self, rows: jax.Array, token_inputs: jax.Array) -> jax.Array:
+        """The decoder's input at matched positions from the f-gram model's rows: the rows themselves (the
+        method), or with scone.gate (1 - g) T(token) + g rows, `token_inputs` being the decoder's own input
+        there (model.embedding_multiplier included). g is one learned scalar starting at 0, so a gated run
+        starts as the baseline does and reaches the method's replacement at g = 1 (docs/training.md)."""
+        if self.fgram_model.gate is None:
+            return rows
+        g = self.fgram_model.gate[...].astype(rows.dtype)
+        return (1 - g) * token_inputs.astype(rows.dtype) + g * rows
 
 
 def decoder_of(model) -> Decoder:
@@ -72,7 +89,8 @@ def input_embeddings(model, batch) -> jax.Array:
         if not isinstance(model, SconeModel):
             raise ValueError("The batch carries trained f-gram slots but the model has no f-gram model.")
         rows, matched = trained_fgram_rows(model, batch)
-    elif batch.fgram_rows is not None:
+        rows = model.matched_inputs(rows, x)
+    elif batch.fgram_rows is not None:  # the export's rows: already what the decoder receives (fgram_embeddings)
         rows, matched = table_rows(batch)
     else:
         return x

@@ -141,7 +141,8 @@ class Checkpointer:
             if want.get(path) != have.get(path):
                 optimizer = path[:1] == ("1",)  # the state is (model, optimizer): training/state.py
                 fix = ("the optimizer settings the checkpoint was saved with (train.fgram_model_delay_steps "
-                       "switched between 0 and > 0 changes the optimizer's state)" if optimizer
+                       "or train.fgram_model_delay_steps_per_layer switched between 0 and > 0 changes the "
+                       "optimizer's state)" if optimizer
                        else "the model config the checkpoint was saved with")
                 raise CheckpointMismatchError(
                     f"Checkpoint {self.directory}/{step} does not fit the {'optimizer' if optimizer else 'model'} "

@@ -1,5 +1,6 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping; optionally the f-gram model's
-updates held back for the first steps (train.fgram_model_delay_steps, docs/training.md)."""
+"""AdamW with linear warmup, cosine decay and global-norm clipping; optionally the f-gram model's updates
+held back for the first steps (train.fgram_model_delay_steps) and its learning rate a multiple of the rest's
+(scone.learning_rate_multiplier), docs/training.md."""
 from __future__ import annotations
 
 import jax
@@ -33,36 +34,48 @@ def decay_mask(params, weight_decay: float = 0.0):
     return mask
 
 
-def fgram_model_update_scale(train_cfg) -> optax.Schedule:
-    """The factor on the f-gram model's updates at each step: 0 for the first D =
-    train.fgram_model_delay_steps steps, then rising linearly to 1 over the next D. Why: with the
-    method's joint training from step 1, the f-gram model's rows all turn to one direction early on
-    and stop improving for a while (docs/quality.md, 'collapse'); letting the decoder and the token
+def fgram_model_delay(config) -> int:
+    """D, the f-gram model's delay in steps: train.fgram_model_delay_steps, or
+    train.fgram_model_delay_steps_per_layer times the f-gram model's depth (config.validate refuses both)."""
+    t = config.train
+    return t.fgram_model_delay_steps or t.fgram_model_delay_steps_per_layer * config.scone.num_layers
+
+
+def fgram_model_update_scale(delay: int, multiplier: float = 1.0) -> optax.Schedule:
+    """The factor on the f-gram model's updates, a function of optax's count c = step - 1 (it counts from 0):
+    `multiplier` times a ramp that is 0 for steps 1..D (D = `delay`), k/D at step D + k, and 1 from step 2D on.
+    Why: with the method's joint training from step 1, the f-gram model's rows all turn to one direction early
+    on and stop improving for a while (docs/quality.md, 'collapse'); letting the decoder and the token
     embeddings settle first avoids that."""
-    delay = train_cfg.fgram_model_delay_steps
-    return lambda step: jnp.clip((step - delay) / max(delay, 1), 0.0, 1.0)
+    return lambda count: multiplier * jnp.clip((count + 1 - delay) / max(delay, 1), 0.0, 1.0)
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
-    """The optimizer of the whole model. With train.fgram_model_delay_steps > 0 its state holds one
-    more counter, so a run cannot switch between 0 and > 0 on resume (the checkpoint's shape check
-    says so); other delay values may change."""
+def make_optimizer(config) -> optax.GradientTransformation:
+    """The optimizer of the whole model (the full config: the f-gram model's settings are under scone and
+    train). Its updates of the f-gram model's parameters (model/roles.py) are scaled last, after AdamW's
+    learning rate and decoupled weight decay: by scone.learning_rate_multiplier (the f-gram model's rate is
+    that multiple of the rate) and the delay's ramp. With a delay > 0 the state holds one more counter, so a
+    run cannot switch between no delay and a delay on resume (the checkpoint's shape check says so); other
+    delay values may change. The clipping before it sees the whole model's gradient, unscaled."""
+    t = config.train
     parts = []
-    if train_cfg.grad_clip_norm > 0:
-        parts.append(optax.clip_by_global_norm(train_cfg.grad_clip_norm))
+    if t.grad_clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(t.grad_clip_norm))
     parts.append(
         optax.adamw(
-            learning_rate_schedule(train_cfg),
-            b1=train_cfg.b1,
-            b2=train_cfg.b2,
-            eps=train_cfg.eps,
-            weight_decay=train_cfg.weight_decay,
+            learning_rate_schedule(t),
+            b1=t.b1,
+            b2=t.b2,
+            eps=t.eps,
+            weight_decay=t.weight_decay,
             # Always masked, so the optimizer state has one structure whatever weight_decay a resumed run sets.
-            mask=lambda params: decay_mask(params, train_cfg.weight_decay),
+            mask=lambda params: decay_mask(params, t.weight_decay),
         )
     )
-    if train_cfg.fgram_model_delay_steps > 0:
-        parts.append(optax.masked(
-            optax.scale_by_schedule(fgram_model_update_scale(train_cfg)),
-            lambda params: jax.tree_util.tree_map_with_path(lambda path, _: roles.in_fgram_model(path), params)))
+    delay, multiplier = fgram_model_delay(config), float(config.scone.learning_rate_multiplier)
+    fgram_scale = (optax.scale_by_schedule(fgram_model_update_scale(delay, multiplier)) if delay > 0
+                   else optax.scale(multiplier) if multiplier != 1.0 else None)
+    if fgram_scale is not None:
+        parts.append(optax.masked(fgram_scale, lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, _: roles.in_fgram_model(path), params)))
     return optax.chain(*parts)

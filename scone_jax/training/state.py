@@ -28,7 +28,7 @@ def build_model(config) -> nnx.Module:
 
 def _create(config):
     model = build_model(config)
-    optimizer = nnx.Optimizer(model, make_optimizer(config.train), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
     return nnx.split((model, optimizer))
 
 

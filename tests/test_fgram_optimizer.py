@@ -1,0 +1,203 @@
+"""The optimizer's settings for the f-gram model, step by step through the production train step
+(training/steps.py, training/optimizer.py): the delay's ramp as docs/training.md states it, its cap at full,
+scone.learning_rate_multiplier, the delay scaled with the f-gram model's depth, and train.grad_clip_norm=0;
+and the config's refusals of these settings where they mean nothing.
+
+The ramp is read off the parameters: with b1 = b2 = 0, no weight decay and a constant rate, AdamW's update of
+an element is lr * g / (|g| + eps), so the largest move of any f-gram-model parameter in a step is lr times
+the factor on its updates (to ~1e-8), and of any decoder parameter lr."""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from scone_jax import config as config_lib, sharding
+from scone_jax.training import checkpoint, optimizer, state as state_lib, steps, train
+from tests.common import REPO, random_batch, run_main, small_config
+from tests.scone_batches import K, production_batch
+
+LR = 1e-2
+
+
+def scone_config(**train):
+    config = small_config(num_layers=1)
+    config.scone.update(dict(enabled=True, max_len=K, fgram_capacity=48, num_layers=2))
+    config.train.update(dict(b1=0.0, b2=0.0, weight_decay=0.0, grad_clip_norm=0.0, warmup_steps=0, min_lr_ratio=1.0,
+                             learning_rate=LR, num_steps=8) | train)
+    return config
+
+
+def set_counts(state, count: int):
+    """The state with every step counter of the optimizer (nnx's step, optax's counts) at `count`."""
+    def put(path, x):
+        key = jax.tree_util.keystr(path)
+        return jnp.full_like(x, count) if key.endswith("['count'].value") or key == "[1]['step'].value" else x
+
+    return jax.tree_util.tree_map_with_path(put, state)
+
+
+def largest_moves(config, state_steps: int, cap_count: int):
+    """Runs the production train step `state_steps` times from a fresh state, then once more with every optimizer
+    counter set to `cap_count`; per step, (largest move of an f-gram-model parameter / lr, same for the rest / lr)."""
+    mesh = sharding.make_mesh(config.mesh)
+    spec = state_lib.state_spec(config, mesh)
+    state = state_lib.init_state(config, spec)
+    step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    batch = sharding.global_batch(production_batch(num_shards=sharding.num_batch_shards(mesh), capacity=48)[0]
+                                  .for_device(), mesh)
+
+    def params(state):
+        return {jax.tree_util.keystr(p): np.asarray(x, np.float64)
+                for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(state_lib.model_of(spec.graphdef, state),
+                                                                          nnx.Param))}
+
+    out = []
+    for i in range(state_steps + 1):
+        if i == state_steps:
+            state = jax.device_put(set_counts(state, cap_count), spec.shardings)
+        before = params(state)
+        state, metrics = step(state, batch)  # donates the old state: `before` holds copies
+        assert float(metrics["learning_rate"]) == pytest.approx(LR, rel=1e-6)  # constant rate
+        after = params(state)
+        moves = {name: np.abs(after[name] - before[name]).max() / LR for name in before}
+        out.append((max(v for n, v in moves.items() if n.startswith("['fgram_model']")),
+                    max(v for n, v in moves.items() if not n.startswith("['fgram_model']"))))
+    return out
+
+
+# Steps 1-6 (the factor docs/training.md gives: 0 for steps 1..D, k/D at step D + k, 1 from 2D on), then a step
+# long after 2D. Caught: the ramp one step late as it was (optax's count taken for the step: D = 2 gave 0, 0, 0,
+# 0.5, 1, 1); the ramp without its cap (jnp.maximum(..., 0) for jnp.clip: 2, 3, ... from step 2D + 1, and 5000
+# at the late step); scone.learning_rate_multiplier ignored, or applied to the decoder too; the per-layer delay
+# not multiplied by scone.num_layers (D = 1: 0, 1, 1, ... in the second case).
+@pytest.mark.parametrize("train_keys,multiplier,want", [
+    (dict(fgram_model_delay_steps=1), 2.5, [0, 2.5, 2.5, 2.5, 2.5, 2.5]),
+    (dict(fgram_model_delay_steps_per_layer=1), 1.0, [0, 0, 0.5, 1, 1, 1]),  # D = 1 x 2 f-gram blocks
+    (dict(fgram_model_delay_steps=3), 1.0, [0, 0, 0, 1 / 3, 2 / 3, 1]),  # boundary: full at the last step, 2D = 6
+    (dict(), 0.5, [0.5] * 6),  # no delay: the multiplier alone
+], ids=["D1-lr-x2.5", "D2-per-layer", "D3-ends-at-the-last-step", "no-delay-lr-x0.5"])
+def test_the_fgram_models_update_factor_step_by_step(train_keys, multiplier, want):
+    config = scone_config(**train_keys)
+    config.scone.learning_rate_multiplier = multiplier
+    config_lib.validate(config)
+    moves = largest_moves(config, len(want), cap_count=10_000)
+    fgram, rest = np.array([m[0] for m in moves]), np.array([m[1] for m in moves])
+    np.testing.assert_allclose(fgram, want + [multiplier], atol=1e-4)  # long after 2D: exactly the multiplier
+    np.testing.assert_allclose(rest, 1.0, atol=1e-4)  # the decoder and T: the rate itself, every step
+
+
+def test_grad_clip_norm_0_passes_a_huge_gradient_unchanged():
+    """With train.grad_clip_norm=0, AdamW's first moment after one production step is (1 - b1) times the
+    gradient itself, whose global norm is over 100 times the default clip (1.0); clipped, it would be that
+    gradient over its norm. Caught: clipping kept at the default when 0 (`clip_by_global_norm(grad_clip_norm
+    or 1.0)` always added: every moment 138 times too small)."""
+    config = small_config(num_layers=1)
+    config.train.grad_clip_norm = 0.0
+    mesh = sharding.make_mesh(config.mesh)
+    spec = state_lib.state_spec(config, mesh)
+    state = jax.device_put(jax.tree_util.tree_map_with_path(  # final-norm outputs x100: a gradient norm > 100
+        lambda p, x: x * 100 if "['final_norm']['scale']" in jax.tree_util.keystr(p) else x,
+        state_lib.init_state(config, spec)), spec.shardings)
+    host = random_batch()
+    grads = jax.jit(nnx.grad(lambda m: steps.token_losses(m, host).sum() / host.loss_mask.sum()))(
+        state_lib.model_of(spec.graphdef, state))
+    grads = {jax.tree_util.keystr(p): np.asarray(g, np.float64) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+    norm = np.sqrt(sum((g * g).sum() for g in grads.values()))
+    new_state, metrics = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)(
+        state, sharding.global_batch(host, mesh))
+    assert norm > 100 and float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-4)
+    mu = {jax.tree_util.keystr(p).split("['mu']", 1)[1]: np.asarray(x, np.float64)
+          for p, x in jax.tree_util.tree_leaves_with_path(new_state[1]) if "['mu']" in jax.tree_util.keystr(p)}
+    assert set(mu) == set(grads)
+    scale = max(np.abs(g).max() for g in grads.values())  # a gradient that is 0 in exact arithmetic (key bias)
+    for name, g in grads.items():  # is fp32 noise summed in another order here: an absolute bound for it
+        np.testing.assert_allclose(mu[name], (1 - config.train.b1) * g, rtol=1e-3, atol=1e-6 * scale, err_msg=name)
+
+
+# --- the config's refusals -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,value,message", [
+    ("scone.learning_rate_multiplier", 0.0, r"^scone\.learning_rate_multiplier=0\.0 is not valid: it must be > 0 "),
+    ("scone.learning_rate_multiplier", -1.0, r"^scone\.learning_rate_multiplier=-1\.0 is not valid: it must be > 0 "),
+    ("scone.learning_rate_multiplier", 2.0, r"^scone\.learning_rate_multiplier=2\.0 is set on a run without SCONE "
+                                            r"\(scone\.enabled=False\).*Fix: set --config\.scone\.enabled=True, or "
+                                            r"leave scone\.learning_rate_multiplier at 1\.0\.$"),
+    ("scone.gate", True, r"^scone\.gate=True is set on a run without SCONE .*leave scone\.gate at False\.$"),
+    ("train.fgram_model_delay_steps_per_layer", 10, r"^train\.fgram_model_delay_steps=40 and "
+                                                    r"train\.fgram_model_delay_steps_per_layer=10 are both set.*Fix: "
+                                                    r"set one of them to 0\.$"),
+])
+def test_fgram_settings_that_mean_nothing_are_refused_in_one_line(key, value, message):
+    """On a baseline run (scone disabled) the f-gram model's settings are refused, a multiplier of 0 or below
+    everywhere, and the two delay keys together. Caught: the baseline check skipped (`if s.enabled:`), the
+    multiplier's rule written >= 0."""
+    config = small_config()
+    section, name = key.split(".")
+    config[section][name] = value
+    if name == "fgram_model_delay_steps_per_layer":
+        config.train.fgram_model_delay_steps = 40
+    with pytest.raises(ValueError, match=message) as e:
+        config_lib.validate(config)
+    assert "\n" not in str(e.value)
+    config.scone.enabled = True  # with SCONE on, the gate and a multiplier > 0 are fine
+    if key == "scone.gate" or value > 0 and section == "scone":
+        config_lib.validate(config)
+
+
+@pytest.mark.slow
+def test_a_gate_on_a_baseline_run_stops_the_main_job_with_one_line_and_exit_2(tmp_path):
+    workdir = tmp_path / "w"
+    result = run_main(workdir, "--config.scone.gate=true", devices=1)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("scone_jax: error:")]
+    assert lines == ["scone_jax: error: scone.gate=True is set on a run without SCONE (scone.enabled=False): it "
+                     "applies to the f-gram model only. Fix: set --config.scone.enabled=True, or leave scone.gate at "
+                     "False."]
+    assert "Traceback" not in result.stderr and not (workdir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("key,value", [("learning_rate_multiplier", 0.5), ("gate", True)])
+def test_a_resume_that_changes_the_gate_or_the_multiplier_is_refused_naming_the_key(tmp_path, key, value):
+    """The resume check train.run makes before restoring (RESUME_KEYS), on a checkpoint saved with the defaults.
+    Caught: the key missing from RESUME_KEYS (the multiplier then resumes silently; the gate fails later in the
+    shape check, naming a parameter instead of the key)."""
+    saved = small_config()
+    saved.scone.enabled = True
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
+    ckpt.save(3, {"x": jnp.zeros(2)}, {"config": saved.to_dict(), "train_data": {}})
+    config = small_config()
+    config.scone.enabled = True
+    train._check_resume_config(ckpt, config, set(), {})  # unchanged: resumes
+    config.scone[key] = value
+    with pytest.raises(checkpoint.CheckpointMismatchError,
+                       match=rf"/3 with a config that changes .*: scone\.{key}: {saved.scone[key]!r} -> {value!r}\. "
+                             rf".*--allow_config_change=scone\.{key}\.$"):
+        train._check_resume_config(ckpt, config, set(), {})
+    ckpt.close()
+
+
+def test_the_quality_study_takes_them_as_overrides(tmp_path):
+    """tools/bench_quality.py's --override sets them on configs/quality.py's arms, whose defaults stay the method's;
+    the per-layer delay follows each arm's f-gram depth, and a baseline arm refuses the gate and the multiplier.
+    Caught: the per-layer delay not multiplied by scone.num_layers (fgram_model_delay returning P)."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import bench_quality
+
+    overrides = ["scone.learning_rate_multiplier=0.5", "scone.gate=true", "train.fgram_model_delay_steps_per_layer=20"]
+    arms = ["baseline", "scone_fgram0.5x", "scone", "scone_fgram2x"]
+    plain = bench_quality.Study(str(tmp_path), arms, 3_000_000, 3_000_000, ["0.001"], {}, "", False, [])
+    study = bench_quality.Study(str(tmp_path), arms, 3_000_000, 3_000_000, ["0.001"], {}, "", False, overrides)
+    for arm, delay in (("scone_fgram0.5x", 20), ("scone", 40), ("scone_fgram2x", 80)):
+        config = study.config(arm, "0.001")
+        config_lib.validate(config)
+        assert (config.scone.learning_rate_multiplier, config.scone.gate, optimizer.fgram_model_delay(config)) == (
+            0.5, True, delay)
+        default = plain.config(arm, "0.001")
+        assert (default.scone.learning_rate_multiplier, default.scone.gate, optimizer.fgram_model_delay(default)) == (
+            1.0, False, 0)
+    with pytest.raises(ValueError, match=r"^scone\.learning_rate_multiplier=0\.5 is set on a run without SCONE"):
+        config_lib.validate(study.config("baseline", "0.001"))

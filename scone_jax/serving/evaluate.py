@@ -141,7 +141,7 @@ def run(args):
         tool_main.check_result_path(args.result.value, "--result")
     served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
     config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
-    with CompileCache(args.cache.value):
+    with CompileCache(args.cache.value, flag="--compilation_cache_dir"):
         result = evaluate_all(served, config.data, max_batches=args.max_batches.value)
     if "sets" in result:
         for name, figures in result["sets"].items():

@@ -9,10 +9,12 @@ later starts with the same program load it and compile it through the persistent
 
 The key must name everything the traced program depends on, since a stale program would train
 the wrong model silently: the source of the scone_jax package, the versions of the libraries that
-are traced (jax, jaxlib, flax, optax), the JAX flags that change tracing, the devices and mesh, the
-config (but for the loop's own keys, LOOP_ONLY_KEYS), and the structure, shapes, dtypes and
-shardings of the step's arguments. Anything else misses and traces afresh. A file that cannot be
-read, or whose recorded key differs, is a miss too (and is replaced); a step that jax.export
+are traced (jax, jaxlib, flax, optax), every JAX flag (but for FLAGS_OUTSIDE_PROGRAM) and XLA's
+flags, the devices and mesh, the whole config (but for the loop's own keys, LOOP_ONLY_KEYS), and the
+structure, shapes, dtypes and shardings of the step's arguments. What is left out is named, and
+tests/test_exported_step.py checks that changing it leaves the program unchanged; so a config key or
+JAX flag added later is in the key without anyone adding it. Anything else misses and traces afresh.
+A file that cannot be read, or whose recorded key differs, is a miss too (and is replaced); a step that jax.export
 cannot export (a custom call without a stability guarantee) runs as a plain jitted step. Code
 outside the package that changes what the step computes (an edited flax checkout with an
 unchanged version, a monkeypatch) is not seen: `train.compilation_cache_dir=''` switches the cache
@@ -31,20 +33,29 @@ from absl import logging
 from jax import export as jax_export
 
 from scone_jax import sharding
+from scone_jax.runtime import compile_cache
 from scone_jax.training import steps
 
 PREFIX = "scone-train-step-"
 KEEP = 4  # newest entries kept: a few configs or code versions in one cache
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax")
-_JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
-              "jax_threefry_partitionable", "jax_numpy_rank_promotion")
+_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")  # flags JAX passes on to XLA
+# JAX flags that say where and when compiled programs are cached and what is logged, not what is traced: a
+# restart that changes them (a moved workdir moves the cache) still loads the program. Every other flag is in
+# the key. tests/test_exported_step.py checks that changing all of these leaves the exported program unchanged.
+FLAGS_OUTSIDE_PROGRAM = (
+    "jax_compilation_cache_dir", "jax_enable_compilation_cache", "jax_compilation_cache_max_size",
+    "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes",
+    "jax_raise_persistent_cache_errors", "jax_explain_cache_misses", "jax_log_compiles",
+)
 # Config keys the train step does not read (the loop's cadence, paths and switches): a resume that changes them
-# still loads the program. tests/test_exported_step.py checks that changing all of them leaves it unchanged.
-LOOP_ONLY_KEYS = {
-    "train": ("max_steps_per_run", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-              "peak_flops_per_device", "profile_steps", "profile_all_processes", "compilation_cache_dir"),
-    "data": ("worker_count", "prefetch_buffer", "eval_files"),
-}
+# still loads the program. Every other key is in the key. tests/test_exported_step.py checks that changing all of
+# these leaves the exported program unchanged.
+LOOP_ONLY_KEYS = (
+    "train.max_steps_per_run", "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+    "train.keep_checkpoints", "train.peak_flops_per_device", "train.profile_steps", "train.profile_all_processes",
+    "train.compilation_cache_dir", "data.worker_count", "data.prefetch_buffer", "data.eval_files",
+)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -69,11 +80,19 @@ def _signature(tree) -> dict:
 
 
 def _program_config(config) -> dict:
+    """The whole config but LOOP_ONLY_KEYS."""
     values = json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
-    for section, keys in LOOP_ONLY_KEYS.items():
-        for key in keys:
-            values.get(section, {}).pop(key, None)
+    for dotted in LOOP_ONLY_KEYS:
+        section, key = dotted.split(".")
+        values.get(section, {}).pop(key, None)
     return values
+
+
+def _program_flags() -> dict:
+    """Every JAX flag's current value (a `with jax.default_matmul_precision(...)` included) but
+    FLAGS_OUTSIDE_PROGRAM, and XLA's flags from the environment."""
+    flags = {name: str(value) for name, value in jax.config.values.items() if name not in FLAGS_OUTSIDE_PROGRAM}
+    return flags | {name: os.environ.get(name, "") for name in _ENVIRONMENT}
 
 
 def key_material(config, mesh, state, batch) -> dict:
@@ -82,7 +101,7 @@ def key_material(config, mesh, state, batch) -> dict:
     return {
         "source": source_fingerprint(),
         "libraries": {name: importlib.metadata.version(name) for name in _LIBRARIES},
-        "jax_flags": {name: str(getattr(jax.config, name)) for name in _JAX_FLAGS},
+        "jax_flags": _program_flags(),
         "devices": [devices[0].platform, devices[0].device_kind, len(devices), jax.process_count()],
         "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
         "config": _program_config(config),
@@ -98,7 +117,7 @@ def entry_name(material: dict) -> str:
 def _write(path: str, header: dict, payload: bytes) -> None:
     """Header length (8 bytes), the header as JSON, the serialized export; atomically (rename)."""
     head = json.dumps(header, sort_keys=True).encode()
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = compile_cache.temporary_path(path)
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head + payload)
     os.replace(tmp, path)
@@ -113,7 +132,8 @@ def _read(path: str) -> tuple[dict, bytes]:
 
 def _prune(directory: str, keep: int = KEEP) -> None:
     """Remove all but the `keep` newest entries (the others belong to earlier code or configs)."""
-    entries = [os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(PREFIX) and ".tmp-" not in n]
+    entries = [os.path.join(directory, n) for n in os.listdir(directory)
+               if n.startswith(PREFIX) and compile_cache.TEMPORARY not in n]
     for path in sorted(entries, key=os.path.getmtime, reverse=True)[keep:]:
         try:
             os.remove(path)
@@ -125,22 +145,33 @@ class ExportedTrainStep:
     """step(state, batch) -> (state, metrics) like steps.make_train_step's, from the exported program in
     `directory` when one with this key is there, else exported now (and written there by process 0).
 
-    `loaded` says, after the first call, whether the program came from the directory."""
+    `loaded` says, after the first call, whether the program came from the directory. `lower(state, batch)`
+    lowers the program that calls run, as a jitted step's `lower` does."""
 
     def __init__(self, graphdef, state_shardings, mesh, config, directory: str):
         self._graphdef, self._mesh, self._config, self._directory = graphdef, mesh, config, directory
         self._tree_shardings = state_shardings
         self._state_shardings = jax.tree.leaves(state_shardings)
         self._batch_sharding = steps.batch_shardings(mesh)
-        self._run = None
+        self._run, self._compiled = None, False
         self.loaded = False
 
     def __call__(self, state, batch):
-        if self._run is None:
-            self._run = self._prepare(state, batch)
+        if not self._compiled:
+            # Compiled first, so that a cache entry holding another program is a miss (compile_cache.compile);
+            # the call below finds this executable in JAX's memory.
+            compile_cache.compile(self.lower(state, batch))
+            self._compiled = True
         return self._run(state, batch)
 
+    def lower(self, state, batch):
+        """The step's program for `state` and `batch` (arrays, or ShapeDtypeStructs with shardings), lowered."""
+        if self._run is None:
+            self._run = self._prepare(state, batch)
+        return self._run.lower(state, batch)
+
     def _prepare(self, state, batch):
+        """The step, step(state, batch) with step.lower(state, batch), from the cache or exported now."""
         state_leaves, state_tree = jax.tree.flatten(state)
         batch_leaves, batch_tree = jax.tree.flatten(batch)
         if len(state_leaves) != len(self._state_shardings):
@@ -160,13 +191,13 @@ class ExportedTrainStep:
         def train_step(state_leaves, batch_leaves):  # named: the cache entry and profiles say jit_train_step
             return exported.call(state_leaves, batch_leaves)
 
-        run = self._jit_flat(train_step, batch_shardings)
+        run = sharding.under_mesh(self._mesh, self._jit_flat(train_step, batch_shardings))
 
         def step(state, batch):
-            with jax.set_mesh(self._mesh):
-                new_leaves, metrics = run(jax.tree.leaves(state), jax.tree.leaves(batch))
+            new_leaves, metrics = run(jax.tree.leaves(state), jax.tree.leaves(batch))
             return state_tree.unflatten(new_leaves), dict(zip(metric_names, metrics))
 
+        step.lower = lambda state, batch: run.lower(jax.tree.leaves(state), jax.tree.leaves(batch))
         return step
 
     def _jit_flat(self, fn, batch_shardings):

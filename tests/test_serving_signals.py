@@ -72,8 +72,8 @@ def run_until_signalled(tmp_path, sig, program: str, gate: tuple, args: list) ->
 @pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_during_evaluate_is_one_line_and_writes_nothing(tmp_path_factory, tmp_path, sig, status):
     """The signal lands after the first eval step is dispatched, while the next batch is prepared. Caught:
-    without tool_main's `stopped` (what evaluate had), SIGINT printed a 31-line KeyboardInterrupt traceback and
-    exited 1; SIGTERM killed the process without a word (status -15)."""
+    without tool_main's `stopped` (what evaluate had), SIGINT printed a 30-line KeyboardInterrupt traceback (status
+    -2); SIGTERM killed the process without a word (status -15)."""
     path = serving_run.exported(tmp_path_factory, "float32")
     text = serving_run.eval_text(tmp_path_factory)
     result = tmp_path / "result.json"

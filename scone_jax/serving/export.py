@@ -342,9 +342,10 @@ def stopped_note(output: str) -> str:
         return f"could not read what is at {output} ({one_line(e, 200)}). Rerun the same command to resume."
     if meta is None:
         return f"no table chunk was written to {output} yet. Rerun the same command to export."
-    done = sum(k.decode().isdigit() for k in keys)
-    return (f"{done} of {_num_chunks(meta)} table chunks are written to {output} and kept; readers refuse it until "
-            "it is complete. Rerun the same command to resume: it computes only the rest.")
+    done, total = sum(k.decode().isdigit() for k in keys), _num_chunks(meta)
+    rest = "it computes only the rest" if done < total else "no chunk is computed again"
+    return (f"{done} of {total} table chunks are written to {output} and kept; readers refuse it until it is "
+            f"complete. Rerun the same command to resume: {rest}.")
 
 
 def _define_flags():

@@ -27,13 +27,71 @@ def test_a_plain_glob_list_is_no_mixture_and_weights_are_relative():
     ("web=/a@0.5;books=/b@0", "component 'books' has weight '0', not a positive number"),
     ("web=/a@0.5;books=@0.5", "component 'books' names no files"),
     ("web=/a@0.5;/b/*.txt", "'/b/*.txt' is not NAME=GLOBS@WEIGHT"),
+    ("web=/a@1e308;books=/b@1e308", "the components' weights sum to inf, not a finite number"),
+    ("web=/a@1;books=/b@0.0001", "component 'books' has 0.0001 of the total weight, below 1/4096"),
 ])
 def test_bad_mixtures_are_refused_before_anything_runs(value, message):
+    """Caught (the last two cases): weights summing to inf accepted as they were, every share 0 (the run took its
+    workdir, then the pipeline died on an IndexError); a component under 1/4096 of the weight refused only by
+    the Schedule, after the workdir, tokenizer and f-grams were made, without naming the component."""
     config = small_config()
     config.data.train_files = value
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         config_lib.validate(config)
-    assert "Fix:" in str(e.value)
+    assert "Fix:" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_component_of_exactly_one_row_per_period_is_accepted_and_gets_it():
+    """The refusal's threshold is the schedule's own: 1/4096 of the weight is one row per period, not zero."""
+    components = mixture.parse(f"web=/a@{mixture.PERIOD - 1};books=/b@1")
+    assert components[1].weight == 1 / mixture.PERIOD
+    owner, _ = mixture.Schedule([c.weight for c in components], seed=0).rows(0, 3 * mixture.PERIOD)
+    assert [int((owner[p * mixture.PERIOD:(p + 1) * mixture.PERIOD] == 1).sum()) for p in range(3)] == [1, 1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights,message", [
+    ("@1e308;b={path}@1e308", "weights sum to inf"),
+    ("@1;b={path}@1e-5", "component 'b' has 1e-05 of the total weight"),
+])
+def test_the_training_job_refuses_a_bad_mixture_in_one_line_before_writing_anything(tokenizer_path, tmp_path,
+                                                                                   weights, message):
+    """`python -m scone_jax.main`: exit 2, one line on stderr, an empty workdir. Caught: the overflowing sum
+    (it wrote config.json, metrics.jsonl and checkpoints/, then died on a pipeline IndexError) and the tiny
+    component (refused only once the data pipeline was built, its workdir already written)."""
+    import os
+    import subprocess
+    import sys
+
+    text = tmp_path / "a.txt"
+    text.write_text("In the beginning God created the heaven and the earth.\n" * 20)
+    workdir = tmp_path / "run"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-m", "scone_jax.main", f"--config=tests/small_config.py:{tokenizer_path}",
+         f"--workdir={workdir}", "--config.data.source=text",
+         f"--config.data.train_files=a={text}{weights.format(path=text)}"],
+        cwd=repo, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Fix:" in lines[0], result.stderr[-3000:]
+    assert not workdir.exists() or not os.listdir(workdir)
+
+
+def test_periods_are_dealt_in_different_orders_fixed_by_seed_and_period():
+    """Each period deals its quotas in an order of its own (drawn from the seed and the period's number), so no
+    component's rows fall at the same offsets every period; the same seed deals the same orders again. Caught:
+    the order drawn from the seed alone (`default_rng([self.seed, 0x313C])`), every period dealt alike."""
+    weights = [0.5, 0.3, 0.2]
+    schedule = mixture.Schedule(weights, seed=5, period=64)
+    orders = [schedule.rows(p * 64, 64)[0] for p in range(4)]
+    assert len({o.tobytes() for o in orders}) == 4  # four periods, four different orders
+    for order in orders:  # each still exactly its quotas
+        np.testing.assert_array_equal(np.bincount(order, minlength=3), mixture.quotas(weights, 64))
+    again = mixture.Schedule(weights, seed=5, period=64)
+    np.testing.assert_array_equal(again.rows(0, 4 * 64)[0], np.concatenate(orders))
+    other_seed = mixture.Schedule(weights, seed=6, period=64).rows(0, 64)[0]
+    assert other_seed.tobytes() != orders[0].tobytes()
 
 
 def _reference_rows(schedule, count):

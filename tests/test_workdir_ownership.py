@@ -162,6 +162,49 @@ def test_a_foreign_owner_file_blocks_and_is_never_taken_over(tmp_path, monkeypat
         ownership.lease_seconds()
 
 
+def test_a_signal_while_the_lease_is_taken_runs_its_handler_once_after_it(tmp_path, monkeypatch):
+    """SIGTERM and SIGINT that arrive while hold() takes the lease (here at its worst moment: OWNER written,
+    acquire() not yet returned) wait until the Ownership that releases OWNER exists, then each runs its own
+    handler once; those handlers are in place again afterwards. With train.run's SIGTERM handler
+    (preemption.stop_on_sigterm_until_training, entered before the lease as train.run enters it) the deferred
+    SIGTERM stops start-up and OWNER is released. Caught: no deferral (the handlers ran inside acquire; with
+    train.run's, StartupInterrupted left OWNER behind, blocking the workdir for a lease); the pending signals
+    raised twice; the pending signals dropped (no handler ran)."""
+    workdir = str(tmp_path / "run")
+    real_acquire, sent, ran, inside = ownership.acquire, [], [], []
+
+    def acquire_while_signalled(path, lease_s=None):
+        owner = real_acquire(path, lease_s)
+        for signum in sent:
+            signal.raise_signal(signum)
+        inside.append(list(ran))
+        return owner
+
+    monkeypatch.setattr(ownership, "acquire", acquire_while_signalled)
+    count = lambda signum, frame: ran.append(signum)  # noqa: E731
+    held = (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, count) for signum in held}
+    try:
+        sent[:] = held
+        with ownership.hold(workdir) as owner:
+            assert ran == [signal.SIGTERM, signal.SIGINT]  # each once, now that the owner exists
+            assert owner_record(workdir)["token"] == owner.record["token"]
+        assert inside == [[]] and all(signal.getsignal(signum) is count for signum in held)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert owner_record(workdir) is None
+
+    from scone_jax.training import preemption
+
+    sent[:] = [signal.SIGTERM]
+    with pytest.raises(preemption.StartupInterrupted):
+        with preemption.stop_on_sigterm_until_training(), ownership.hold(workdir):
+            pytest.fail("the SIGTERM that came while the lease was taken must stop start-up before this")
+    assert owner_record(workdir) is None  # released: the next run starts at once
+    assert signal.getsignal(signal.SIGTERM) is previous[signal.SIGTERM]
+
+
 # The training CLI, as a user meets it.
 
 def start_cli(tokenizer_path, workdir, gate=None, lease_s=2):

@@ -57,7 +57,7 @@ SHARD_PREFIX = "tokens"
 # int32 ids take about as many bytes as the text they came from (~4 characters per token).
 TARGET_SHARD_BYTES = 256 << 20
 _REPORT_DOCS = 256  # documents between updates of the shared progress counters
-_RUN_DIR = ".run"  # each run writes into OUTPUT/.run-<pid>-<random>, then publishes
+_RUN_DIR = ".run"  # each run writes into OUTPUT/.run-<pid>-<host>-<random>, then publishes
 _SHARD_NAME = re.compile(rf"{SHARD_PREFIX}-\d{{5,}}-of-(\d{{5,}})\.arrayrecord")
 
 
@@ -101,8 +101,9 @@ def prepare_output(directory: str, num_shards: int) -> str:
     parent_watch.remove_stale_scratch(directory, _RUN_DIR)  # killed runs' shards: never published
     live = sorted(glob.glob(os.path.join(glob.escape(directory), f"{_RUN_DIR}-*-*")))
     if live:
-        pid = os.path.basename(live[0])[len(_RUN_DIR) + 1:].split("-")[0]
-        raise ValueError(f"Another pretokenize (process {pid}) is writing into --output={directory!r} ({live[0]}). "
+        pid, host = parent_watch.scratch_owner(live[0], _RUN_DIR) or ("?", "")
+        where = f"process {pid} on {host}" if host else f"process {pid}"
+        raise ValueError(f"Another pretokenize ({where}) is writing into --output={directory!r} ({live[0]}). "
                          "Fix: wait for it to finish, or stop it, then rerun.")
     return tempfile.mkdtemp(dir=directory, prefix=parent_watch.scratch_name(_RUN_DIR))
 

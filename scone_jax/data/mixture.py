@@ -34,7 +34,9 @@ class Component:
 
 def parse(train_files: str) -> list[Component] | None:
     """The components of a mixture, None for a plain glob list. ValueError naming the component and the fix
-    for a component without files, a weight that is not a positive number, or a name used twice."""
+    for a component without files, a weight that is not a positive number, a name used twice, weights whose
+    sum overflows, or a weight too small to get a row of every PERIOD (config.validate calls this, so each is
+    refused before a run takes its workdir)."""
     parts = [p.strip() for p in train_files.split(";") if p.strip()]
     if not any("=" in p and "@" in p for p in parts):
         return None
@@ -61,7 +63,16 @@ def parse(train_files: str) -> list[Component] | None:
             raise ValueError(f"data.train_files: component {name!r} names no files. Fix: {name}=<globs>@{weight_text}.")
         components.append(Component(name, files.strip(), weight))
     total = sum(c.weight for c in components)
-    return [dataclasses.replace(c, weight=c.weight / total) for c in components]
+    if not math.isfinite(total):  # finite weights whose sum overflows: every share would be 0
+        raise ValueError(f"data.train_files: the components' weights sum to {total}, not a finite number. Fix: scale "
+                         "them down, e.g. @0.7 and @0.3 (weights are relative: only their ratios count).")
+    components = [dataclasses.replace(c, weight=c.weight / total) for c in components]
+    for c, rows in zip(components, quotas([c.weight for c in components], PERIOD)):
+        if rows == 0:
+            raise ValueError(f"data.train_files: component {c.name!r} has {c.weight:.3g} of the total weight, below "
+                             f"1/{PERIOD}, so the schedule would deal it no rows. Fix: raise its weight to at least "
+                             f"1/{PERIOD} of the total, or leave it out.")
+    return components
 
 
 def all_files(train_files: str) -> str:

@@ -35,7 +35,7 @@ from scone_jax.fgram.vocab import FgramVocab, build_vocab
 from scone_jax.runtime import parent_watch
 
 SEPARATOR = -1
-_SCRATCH = "fgrams"  # scratch directories are fgrams-<pid>-<random> (parent_watch.scratch_name)
+_SCRATCH = "fgrams"  # scratch directories are fgrams-<pid>-<host>-<random> (parent_watch.scratch_name)
 _AHEAD = 16  # positions between prefetching a bucket and probing it
 Progress = Callable[[str, int, "int | None"], None]  # (phase, done tokens, total tokens or None)
 

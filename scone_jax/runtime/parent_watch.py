@@ -10,8 +10,11 @@ multiprocessing fall back to noticing that getppid() changes. A signal on the pa
 PR_SET_PDEATHSIG) is not used: it fires when the parent *thread* that started the worker exits, which for
 pools started from a helper thread is long before the program ends.
 
-Scratch directories are named `<prefix>-<pid>-<random>`; `remove_stale_scratch` deletes those of
-processes that no longer run, so a killed run's scratch is removed by the next one.
+Scratch directories are named `<prefix>-<pid>-<host>-<random>`; `remove_stale_scratch` deletes this host's
+of processes that no longer run, so a killed run's scratch is removed by the next one. The host is in the
+name because a process id means nothing elsewhere: a run on another machine sharing the directory (NFS), or
+in another container sharing /tmp, has a pid this process cannot see, and its live scratch must stay.
+Names without a host (`<prefix>-<pid>-<random>`, from older versions) are judged by their pid alone.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import glob
 import multiprocessing
 import os
 import shutil
+import socket
 import threading
 import time
 
@@ -54,17 +58,30 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def _host() -> str:
+    return (socket.gethostname() or "localhost").replace(os.sep, "_")
+
+
 def scratch_name(prefix: str) -> str:
-    """The stem of this process's scratch directories: `<prefix>-<pid>-` (tempfile adds the random part)."""
-    return f"{prefix}-{os.getpid()}-"
+    """The stem of this process's scratch directories: `<prefix>-<pid>-<host>-` (tempfile adds the random part,
+    which has no '-')."""
+    return f"{prefix}-{os.getpid()}-{_host()}-"
+
+
+def scratch_owner(path: str, prefix: str) -> tuple[int, str] | None:
+    """(pid, host) of a scratch directory's name, host '' for an old name without one; None if not scratch."""
+    pid, _, rest = os.path.basename(path)[len(prefix) + 1:].partition("-")
+    return (int(pid), rest.rpartition("-")[0]) if pid.isdigit() else None
 
 
 def remove_stale_scratch(directory: str, prefix: str) -> list[str]:
-    """Delete `directory/<prefix>-<pid>-*` of processes that no longer run (on this host); returns them."""
+    """Delete `directory/<prefix>-<pid>-<host>-*` of this host's processes that no longer run; returns them."""
     removed = []
     for path in glob.glob(os.path.join(glob.escape(directory), f"{prefix}-*-*")):
-        pid = os.path.basename(path)[len(prefix) + 1:].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+        owner = scratch_owner(path, prefix)
+        if owner is None or owner[1] not in ("", _host()):  # not scratch, or another machine's (module docstring)
+            continue
+        if owner[0] != os.getpid() and not process_alive(owner[0]):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

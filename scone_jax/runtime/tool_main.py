@@ -1,36 +1,63 @@
 """The entry point every program but the training job shares (tools/ scripts and the serving programs):
 absl flags, no positional arguments, and bad input (ValueError, OSError: a wrong flag value, missing or
 unreadable files; a job that could not start) as one line on stderr with exit status 2, the same contract as
-`python -m scone_jax.main`."""
+`python -m scone_jax.main`. A program that passes `stopped` also ends on SIGINT (Ctrl-C) and SIGTERM with one
+line saying what the stop left and how to go on, and exit status 130 / 143 (128 + the signal, as the training
+job and a process killed by the signal report)."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 
 from absl import app, flags
 
 from scone_jax.runtime.errors import one_line
 
-EXIT_BAD_INPUT = 2
+EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 130, 143
 BAD_INPUT = (ValueError, OSError)
 
 
-def main_of(run: Callable[[], None], program: str = "", errors: tuple[type[BaseException], ...] = BAD_INPUT
-            ) -> Callable[[list[str]], None]:
-    """An absl `main` that calls `run()` and turns `errors` into `[program: ]error: <one line>`, exit 2."""
-    prefix = f"{program}: error: " if program else "error: "
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: `finally` blocks run on the way out,
+    and no `except Exception` takes it for an error."""
+
+
+def _terminate(signum, frame):
+    del signum, frame
+    raise Terminated()
+
+
+def main_of(run: Callable[[], None], program: str = "", errors: tuple[type[BaseException], ...] = BAD_INPUT,
+            stopped: Callable[[], str] | None = None) -> Callable[[list[str]], None]:
+    """An absl `main` that calls `run()` and turns `errors` into `[program: ]error: <one line>`, exit 2. With
+    `stopped` (asked once the work has unwound: what the stop left and how to go on), SIGINT and SIGTERM end it
+    with `[program: ]stopped by SIGINT|SIGTERM; <stopped()>`, exit 130|143. (In a multi-process job jax's
+    preemption service takes SIGTERM over when jax.distributed starts.)"""
+    prefix = f"{program}: " if program else ""
 
     def main(argv: list[str]) -> None:
         if len(argv) > 1:
             raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+        if stopped is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminate)
         try:
             run()
         except errors as e:
-            print(prefix + one_line(e, limit=4000), file=sys.stderr)
+            print(f"{prefix}error: {one_line(e, limit=4000)}", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
+        except (KeyboardInterrupt, Terminated) as e:
+            if stopped is None:
+                raise
+            for s in (signal.SIGINT, signal.SIGTERM):  # a second signal now ends the process at once
+                signal.signal(s, signal.SIG_DFL)
+            name, status = ("SIGTERM", EXIT_TERMINATED) if isinstance(e, Terminated) else ("SIGINT", EXIT_INTERRUPTED)
+            print(f"{prefix}stopped by {name}; {stopped()}", file=sys.stderr)
+            sys.exit(status)
 
     return main
 
@@ -42,8 +69,9 @@ def require(**flag_values) -> None:
         raise ValueError("pass " + " and ".join(f"--{name}" for name in missing))
 
 
-def run(body: Callable[[], None], program: str = "", errors: tuple[type[BaseException], ...] = BAD_INPUT) -> None:
-    """app.run(main_of(body, program, errors)), with a flag that does not parse (an unknown flag, a value
+def run(body: Callable[[], None], program: str = "", errors: tuple[type[BaseException], ...] = BAD_INPUT,
+        stopped: Callable[[], str] | None = None) -> None:
+    """app.run(main_of(body, program, errors, stopped)), with a flag that does not parse (an unknown flag, a value
     outside an enum) also one line and exit 2 instead of absl's usage dump and exit 1."""
     prefix = f"{program}: error: " if program else "error: "
 
@@ -54,7 +82,7 @@ def run(body: Callable[[], None], program: str = "", errors: tuple[type[BaseExce
             print(prefix + one_line(e, limit=4000) + " (--help lists the flags)", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
 
-    app.run(main_of(body, program, errors), flags_parser=parse)
+    app.run(main_of(body, program, errors, stopped), flags_parser=parse)
 
 
 def check_result_path(path: str, flag: str) -> None:
@@ -78,10 +106,16 @@ def probe_directory(directory: str) -> None:
 
 
 def write_result(path: str, result, **json_args) -> None:
-    """`result` as JSON at `path`, replaced atomically (a reader never sees half a file)."""
+    """`result` as JSON at `path`, replaced atomically (a reader never sees half a file; a write stopped midway,
+    by a full disk or a signal, leaves no temporary file either)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=directory, prefix=".result-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=1, **json_args)
-    os.replace(temporary, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=1, **json_args)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise

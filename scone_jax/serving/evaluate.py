@@ -9,6 +9,9 @@ perplexity, bits per byte, f-gram hit rate and tokens/s, and writes them to --re
 
 Bits per byte = total next-token loss (nats, end-of-document predictions included) / ln 2 / the
 UTF-8 bytes of the documents' text, each document counted once.
+
+Exit status: 0 done; 2 bad input; 130 / 143 stopped by SIGINT / SIGTERM (one line; nothing is written before
+the end, so rerun the same command).
 """
 from __future__ import annotations
 
@@ -156,6 +159,13 @@ def run(args):
         tool_main.write_result(args.result.value, result)
 
 
+def stopped_note(result: str) -> str:
+    """What a SIGINT or SIGTERM leaves (tool_main prints it): nothing, since the result is written at the end."""
+    written = f"--result={result} was not written" if result else "no result was written"
+    return f"{written} (evaluation writes nothing before it ends). Rerun the same command to evaluate."
+
+
 if __name__ == "__main__":
     _args = _define_flags()
-    tool_main.run(lambda: run(_args), program="scone_jax.serving.evaluate")
+    tool_main.run(lambda: run(_args), program="scone_jax.serving.evaluate",
+                  stopped=lambda: stopped_note(_args.result.value))

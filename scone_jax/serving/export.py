@@ -10,7 +10,8 @@ if a done marker was deleted (what readers ask for when a piece is missing or da
 tokenizer.model differs from the run's, COMPLETE is withdrawn and those pieces are rewritten.
 A run trained without SCONE (a baseline) exports the same bundle with an empty f-gram set (S = 0: a
 table of no rows), so it is served, evaluated and compared by exactly the same programs.
-Exit status: 0 done, 2 bad input (no checkpoint, a different export at PATH, peers that never arrived).
+Exit status: 0 done, 2 bad input (no checkpoint, a different export at PATH, peers that never arrived), 130 / 143
+stopped by SIGINT / SIGTERM (one line says how many chunks are kept; rerunning resumes).
 
 On a pod, run the same command on every host (like training: the Cloud TPU environment is detected,
 elsewhere pass --coordinator_address, --num_processes and --process_id); every device computes rows
@@ -328,6 +329,25 @@ def _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s) -> d
     return {"rows_computed": computed, "seconds": seconds, "rows_per_s": computed / max(seconds, 1e-9)}
 
 
+def stopped_note(output: str) -> str:
+    """What a SIGINT or SIGTERM leaves at `output` and how to go on (tool_main prints it). Chunks are marked done
+    only once written, and COMPLETE comes last, so a stopped export is unfinished, never wrong: readers refuse it
+    and a rerun computes only the chunks without a marker."""
+    try:
+        meta = bundle.read_export_meta(output)
+        if meta is not None and storage.read_bytes(output, bundle.COMPLETE) is not None:
+            return f"{output} was already complete."
+        keys = storage.open_store(storage.join(output, bundle.DONE)).list().result() if meta is not None else []
+    except Exception as e:  # noqa: BLE001 - the stop's line must come out whatever the storage says now
+        return f"could not read what is at {output} ({one_line(e, 200)}). Rerun the same command to resume."
+    if meta is None:
+        return f"no table chunk was written to {output} yet. Rerun the same command to export."
+    done, total = sum(k.decode().isdigit() for k in keys), _num_chunks(meta)
+    rest = "it computes only the rest" if done < total else "no chunk is computed again"
+    return (f"{done} of {total} table chunks are written to {output} and kept; readers refuse it until it is "
+            f"complete. Rerun the same command to resume: {rest}.")
+
+
 def _define_flags():
     """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
     workdir = flags.DEFINE_string("workdir", None, "Training run directory (checkpoints/, tokenizer, fgrams).")
@@ -355,4 +375,5 @@ def run(args):
 if __name__ == "__main__":
     _args = _define_flags()
     tool_main.run(lambda: run(_args), program="scone_jax.serving.export",
-                  errors=(*tool_main.BAD_INPUT, distributed.DistributedStartError))
+                  errors=(*tool_main.BAD_INPUT, distributed.DistributedStartError),
+                  stopped=lambda: stopped_note(_args.output.value))

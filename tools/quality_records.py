@@ -133,3 +133,151 @@ def latest(records: list[dict]) -> dict[tuple, dict[int, dict]]:
     for record in records:
         out.setdefault(settings(record), {})[record["seed"]] = record
     return out
+
+
+# --- docs/quality.md's tables and figure -------------------------------------------------------------------
+
+DELAY40 = {"train.fgram_model_delay_steps": 40}
+NONORM = {"scone.output_norm": False}
+_MAIN, _D3M, _D10M = "", "f-gram updates delayed 40 steps, 3M", "f-gram updates delayed 40 steps, 10M"
+FIGURE_SETS = (_MAIN, _D3M, _D10M)  # the figure's sets in the order of their line styles (solid, dashed, dotted)
+
+
+def row(label: str, arm: str, budget: str, rate: float, overrides: dict | None = None, figure: str | None = None):
+    """One line of a table: the runs of `arm` at `budget` ("10m": its tokens rounded to millions), peak
+    learning rate `rate` and exactly `overrides` (the seed aside), one column per seed; `figure`: the set of
+    the plot it joins ("" the main one, None none)."""
+    return {"label": label, "arm": arm, "budget": budget, "rate": rate, "overrides": overrides or {},
+            "figure": figure}
+
+
+TABLES = {
+    "10m": [
+        row("`baseline` (2 blocks)", "baseline", "10m", 2e-3, figure=_MAIN),
+        row("`baseline_2x` (4 blocks)", "baseline_2x", "10m", 2e-3, figure=_MAIN),
+        row("`scone` (f-gram model 2 blocks, S = 20k, K = 5)", "scone", "10m", 2e-3, figure=_MAIN),
+        row("`scone_s100k`", "scone_s100k", "10m", 2e-3),
+        row("`scone_fgram2x` (4 blocks)", "scone_fgram2x", "10m", 2e-3),
+        row("`scone`, f-gram updates delayed 40 steps", "scone", "10m", 2e-3, DELAY40, _D10M),
+        row("`scone_fgram2x`, delayed 40 steps", "scone_fgram2x", "10m", 2e-3, DELAY40, _D10M),
+        row("`scone_s100k`, delayed 40 steps", "scone_s100k", "10m", 2e-3, DELAY40, _D10M),
+    ],
+    "3m": [row(label, arm, "3m", 1e-3, figure=_MAIN) for label, arm in (
+        ("`baseline_short` (2 blocks)", "baseline_short"), ("`baseline_4x` (8 blocks)", "baseline_4x"),
+        ("`scone_short` (f-gram model 2 blocks, S = 20k, K = 5)", "scone_short"),
+        ("`scone_fgram0.5x` (1 block)", "scone_fgram0.5x"), ("`scone_fgram2x` (4 blocks)", "scone_fgram2x"),
+        ("`scone_s5k`", "scone_s5k"), ("`scone_s100k`", "scone_s100k"), ("`scone_k3`", "scone_k3"))] + [
+        row(f"`{arm}`, delayed 40 steps", arm, "3m", 1e-3, DELAY40, _D3M)
+        for arm in ("scone_short", "scone_fgram0.5x", "scone_fgram2x", "scone_s5k", "scone_s100k")] + [
+        row(f"`scone_short`, delayed {d} steps", "scone_short", "3m", 1e-3, {"train.fgram_model_delay_steps": d})
+        for d in (20, 80)],
+    "sweep": [row(f"`{arm}` at {rate:.0e}".replace("e-0", "e-"), arm, "10m", rate) for arm, rates in (
+        ("baseline", (5e-4, 1e-3, 2e-3, 4e-3)), ("scone", (1e-3, 2e-3, 4e-3)), ("baseline_2x", (1e-3, 2e-3)))
+        for rate in rates],
+    "collapse": [
+        row("3M at 2e-3: `baseline_short`", "baseline_short", "3m", 2e-3),
+        row("3M at 2e-3: `scone_short`", "scone_short", "3m", 2e-3),
+        row("3M at 2e-3: `scone_short`, delayed 40 steps", "scone_short", "3m", 2e-3, DELAY40),
+        row("3M at 2e-3: `scone_short` without the output norm", "scone_short", "3m", 2e-3, NONORM),
+        row("3M at 2e-3: `scone_fgram2x` without the output norm", "scone_fgram2x", "3m", 2e-3, NONORM),
+        row("3M at 1e-3: `scone_short` without the output norm", "scone_short", "3m", 1e-3, NONORM),
+        row("10M at 2e-3: `scone` without the output norm", "scone", "10m", 2e-3, NONORM),
+        row("3M at 5e-4: `scone_fgram2x`", "scone_fgram2x", "3m", 5e-4),
+    ],
+}
+
+
+def budget(tokens: int) -> str:
+    return f"{round(tokens / 1e6)}m"
+
+
+def runs_of(spec: dict, records: list[dict]) -> dict[int, dict]:
+    """seed -> the latest record of a table row's settings (none: {})."""
+    key = (spec["arm"], spec["rate"], tuple(sorted(spec["overrides"].items())))
+    out = {}
+    for (arm, tokens, rate, rest), seeds in latest(records).items():
+        if (arm, rate, rest) == key and budget(tokens) == spec["budget"]:
+            out.update(seeds)
+    return out
+
+
+def mean_run(seeds: dict[int, dict]) -> dict:
+    """One record standing for a row's seeds: test and validation perplexity averaged over them."""
+    runs = [seeds[s] for s in sorted(seeds)]
+    mean = dict(runs[-1])
+    mean["test_ppl"] = sum(r["test_ppl"] for r in runs) / len(runs)
+    mean["validation_ppl"] = sum(r["validation_ppl"] for r in runs) / len(runs)
+    return mean
+
+
+def _flops(x: float) -> str:
+    return f"{x:.3g}".replace("e+", "e")
+
+
+def table(name: str, records: list[dict]) -> str:
+    """TABLES[name] as markdown: test perplexity per seed (validation in brackets), the mean over seeds,
+    training FLOPs and hit rate. A row without any record is refused: the table would silently lose it."""
+    rows = [(spec, runs_of(spec, records)) for spec in TABLES[name]]
+    empty = [spec["label"] for spec, seeds in rows if not seeds]
+    if empty:
+        raise ValueError(f"No record holds the table {name!r}'s rows {empty}. Fix: append their runs to the "
+                         "records (tools/bench_quality.py does) or drop the rows from quality_records.TABLES.")
+    seeds = sorted({s for _, found in rows for s in found})
+    lines = ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | training FLOPs | hit rate |",
+             "|---|" + "---|" * (len(seeds) + 3)]
+    for spec, found in rows:
+        cells = [f"{found[s]['test_ppl']:.2f} ({found[s]['validation_ppl']:.2f})" if s in found else ""
+                 for s in seeds]
+        mean = mean_run(found)
+        hit = f"{mean['hit_rate']:.2f}" if mean["arm"].startswith("scone") else ""
+        lines.append(f"| {spec['label']} | " + " | ".join(cells) + f" | {mean['test_ppl']:.2f} | "
+                     f"{_flops(mean['train_flops'])} | {hit} |")
+    return "\n".join(lines)
+
+
+def every_run(records: list[dict]) -> str:
+    """Every record's settings and figures, one line per seed, in the order appended."""
+    lines = ["| arm | tokens | learning rate | overrides | seed | test (validation) | commit | migrated from |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        given = ", ".join(f"{k}={v}" for k, v in r["overrides"].items() if k != "train.seed")
+        source = os.path.basename(r["source"]) if r["source"] else ""
+        lines.append(f"| `{r['arm']}` | {r['tokens'] / 1e6:.1f}M | {r['learning_rate']:g} | {given} | {r['seed']} "
+                     f"| {r['test_ppl']:.2f} ({r['validation_ppl']:.2f}) | {r['commit']} | {source} |")
+    return "\n".join(lines)
+
+
+_MARKER = "<!-- records:"
+_END = "<!-- /records -->"
+
+
+def fill(markdown: str, records: list[dict]) -> str:
+    """`markdown` with every `<!-- records:NAME -->...<!-- /records -->` block rebuilt from `records`
+    (NAME: a key of TABLES, or `all` for every run); the text around the blocks is kept as written."""
+    out, rest = [], markdown
+    while _MARKER in rest:
+        before, _, after = rest.partition(_MARKER)
+        name, _, after = after.partition(" -->")
+        if _END not in after:
+            raise ValueError(f"The block '{_MARKER}{name} -->' has no '{_END}' after it. Fix: close it.")
+        if name != "all" and name not in TABLES:
+            raise ValueError(f"Unknown records table {name!r}; the tables are {sorted(TABLES)} and 'all'.")
+        rest = after.partition(_END)[2]
+        body = every_run(records) if name == "all" else table(name, records)
+        out.append(f"{before}{_MARKER}{name} -->\n{body}\n{_END}")
+    return "".join(out) + rest
+
+
+def figure_sets(records: list[dict]) -> dict[str, dict[str, dict]]:
+    """label -> arm -> the mean record of the table rows drawn in the figure ("" the main set)."""
+    out: dict[str, dict[str, dict]] = {label: {} for label in FIGURE_SETS}
+    for rows in TABLES.values():
+        for spec in rows:
+            found = runs_of(spec, records)
+            if spec["figure"] is None or not found:
+                continue
+            arms = out[spec["figure"]]
+            if spec["arm"] in arms:
+                raise ValueError(f"Two rows of the figure's set {spec['figure']!r} are arm {spec['arm']!r}.")
+            arms[spec["arm"]] = mean_run(found)
+    return {label: arms for label, arms in out.items() if arms}

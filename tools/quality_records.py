@@ -67,14 +67,12 @@ def _last_byte(path: str) -> bytes:
 
 def overrides_of(config, settings: list[str]) -> dict:
     """The `KEY=VALUE` settings a run was given, as dotted key -> the value the run's config holds (typed:
-    1 becomes 1.0 for a float key), the seed included when not 0, SCONE's keys dropped for a run without it."""
+    1 becomes 1.0 for a float key; train.seed=N stays one of them), SCONE's keys dropped for a run without it."""
     out = {}
     for item in settings:
         key = item.partition("=")[0].strip()
         if config.scone.enabled or not key.startswith(SCONE_ONLY):
             out[key] = _get(config, key)
-    if config.train.seed:
-        out["train.seed"] = int(config.train.seed)
     return dict(sorted(out.items()))
 
 
@@ -220,7 +218,7 @@ def table(name: str, records: list[dict]) -> str:
     rows = [(spec, runs_of(spec, records)) for spec in TABLES[name]]
     empty = [spec["label"] for spec, seeds in rows if not seeds]
     if empty:
-        raise ValueError(f"No record holds the table {name!r}'s rows {empty}. Fix: append their runs to the "
+        raise ValueError(f"No record holds these rows of the table {name!r}: {empty}. Fix: append their runs to the "
                          "records (tools/bench_quality.py does) or drop the rows from quality_records.TABLES.")
     seeds = sorted({s for _, found in rows for s in found})
     lines = ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | training FLOPs | hit rate |",

@@ -25,7 +25,8 @@ def record(arm="scone_short", test_ppl=80.62, seed=0, rate=0.001, tokens=3006464
 
 def test_records_round_trip_with_typed_overrides_and_the_seed(tmp_path):
     """A run's record reads back as written, its overrides typed as its config holds them and its seed in
-    both places. Caught: the override's text kept ('false', '40': a table row for False/40 matched nothing)."""
+    both places. Caught: the override's text kept ('false', '40': a table row for False/40 matched nothing);
+    SCONE's settings kept on a baseline (its row then missed the baseline a study with them trained)."""
     settings = ["scone.output_norm=false", "train.fgram_model_delay_steps=40", "model.embedding_multiplier=1",
                 "train.seed=1"]
     configs = {}

@@ -85,7 +85,7 @@ _LEARNING_RATES = flags.DEFINE_list("learning_rates", ["5e-4", "1e-3", "2e-3", "
                                     "Peak learning rates swept by baseline and scone, lowest first (the "
                                     "default brackets both families' best rates in docs/quality.md).")
 _ALLOW_EPOCHS = flags.DEFINE_bool("allow_epochs", False, "Allow budgets larger than one pass over the corpus.")
-_RECORD = flags.DEFINE_string("record", "", "Also write results.json here after every run (e.g. into the repo).")
+_RECORD = flags.DEFINE_string("record", "", "Also write results.json here after every run.")
 _RECORDS = flags.DEFINE_string("records", quality_records.RECORDS, "The study's records: every finished run is "
                                "appended here with its overrides and seed ('' = none; with --quick, only if given).")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke run: baseline and scone, one learning rate, 64 x 8-token-rows "

@@ -2,8 +2,8 @@
 tools/bench_quality.py and read by tools/plot_quality.py (docs/quality.md's tables and figure).
 
 A record names everything that tells a run apart, so no file name has to: its arm, every config setting it
-made on top of configs/quality.py's arm (`overrides`, dotted key -> value, the seed included when not 0), the
-seed, learning rate, token budget and steps, the commit, the corpus and a hash of its splits' bytes, and what
+made on top of configs/quality.py's arm (`overrides`, dotted key -> value, `train.seed` among them when
+given), the seed, learning rate, token budget and steps, the commit, the corpus and a hash of its splits' bytes, and what
 it measured (validation and test perplexity, test tokens, FLOPs, hit rate). The file is append-only: a rerun
 of the same settings adds a line, and readers take the last one (`latest`), so nothing already recorded is
 ever rewritten. `source` names the results file a record was migrated from (null for appended runs).

@@ -1,5 +1,5 @@
-"""tools/split_corpus.py (hash split by path), tools/bench_quality.py (its refusals and a --quick run) and
-tools/plot_quality.py (means over seeds)."""
+"""tools/split_corpus.py (hash split by path) and tools/bench_quality.py (its refusals and a --quick run);
+tools/plot_quality.py and the study's records: tests/test_quality_records.py."""
 import json
 import os
 import sys
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from tests.common import run_tool
+from tools import quality_records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import bench_quality  # noqa: E402
 import embedding_scale  # noqa: E402
-import plot_quality  # noqa: E402
 import quality_protocol  # noqa: E402
 import split_corpus  # noqa: E402
 
@@ -74,48 +74,6 @@ def test_progress_counts_runs_an_earlier_invocation_finished():
     keys = quality_protocol.planned_keys(planned, runs, ["0.001", "0.002"])
     assert keys == ["scone/lr0.001", "scone/lr0.002", "scone_s5k/lr0.001", "baseline_4x/lr0.001"]
     assert [k in runs for k in keys] == [True, True, True, False]
-
-
-def quality_run(arm, test_ppl, tokens=3_000_000, rate=0.001):
-    return {"arm": arm, "test_ppl": test_ppl, "validation_ppl": test_ppl - 5, "tokens": tokens, "learning_rate": rate,
-            "inference_flops_per_token": 1.58e6, "train_flops": 2e13}
-
-
-def test_plot_quality_averages_an_arm_over_the_files_of_one_label_only():
-    """Each --runs names a file's arms (the protocol's choice) or run keys; an arm is the mean over the files of
-    its label, never across labels. Caught: keying the means by arm alone (a delayed run averaged into the
-    undelayed seeds)."""
-    seed0 = {"arms": {"scone_short": quality_run("scone_short", 80.62), "scone_s5k": quality_run("scone_s5k", 77.94)},
-             "runs": {"scone_short/lr0.002": quality_run("scone_short", 132.56, rate=0.002)}}
-    seed1 = {"arms": {"scone_short": quality_run("scone_short", 81.10)}, "runs": {}}
-    delayed = {"arms": {"scone_short": quality_run("scone_short", 78.14)}, "runs": {}}
-    assert plot_quality.parse_spec("a/b.json:scone,scone_s5k/lr0.001@delayed 40") == (
-        "a/b.json", ["scone", "scone_s5k/lr0.001"], "delayed 40")
-    assert plot_quality.parse_spec("b.json") == ("b.json", [], "")
-    sets = plot_quality.gather([("", plot_quality.select(seed0, [], "s0")),
-                                ("", plot_quality.select(seed1, ["scone_short"], "s1")),
-                                ("delayed", plot_quality.select(delayed, [], "d"))])
-    assert sets[""]["scone_short"]["test_ppl"] == pytest.approx((80.62 + 81.10) / 2)
-    assert sets[""]["scone_short"]["test_ppl_each"] == [80.62, 81.10]
-    assert sets[""]["scone_s5k"]["test_ppl"] == 77.94 and sets["delayed"]["scone_short"]["test_ppl"] == 78.14
-    assert plot_quality.select(seed0, ["scone_short/lr0.002"], "s0")["scone_short"]["test_ppl"] == 132.56
-    with pytest.raises(ValueError, match=r"s0 holds no arm 'scone_k3'; it has the arms \['scone_s5k', 'scone_short'\]"):
-        plot_quality.select(seed0, ["scone_k3"], "s0")
-    # another budget or rate is not a seed: refused, naming the field
-    other = [("", {"scone_short": quality_run("scone_short", 80.0)}),
-             ("", {"scone_short": quality_run("scone_short", 38.0, tokens=10_000_000)})]
-    with pytest.raises(ValueError, match=r"The runs of 'scone_short' differ in tokens \(\[3000000, 10000000\]\)"):
-        plot_quality.gather(other)
-
-
-def test_plot_quality_bad_input_is_one_line(tmp_path):
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps({"arms": {"baseline": quality_run("baseline", 50.8)}, "runs": {}}))
-    result = run_tool("tools/plot_quality.py", [f"--runs={path}:scone", f"--png={tmp_path / 'q.png'}"])
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"plot_quality: error: {path} holds no arm 'scone'; it has the arms ['baseline']" in result.stderr
-    missing = run_tool("tools/plot_quality.py", [f"--png={tmp_path / 'q.png'}"])
-    assert missing.returncode == 2 and "pass --runs" in missing.stderr
 
 
 def test_bench_quality_names_the_line_that_says_why_a_job_stopped(tmp_path):
@@ -213,11 +171,19 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     """--quick trains baseline and scone, exports both and scores the test split through serving.evaluate;
     the RESULT lines carry the test perplexities it recorded, a rerun trains nothing, and a rerun with other
     settings is refused. Caught: finished runs reused whatever the settings (check_finished_runs not called)."""
-    args = quality_args(corpus, tmp_path / "study", "--quick", "--allow_epochs", "--override=data.vocab_size=512")
+    records = tmp_path / "runs.jsonl"
+    args = quality_args(corpus, tmp_path / "study", "--quick", "--allow_epochs", "--override=data.vocab_size=512",
+                        f"--records={records}")
     first = run_tool("tools/bench_quality.py", args, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     results = json.loads((tmp_path / "study" / "results.json").read_text())
     assert set(results["arms"]) == {"baseline", "scone"}
+    # each finished run appended to the records with the study's settings (caught: the append call removed)
+    appended = quality_records.read(str(records))
+    assert [r["arm"] for r in appended] == ["baseline", "scone"] and {r["seed"] for r in appended} == {0}
+    assert all(r["overrides"]["data.vocab_size"] == 512 and r["overrides"]["data.seq_len"] == 64 for r in appended)
+    assert [r["test_ppl"] for r in appended] == [results["arms"][a]["test_ppl"] for a in ("baseline", "scone")]
+    assert appended[0]["splits_sha256"] == appended[1]["splits_sha256"] and appended[0]["corpus"] == corpus.name
     for arm in ("baseline", "scone"):
         r = results["arms"][arm]
         assert f"RESULT ppl_{arm} {r['test_ppl']:.3f}" in first.stdout
@@ -229,6 +195,7 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     assert results["arms"]["scone"]["train_flops"] > results["arms"]["baseline"]["train_flops"]
     again = run_tool("tools/bench_quality.py", args, timeout=600)
     assert again.returncode == 0 and "training" not in again.stdout.replace("training split", "")
+    assert len(quality_records.read(str(records))) == 2  # a skipped run is not recorded again
     # a finished run is not reused for other settings (here the method's plain input layer): refused in one line
     before = (tmp_path / "study" / "results.json").read_text()
     changed = run_tool("tools/bench_quality.py", [*args, "--override=model.embedding_multiplier=1"], timeout=600)

@@ -4,7 +4,7 @@
       --output=/data/linux_doc
   python tools/bench_quality.py --source=jsonl --train_files=/data/linux_doc/train.jsonl \\
       --validation_files=/data/linux_doc/validation.jsonl --eval_files=/data/linux_doc/test.jsonl \\
-      --workdir=/data/quality --tokens=10m --ablation_tokens=3m --record=docs/quality_results.json
+      --workdir=/data/quality --tokens=10m --ablation_tokens=3m
   python tools/bench_quality.py ... --quick      # a smoke run: 2 small arms, minutes
 
 Arms (configs/quality.py defines the models): the baseline family `baseline`, `baseline_2x`,
@@ -27,7 +27,9 @@ RAM, baselines as decoder-only bundles. Nothing is tuned on the test split.
 
 Each run lives in WORKDIR/<arm>/lr<rate>/ (a workdir of `python -m scone_jax.main`, its log in
 train.log): a rerun skips finished runs, resumes a half-trained one from its checkpoint, and prints
-progress and an ETA. Results go to WORKDIR/results.json (and --record, after every run), a plot of test
+progress and an ETA. Each finished run is appended to the study's records (experiments/quality/runs.jsonl,
+or --records: tools/quality_records.py; docs/quality.md's tables and figure are built from them by
+tools/plot_quality.py). Results go to WORKDIR/results.json (and --record, after every run), a plot of test
 perplexity against inference and training FLOPs to WORKDIR/quality.png (needs matplotlib: the [plot]
 extra), and RESULT lines: ppl_<arm>, inference_flops_per_token_<arm>, train_flops_<arm>.
 Bad input (an unknown arm, a budget under one step, splits that share documents, a corpus smaller than
@@ -56,6 +58,7 @@ from scone_jax.model import accounting
 from scone_jax.runtime import tool_main, workdir as workdir_layout
 from scone_jax.training import assets, state as state_lib
 import quality_figure
+import quality_records
 from quality_protocol import best_rate, family, planned_keys, sweep_stopped, variant, without_short_arms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +85,9 @@ _LEARNING_RATES = flags.DEFINE_list("learning_rates", ["5e-4", "1e-3", "2e-3", "
                                     "Peak learning rates swept by baseline and scone, lowest first (the "
                                     "default brackets both families' best rates in docs/quality.md).")
 _ALLOW_EPOCHS = flags.DEFINE_bool("allow_epochs", False, "Allow budgets larger than one pass over the corpus.")
-_RECORD = flags.DEFINE_string("record", "", "Also write results.json here after every run (e.g. into the repo).")
+_RECORD = flags.DEFINE_string("record", "", "Also write results.json here after every run.")
+_RECORDS = flags.DEFINE_string("records", quality_records.RECORDS, "The study's records: every finished run is "
+                               "appended here with its overrides and seed ('' = none; with --quick, only if given).")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke run: baseline and scone, one learning rate, 64 x 8-token-rows "
                            "steps for ~50k tokens; exercises every stage, compares nothing.")
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra KEY=VALUE config setting for every run (e.g. "
@@ -480,6 +485,9 @@ def main():
                 config = study.config(arm, rate, extra, tokenizer)
             study.results["runs"][key] = run_arm(study, arm, rate, config, tokenizer, resolved + planned[len(resolved):])
             study.save(_RECORD.value)
+            if _RECORDS.value and (not _QUICK.value or flags.FLAGS["records"].present):
+                quality_records.append(quality_records.from_run(study.results["runs"][key], config, study.overrides,
+                                                                study.test_files), _RECORDS.value)
         if arm in SWEPT and all(f"{arm}/lr{r}" in study.results["runs"] or sweep_stopped(study.results["runs"], arm, r, rates)
                                 for r in rates):
             best[arm] = chosen(arm)

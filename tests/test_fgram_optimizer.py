@@ -78,7 +78,7 @@ def largest_moves(config, state_steps: int, cap_count: int):
     (dict(fgram_model_delay_steps=1), 2.5, [0, 2.5, 2.5, 2.5, 2.5, 2.5]),
     (dict(fgram_model_delay_steps_per_layer=1), 1.0, [0, 0, 0.5, 1, 1, 1]),  # D = 1 x 2 f-gram blocks
     (dict(fgram_model_delay_steps=3), 1.0, [0, 0, 0, 1 / 3, 2 / 3, 1]),  # boundary: full at the last step, 2D = 6
-    (dict(), 0.5, [0.5] * 6),  # no delay: the multiplier alone
+    pytest.param(dict(), 0.5, [0.5] * 6, marks=pytest.mark.slow),  # no delay: the multiplier alone (optax.scale)
 ], ids=["D1-lr-x2.5", "D2-per-layer", "D3-ends-at-the-last-step", "no-delay-lr-x0.5"])
 def test_the_fgram_models_update_factor_step_by_step(train_keys, multiplier, want):
     config = scone_config(**train_keys)

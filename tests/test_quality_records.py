@@ -19,7 +19,7 @@ def record(arm="scone_short", test_ppl=80.62, seed=0, rate=0.001, tokens=3006464
     r.update(arm=arm, overrides={**overrides, **({"train.seed": seed} if seed else {})}, seed=seed,
              learning_rate=rate, tokens=tokens, steps=367, validation_ppl=test_ppl - 10, test_ppl=test_ppl,
              test_tokens=413397, hit_rate=0.72 if arm.startswith("scone") else 0.0, train_flops=2.61e13,
-             inference_flops_per_token=1580032.0, commit="abc1234", corpus="linux_doc")
+             inference_flops_per_token=1580032.0, commit="abc1234", corpus="linux_doc", platform="cpu")
     return r
 
 
@@ -151,6 +151,19 @@ def test_fill_rebuilds_the_blocks_and_keeps_the_prose():
         quality_records.fill("<!-- records:10M -->\n<!-- /records -->", records)
 
 
+def test_runs_on_another_platform_or_corpus_are_other_rows_not_seeds():
+    """The H200 reruns of the CPU study's settings (same arm, budget, rate and overrides) stand in their own
+    rows: their numerics and corpus revision differ. Caught: the platform left out of `settings` (the H200's
+    seed-0 run replaced the CPU's 50.81 in the CPU row), and the corpus left out (an English-only run joined)."""
+    cpu = record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=50.81)
+    h200 = dict(record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=49.0), platform="NVIDIA H200")
+    english = dict(record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=48.0, seed=1), corpus="linux_doc_en")
+    spec = quality_records.TABLES["10m"][0]
+    assert {s: r["test_ppl"] for s, r in quality_records.runs_of(spec, [cpu, h200, english]).items()} == {0: 50.81}
+    on_h200 = quality_records.row("x", "baseline", "10m", 2e-3, platform="NVIDIA H200")
+    assert {s: r["test_ppl"] for s, r in quality_records.runs_of(on_h200, [cpu, h200, english]).items()} == {0: 49.0}
+
+
 def test_plot_quality_rebuilds_the_tables_from_records_and_refuses_bad_input_in_one_line(tmp_path):
     path = tmp_path / "runs.jsonl"
     for r in (record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=50.81),
@@ -160,7 +173,7 @@ def test_plot_quality_rebuilds_the_tables_from_records_and_refuses_bad_input_in_
     page.write_text("prose\n<!-- records:all -->\n<!-- /records -->\n")
     result = run_tool("tools/plot_quality.py", [f"--records={path}", f"--markdown={page}", "--png="])
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "| `baseline` | 10.0M | 0.002 |  | 1 | 50.98 (40.98) | abc1234 |  |" in page.read_text()
+    assert "| `baseline` | 10.0M | 0.002 |  | 1 | 50.98 (40.98) | cpu | abc1234 |  |" in page.read_text()
     page.write_text("<!-- records:10m -->\n<!-- /records -->\n")
     refused = run_tool("tools/plot_quality.py", [f"--records={path}", f"--markdown={page}", "--png="])
     assert refused.returncode == 2 and "Traceback" not in refused.stderr

@@ -6,7 +6,9 @@ made on top of configs/quality.py's arm (`overrides`, dotted key -> value, `trai
 given), the seed, learning rate, token budget and steps, the commit, the corpus and a hash of its splits' bytes, and what
 it measured (validation and test perplexity, test tokens, FLOPs, hit rate). The file is append-only: a rerun
 of the same settings adds a line, and readers take the last one (`latest`), so nothing already recorded is
-ever rewritten. `source` names the results file a record was migrated from (null for appended runs).
+ever rewritten. `source` names the results file a record was migrated from (null for appended runs);
+`platform` the device kind the run trained on ("cpu", "NVIDIA H200"): runs of one protocol on another platform
+are other runs (their numerics differ), never seeds of the same table row.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ RECORDS = os.path.join(REPO, "experiments", "quality", "runs.jsonl")
 # The fields of a record, in the order they are written (json.dumps keeps insertion order).
 FIELDS = ("arm", "overrides", "seed", "learning_rate", "tokens", "steps", "validation_ppl", "test_ppl",
           "test_bits_per_byte", "test_tokens", "hit_rate", "inference_flops_per_token", "train_flops",
-          "fgram_capacity", "train_seconds", "commit", "corpus", "splits_sha256", "source")
+          "fgram_capacity", "train_seconds", "commit", "corpus", "splits_sha256", "source", "platform")
 # Settings a run without SCONE never reads: left out of a baseline's overrides, so that a baseline of a study
 # run with e.g. --override=scone.output_norm=false is the same baseline as any other.
 SCONE_ONLY = ("scone.", "train.fgram_model_delay_steps")
@@ -115,14 +117,21 @@ def from_run(result: dict, config, settings: list[str], test_files: str) -> dict
     record.update(overrides=overrides_of(config, settings), seed=int(config.train.seed),
                   corpus=corpus_name(config.data.train_files),
                   splits_sha256=splits_sha256(config.data.train_files, config.data.eval_files, test_files),
-                  source=None)
+                  source=None, platform=_device_kind())
     return record
 
 
+def _device_kind() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
 def settings(record: dict) -> tuple:
-    """What makes runs seeds of one protocol: arm, token budget, learning rate and overrides but the seed."""
+    """What makes runs seeds of one protocol: arm, token budget, learning rate, overrides but the seed, the
+    platform and the corpus."""
     rest = tuple(sorted((k, v) for k, v in record["overrides"].items() if k != "train.seed"))
-    return record["arm"], record["tokens"], float(record["learning_rate"]), rest
+    return record["arm"], record["tokens"], float(record["learning_rate"]), rest, record["platform"], record["corpus"]
 
 
 def latest(records: list[dict]) -> dict[tuple, dict[int, dict]]:
@@ -136,17 +145,25 @@ def latest(records: list[dict]) -> dict[tuple, dict[int, dict]]:
 # --- docs/quality.md's tables and figure -------------------------------------------------------------------
 
 DELAY40 = {"train.fgram_model_delay_steps": 40}
+H200 = "NVIDIA H200"
+# configs/quality.py's arms made GPT-2 128m (the paper's smallest main model) with an 8,000-piece tokenizer.
+GPT2_128M = {"data.global_batch_size": 32, "data.seq_len": 1024, "data.vocab_size": 8000, "model.d_ff": 4096,
+             "model.d_model": 1024, "model.dtype": "bfloat16", "model.embedding_multiplier": 32.0,
+             "model.max_seq_len": 1024, "model.num_heads": 16, "model.num_layers": 6}
+GPT2_128M_SCONE = {**GPT2_128M, "scone.input_multiplier": 32.0, "scone.num_fgrams": 100000,
+                   "train.fgram_model_delay_steps": 10}
 NONORM = {"scone.output_norm": False}
 _MAIN, _D3M, _D10M = "", "f-gram updates delayed 40 steps, 3M", "f-gram updates delayed 40 steps, 10M"
 FIGURE_SETS = (_MAIN, _D3M, _D10M)  # the figure's sets in the order of their line styles (solid, dashed, dotted)
 
 
-def row(label: str, arm: str, budget: str, rate: float, overrides: dict | None = None, figure: str | None = None):
+def row(label: str, arm: str, budget: str, rate: float, overrides: dict | None = None, figure: str | None = None,
+        platform: str = "cpu", corpus: str = "linux_doc"):
     """One line of a table: the runs of `arm` at `budget` ("10m": its tokens rounded to millions), peak
-    learning rate `rate` and exactly `overrides` (the seed aside), one column per seed; `figure`: the set of
-    the plot it joins ("" the main one, None none)."""
+    learning rate `rate` and exactly `overrides` (the seed aside) on `platform` and `corpus`, one column per seed; `figure`:
+    the set of the plot it joins ("" the main one, None none)."""
     return {"label": label, "arm": arm, "budget": budget, "rate": rate, "overrides": overrides or {},
-            "figure": figure}
+            "figure": figure, "platform": platform, "corpus": corpus}
 
 
 TABLES = {
@@ -172,6 +189,29 @@ TABLES = {
     "sweep": [row(f"`{arm}` at {rate:.0e}".replace("e-0", "e-"), arm, "10m", rate) for arm, rates in (
         ("baseline", (5e-4, 1e-3, 2e-3, 4e-3)), ("scone", (1e-3, 2e-3, 4e-3)), ("baseline_2x", (1e-3, 2e-3)))
         for rate in rates],
+    "h200_size": [row(label, arm, budget_, 2e-3, overrides, platform=H200, corpus=corpus) for label, arm, budget_, overrides, corpus in (
+        ("`scone` (1x), delayed 40 steps", "scone", "10m", DELAY40, "linux_doc"),
+        ("`scone_fgram2x`, delayed 40 steps", "scone_fgram2x", "10m", DELAY40, "linux_doc"),
+        ("`scone` (1x), delayed 80 steps", "scone", "10m", {"train.fgram_model_delay_steps": 80}, "linux_doc"),
+        ("`scone_fgram2x`, delayed 80 steps (20 per block)", "scone_fgram2x", "10m", {"train.fgram_model_delay_steps": 80},
+         "linux_doc"),
+        ("`scone_fgram0.5x`, delayed 20 steps (20 per block)", "scone_fgram0.5x", "10m",
+         {"train.fgram_model_delay_steps": 20}, "linux_doc"),
+        ("`scone_fgram2x`, delayed 40, f-gram learning rate x0.5", "scone_fgram2x", "10m",
+         {**DELAY40, "scone.learning_rate_multiplier": 0.5}, "linux_doc"),
+        ("`scone` (1x), gate instead of the delay", "scone", "10m", {"scone.gate": True}, "linux_doc"),
+        ("`scone_fgram2x`, gate instead of the delay", "scone_fgram2x", "10m", {"scone.gate": True}, "linux_doc"),
+        ("English only: `scone` (1x), delayed 40 steps", "scone", "8m", DELAY40, "linux_doc_en"),
+        ("English only: `scone_fgram2x`, delayed 40 steps", "scone_fgram2x", "8m", DELAY40, "linux_doc_en"))],
+    "h200_128m": [row(label, arm, "8m", rate, overrides, platform=H200) for label, arm, rate, overrides in (
+        ("baseline 128m at 5e-4", "baseline", 5e-4, GPT2_128M),
+        ("baseline 128m at 1e-3", "baseline", 1e-3, GPT2_128M),
+        ("SCONE 128m, f-gram model 1x (6 blocks), delayed 40 steps, at 5e-4", "scone", 5e-4,
+         {**GPT2_128M_SCONE, "scone.num_layers": 6, "train.fgram_model_delay_steps": 40}),
+        ("SCONE 128m, f-gram model 1x (6 blocks), delayed 10 steps, at 1e-3", "scone", 1e-3,
+         {**GPT2_128M_SCONE, "scone.num_layers": 6}),
+        ("SCONE 128m, f-gram model 2x (12 blocks), delayed 10 steps, at 1e-3", "scone", 1e-3,
+         {**GPT2_128M_SCONE, "scone.num_layers": 12}))],
     "collapse": [
         row("3M at 2e-3: `baseline_short`", "baseline_short", "3m", 2e-3),
         row("3M at 2e-3: `scone_short`", "scone_short", "3m", 2e-3),
@@ -191,10 +231,10 @@ def budget(tokens: int) -> str:
 
 def runs_of(spec: dict, records: list[dict]) -> dict[int, dict]:
     """seed -> the latest record of a table row's settings (none: {})."""
-    key = (spec["arm"], spec["rate"], tuple(sorted(spec["overrides"].items())))
+    key = (spec["arm"], spec["rate"], tuple(sorted(spec["overrides"].items())), spec["platform"], spec["corpus"])
     out = {}
-    for (arm, tokens, rate, rest), seeds in latest(records).items():
-        if (arm, rate, rest) == key and budget(tokens) == spec["budget"]:
+    for (arm, tokens, rate, rest, platform, corpus), seeds in latest(records).items():
+        if (arm, rate, rest, platform, corpus) == key and budget(tokens) == spec["budget"]:
             out.update(seeds)
     return out
 
@@ -235,13 +275,13 @@ def table(name: str, records: list[dict]) -> str:
 
 def every_run(records: list[dict]) -> str:
     """Every record's settings and figures, one line per seed, in the order appended."""
-    lines = ["| arm | tokens | learning rate | overrides | seed | test (validation) | commit | migrated from |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | tokens | learning rate | overrides | seed | test (validation) | platform | commit | migrated from |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         given = ", ".join(f"{k}={v}" for k, v in r["overrides"].items() if k != "train.seed")
         source = os.path.basename(r["source"]) if r["source"] else ""
         lines.append(f"| `{r['arm']}` | {r['tokens'] / 1e6:.1f}M | {r['learning_rate']:g} | {given} | {r['seed']} "
-                     f"| {r['test_ppl']:.2f} ({r['validation_ppl']:.2f}) | {r['commit']} | {source} |")
+                     f"| {r['test_ppl']:.2f} ({r['validation_ppl']:.2f}) | {r['platform']} | {r['commit']} | {source} |")
     return "\n".join(lines)
 
 

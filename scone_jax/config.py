@@ -269,6 +269,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         if not (sep and start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
             raise ValueError(f"train.profile_steps={t.profile_steps!r} is not START:END with 1 <= START <= END "
                              "(steps, 1-based, inclusive). Fix: e.g. --config.train.profile_steps=10:15, or '' for none.")
+        if int(end) > t.num_steps:  # the run never reaches it (a start that only misses it is warned about)
+            raise ValueError(f"train.profile_steps={t.profile_steps!r} ends after train.num_steps={t.num_steps}: the "
+                             f"run never reaches step {end}. Fix: a range within 1:{t.num_steps}, or '' for none.")
     if m.d_model % m.num_heads and not m.head_dim:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; set model.head_dim.")
     if m.position == "learned" and d.seq_len > m.max_seq_len:

@@ -64,12 +64,14 @@ def _config_unloadable() -> bool:
 def main(argv):
     del argv
     logs.quiet_libraries()
-    from scone_jax.runtime import distributed, write_probe as workdir
+    from scone_jax.runtime import distributed, platforms, write_probe as workdir
     from scone_jax.training import checkpoint, preemption, train  # after flag parsing: imports JAX
 
     if not _WORKDIR.value:
         print("scone_jax: error: pass --workdir=DIR (checkpoints, logs and the tokenizer go there)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    if _CONFIG.value.train.profile_steps:  # before JAX starts its backends (runtime/platforms.py says why)
+        platforms.skip_absent_tpu()
     try:
         workdir.check_writable(_WORKDIR.value, _JOIN.startup_timeout.value)
         distributed.initialize(_JOIN.spec())

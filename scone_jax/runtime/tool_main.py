@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from absl import app, flags
 
+from scone_jax.runtime import parent_watch
 from scone_jax.runtime.errors import one_line
 
 EXIT_BAD_INPUT = 2
@@ -24,6 +25,7 @@ def main_of(run: Callable[[], None], program: str = "", errors: tuple[type[BaseE
     prefix = f"{program}: error: " if program else "error: "
 
     def main(argv: list[str]) -> None:
+        parent_watch.stop_with_parent_if_asked()  # started by tools/bench_quality.py: stop when it dies
         if len(argv) > 1:
             raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
         try:

@@ -195,6 +195,35 @@ def unknown_key_message(config: ml_collections.ConfigDict, dotted: str) -> str |
     return None
 
 
+def apply_override(config: ml_collections.ConfigDict, item: str, flag: str = "--override") -> None:
+    """Set one KEY=VALUE of a tool's `flag` (tools/bench_quality.py, tools/trace_steps.py) on the unlocked
+    `config`, VALUE read as the key's current type; a bad item is a ValueError naming the flag and the fix."""
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise ValueError(f"{flag}={item} has no '='. Fix: write KEY=VALUE, e.g. {flag}=train.seed=1.")
+    unknown = unknown_key_message(config, key)
+    if unknown:
+        raise ValueError(f"{flag}={item}: {unknown}")
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    old = node[leaf]
+    if isinstance(old, ml_collections.ConfigDict):
+        raise ValueError(f"{flag}={item}: {key} is a group of keys. Fix: set one of them, e.g. "
+                         f"{flag}={key}.{sorted(old.keys())[0]}=VALUE.")
+    if isinstance(old, bool):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{flag}={item}: {key} is true or false, not {value!r}.")
+        node[leaf] = value.lower() in ("true", "1")
+        return
+    try:
+        node[leaf] = type(old)(value)
+    except (TypeError, ValueError):
+        kind = {int: "an integer", float: "a number"}.get(type(old), type(old).__name__)
+        raise ValueError(f"{flag}={item}: {key} takes {kind} (it is {old!r} now), not {value!r}.") from None
+
+
 def config_flag_error(argv) -> str | None:
     """Why `--config=...`/`--config.*` flags in argv failed to parse, in one line (for CLIs)."""
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
@@ -297,6 +326,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         if not (sep and start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
             raise ValueError(f"train.profile_steps={t.profile_steps!r} is not START:END with 1 <= START <= END "
                              "(steps, 1-based, inclusive). Fix: e.g. --config.train.profile_steps=10:15, or '' for none.")
+        if int(end) > t.num_steps:  # the run never reaches it (a start that only misses it is warned about)
+            raise ValueError(f"train.profile_steps={t.profile_steps!r} ends after train.num_steps={t.num_steps}: the "
+                             f"run never reaches step {end}. Fix: a range within 1:{t.num_steps}, or '' for none.")
     if m.d_model % m.num_heads and not m.head_dim:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; set model.head_dim.")
     if m.position == "learned" and d.seq_len > m.max_seq_len:

@@ -23,7 +23,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from scone_jax import config as config_lib
-from scone_jax.runtime import job_flags, logs
+from scone_jax.runtime import job_flags, logs, parent_watch
 from scone_jax.runtime.errors import one_line
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py (optionally :variant).", lock_config=True)
@@ -63,13 +63,16 @@ def _config_unloadable() -> bool:
 
 def main(argv):
     del argv
+    parent_watch.stop_with_parent_if_asked()  # started by tools/bench_quality.py: stop (SIGTERM) when it dies
     logs.quiet_libraries()
-    from scone_jax.runtime import distributed, write_probe as workdir
+    from scone_jax.runtime import distributed, platforms, write_probe as workdir
     from scone_jax.training import checkpoint, preemption, train  # after flag parsing: imports JAX
 
     if not _WORKDIR.value:
         print("scone_jax: error: pass --workdir=DIR (checkpoints, logs and the tokenizer go there)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    if _CONFIG.value.train.profile_steps:  # before JAX starts its backends (runtime/platforms.py says why)
+        platforms.skip_absent_tpu()
     try:
         workdir.check_writable(_WORKDIR.value, _JOIN.startup_timeout.value)
         distributed.initialize(_JOIN.spec())

@@ -101,10 +101,13 @@ def step_records(workdir: str, split: str = "step") -> dict:
 
 
 def run_main(workdir, *args, config: str = "tests/small_config.py", devices: int = 8,
-             file_size_limit_kb: int | None = None, timeout: float = 600):
+             file_size_limit_kb: int | None = None, timeout: float = 600, platforms: str | None = "cpu"):
     """`python -m scone_jax.main` in a new process on `devices` virtual CPU devices (CompletedProcess, text);
-    `file_size_limit_kb` runs it under `ulimit -f` (bash, kB)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    `file_size_limit_kb` runs it under `ulimit -f` (bash, kB); `platforms=None` leaves JAX_PLATFORMS unset, as a
+    user does (JAX then tries every backend installed, libtpu's included)."""
+    env = {**os.environ, "JAX_PLATFORMS": platforms, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    if platforms is None:
+        del env["JAX_PLATFORMS"]
     command = [sys.executable, "-m", "scone_jax.main", f"--config={config}", f"--workdir={workdir}", *map(str, args)]
     if file_size_limit_kb is not None:
         command = ["bash", "-c", f'ulimit -f {file_size_limit_kb} && exec "$@"', "bash", *command]

@@ -2,15 +2,18 @@
 tools/plot_quality.py and the study's records: tests/test_quality_records.py."""
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from tests.common import run_tool
+from tests.common import REPO, run_tool
 from tools import quality_records
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import bench_quality  # noqa: E402
 import embedding_scale  # noqa: E402
@@ -156,6 +159,18 @@ def quality_args(corpus, workdir, *extra):
     (["--tokens=1000"], "is less than one step (32 x 256 = 8,192 tokens)"),
     (["--tokens=5m", "--override=data.vocab_size=512"], "passes over the training split"),
     (["--validation_files={corpus}/train.jsonl"], "The train and validation splits share"),
+    # caught: check_splits comparing the training split with the validation split only
+    (["--eval_files={corpus}/train.jsonl"], "The train and test splits share"),
+    # caught: config.apply_override without its unknown-key check (the KeyError traceback bench_quality's own _set
+    # gave); the other two are its other refusals (a wrong type, no '=')
+    (["--override=train.sed=1"], "bench_quality: error: --override=train.sed=1: Unknown config key 'train.sed': "
+                                 "train has no field 'sed'. Valid keys there: ["),
+    (["--override=train.num_steps=abc"], "--override=train.num_steps=abc: train.num_steps takes an integer"),
+    (["--override=train"], "--override=train has no '='. Fix: write KEY=VALUE"),
+    # caught: parse_rates calling float() unguarded ("could not convert string to float: 'abc'", no flag named)
+    (["--learning_rates=1e-3,abc"], "bench_quality: error: --learning_rates=1e-3,abc: 'abc' is not a positive "
+                                    "learning rate. Fix: write numbers"),
+    (["--learning_rates=0"], "--learning_rates=0: '0' is not a positive learning rate"),
 ])
 @pytest.mark.slow
 def test_bench_quality_refuses_bad_input_before_training(corpus, tmp_path, extra, message):
@@ -163,20 +178,46 @@ def test_bench_quality_refuses_bad_input_before_training(corpus, tmp_path, extra
     result = run_tool("tools/bench_quality.py", args)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if "error:" in line]) == 1
     assert not (tmp_path / "study" / "baseline").exists()  # nothing trained
+
+
+def quality_run(arm, test_ppl, tokens=3_000_000, rate=0.001):
+    """A results.json run entry as bench_quality writes it (the fields this file's tests read)."""
+    return {"arm": arm, "test_ppl": test_ppl, "validation_ppl": test_ppl - 5, "tokens": tokens, "learning_rate": rate,
+            "inference_flops_per_token": 1.58e6, "train_flops": 2e13}
 
 
 @pytest.mark.slow
 def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(corpus, tmp_path):
     """--quick trains baseline and scone, exports both and scores the test split through serving.evaluate;
     the RESULT lines carry the test perplexities it recorded, a rerun trains nothing, and a rerun with other
-    settings is refused. Caught: finished runs reused whatever the settings (check_finished_runs not called)."""
-    records = tmp_path / "runs.jsonl"
-    args = quality_args(corpus, tmp_path / "study", "--quick", "--allow_epochs", "--override=data.vocab_size=512",
+    settings is refused. A job stopped early with exit 0 (train.max_steps_per_run) is neither exported nor
+    recorded, and the next invocation resumes it, also when an older bench_quality recorded it; the recorded
+    validation perplexity is the validation split's (served again here). Caught: finished runs reused whatever the
+    settings (check_finished_runs not called); run_arm without its quality_runs.unfinished check (the 60-step run
+    exported and recorded, exit 0); forget_unfinished_runs not called (the recorded 60-step run skipped); the
+    validation perplexity read from the last training log record (split "train") instead of the evaluation."""
+    study, records = tmp_path / "study", tmp_path / "runs.jsonl"
+    args = quality_args(corpus, study, "--quick", "--allow_epochs", "--override=data.vocab_size=512",
                         f"--records={records}")
+    stopped = run_tool("tools/bench_quality.py", [*args, "--override=train.max_steps_per_run=60"], timeout=900)
+    assert stopped.returncode == 2, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert ("bench_quality: error: baseline/lr0.0005 stopped before finishing (its last step is 60 of 98), so it was "
+            "not exported, scored or recorded. Rerun the same command to resume it") in stopped.stderr
+    run = study / "baseline" / "lr0.0005"
+    assert not (run / "export").exists() and not (run / "DONE").exists() and not (study / "results.json").exists()
+    assert not records.exists()  # nothing recorded
+    # As an older bench_quality recorded such a run (exit 0 taken for the end of training): the rerun resumes it.
+    (study / "results.json").write_text(json.dumps({"arms": {}, "runs": {"baseline/lr0.0005": {
+        **quality_run("baseline", 50.0, rate=0.0005), "steps": 98, "test_bits_per_byte": 1.0, "test_tokens": 1000,
+        "hit_rate": 0.0, "fgram_capacity": 0, "train_seconds": 1.0, "commit": ""}}}))
     first = run_tool("tools/bench_quality.py", args, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    results = json.loads((tmp_path / "study" / "results.json").read_text())
+    assert ("[baseline/lr0.0005] recorded, but its run did not finish (its last step is 60 of 98): it resumes"
+            in first.stdout)
+    assert "Resumed from step 60" in (run / "train.log").read_text()
+    results = json.loads((study / "results.json").read_text())
     assert set(results["arms"]) == {"baseline", "scone"}
     # each finished run appended to the records with the study's settings (caught: the append call removed)
     appended = quality_records.read(str(records))
@@ -193,6 +234,15 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     assert results["arms"]["scone"]["hit_rate"] > 0.2 and results["arms"]["baseline"]["hit_rate"] == 0
     assert results["arms"]["scone"]["inference_flops_per_token"] == results["arms"]["baseline"]["inference_flops_per_token"]
     assert results["arms"]["scone"]["train_flops"] > results["arms"]["baseline"]["train_flops"]
+    # The recorded validation perplexity is the validation split's: the baseline's export scored there again.
+    baseline = results["arms"]["baseline"]
+    assert json.loads((run / "DONE").read_text())["step"] == baseline["steps"] == 98
+    scored = run_tool("-m scone_jax.serving.evaluate", [f"--export={run / 'export'}", f"--result={tmp_path / 'v.json'}",
+                                                        f"--config.data.eval_files={corpus}/validation.jsonl"])
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    validation = json.loads((tmp_path / "v.json").read_text())["perplexity"]
+    assert baseline["validation_ppl"] == pytest.approx(validation, rel=1e-4)
+    assert abs(validation / baseline["test_ppl"] - 1) > 1e-2  # the two splits differ: the check tells them apart
     again = run_tool("tools/bench_quality.py", args, timeout=600)
     assert again.returncode == 0 and "training" not in again.stdout.replace("training split", "")
     assert len(quality_records.read(str(records))) == 2  # a skipped run is not recorded again
@@ -203,6 +253,76 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     assert "baseline/lr0.0005 in" in changed.stderr and "model.embedding_multiplier: 11.31" in changed.stderr
     assert "Traceback" not in changed.stderr and "training" not in changed.stdout.replace("training split", "")
     assert (tmp_path / "study" / "results.json").read_text() == before
+
+
+@pytest.mark.slow
+def test_bench_quality_names_a_run_that_another_process_holds(corpus, tmp_path):
+    """A rerun while a run of its arms is in use (the job of a killed study still saving its checkpoint, a second
+    study on the same WORKDIR) says so in one line, exit 2, before anything else. Caught: no
+    quality_runs.runs_in_use check (the study went on, and that run's job failed on the lease: a traceback, exit 1)."""
+    from scone_jax.runtime import ownership
+
+    run = tmp_path / "study" / "baseline" / "lr0.0005"
+    run.mkdir(parents=True)
+    owner = ownership.acquire(str(run))
+    try:
+        result = run_tool("tools/bench_quality.py", quality_args(corpus, tmp_path / "study", "--quick"))
+    finally:
+        owner.release()
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (f"bench_quality: error: baseline/lr0.0005 (host {socket.gethostname()}, process {os.getpid()}, started "
+            in result.stderr)
+    assert f"in {tmp_path / 'study'} is in use by another process" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "study" / "tokenizer.model").exists()  # stopped before anything
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (an orphan whose reaper has not collected it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_the_training_job_of_a_killed_bench_quality_stops_with_it(corpus, tmp_path):
+    """bench_quality killed with SIGKILL (no handler of its own runs) while its main job trains: the job stops
+    within seconds the way a preempted one does (SIGTERM: a checkpoint at the step reached, the workdir's lease
+    released, so a rerun resumes at once) instead of training on unseen and holding the run. Caught: run_cli
+    without parent_watch.child_environment, and main.py without stop_with_parent_if_asked (the job trained on)."""
+    study = tmp_path / "study"
+    run = study / "baseline" / "lr0.001"
+    args = quality_args(corpus, study, "--arms=baseline", "--learning_rates=1e-3", "--tokens=2m", "--allow_epochs",
+                        "--override=data.seq_len=64", "--override=model.max_seq_len=64",
+                        "--override=data.global_batch_size=8", "--override=data.vocab_size=512")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": ""}
+    parent = subprocess.Popen([sys.executable, "tools/bench_quality.py", *args], cwd=REPO, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = None
+    try:
+        deadline = time.monotonic() + 600
+        while parent.poll() is None and time.monotonic() < deadline and not (
+                (run / "train.log").exists() and "Step 1 done" in (run / "train.log").read_text()):
+            time.sleep(1)
+        assert parent.poll() is None, "bench_quality ended before its job trained a step"
+        job = json.loads((run / "OWNER").read_text())["pid"]
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 120
+        while running(job) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not running(job), "the training job outlived its bench_quality by 2 minutes"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if job is not None and running(job):
+            os.kill(job, signal.SIGKILL)
+    # Its own last lines went to the dead study's pipe; what it left says how it stopped: the lease released and a
+    # checkpoint at the step reached (checkpoint_every is 200 here: only the SIGTERM stop saves before that).
+    assert not (run / "OWNER").exists() and not (run / "DONE").exists()
+    saved = [int(name) for name in os.listdir(run / "checkpoints") if name.isdigit()]
+    assert saved and 0 < max(saved) < 200, saved
 
 
 @pytest.mark.slow  # exports the shared serving run (once per session)

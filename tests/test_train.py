@@ -134,6 +134,29 @@ def test_scone_training_extracts_fgrams_logs_their_figures_and_pins_the_vocabula
 
 
 @pytest.mark.slow
+def test_a_finished_run_extended_past_its_done_step_carries_no_done_until_it_finishes(tokenizer_path, tmp_path,
+                                                                                       caplog):
+    """A finished 3-step run extended to 5 with max_steps_per_run=1 stops at 4 without DONE (launch/tpu.py babysit
+    and tools/bench_quality.py would take it for finished), and writes DONE at 5; the extension's profile range
+    (step 5), which its first start never reaches, is named in one warning line at that start. Caught:
+    train.run not calling workdir.remove_stale_done (DONE {"step": 3} left at step 4), and the `unreached`
+    warning not logged."""
+    workdir = str(tmp_path / "run")
+    done = os.path.join(workdir, "DONE")
+    assert train.run(config_with(tokenizer_path, num_steps=3), workdir)["step"] == 3
+    assert json.load(open(done))["step"] == 3
+    extended = config_with(tokenizer_path, num_steps=5, max_steps_per_run=1, profile_steps="5:5")
+    caplog.clear()
+    assert train.run(extended, workdir)["step"] == 4
+    assert not os.path.exists(done)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "profile_" in r.getMessage()]
+    assert warnings == ["train.profile_steps=5:5: this start trains steps 4 to 4, so it traces none of them (it stops "
+                        "at step 4 (train.max_steps_per_run) before step 5: a later start traces them)."]
+    assert train.run(config_with(tokenizer_path, num_steps=5), workdir)["step"] == 5
+    assert json.load(open(done))["step"] == 5
+
+
+@pytest.mark.slow
 def test_scone_with_accumulation_resumes_exactly(tokenizer_path, tmp_path):
     """SCONE with 2 micro-batches per step, interrupted after 3 of 6 steps and resumed, equals the
     uninterrupted run: the same batches (fingerprints cover the f-gram rows, lengths and slots),

@@ -27,38 +27,45 @@ RAM, baselines as decoder-only bundles. Nothing is tuned on the test split.
 
 Each run lives in WORKDIR/<arm>/lr<rate>/ (a workdir of `python -m scone_jax.main`, its log in
 train.log): a rerun skips finished runs, resumes a half-trained one from its checkpoint, and prints
-progress and an ETA. Each finished run is appended to the study's records (experiments/quality/runs.jsonl,
-or --records: tools/quality_records.py; docs/quality.md's tables and figure are built from them by
-tools/plot_quality.py). Results go to WORKDIR/results.json (and --record, after every run), a plot of test
+progress and an ETA. A run is finished when its last step is its train.num_steps and its DONE marker says
+so; a job that ends early with exit 0 (e.g. --override=train.max_steps_per_run=N) is neither exported nor
+recorded: the study stops there with one line (exit 2), and a rerun resumes that run (a record of an
+unfinished run, left by an older version of this tool, is dropped so that it resumes too). The jobs the
+study starts stop with it (SIGTERM: the main job saves a checkpoint) if it is killed. Each finished run is
+appended to the study's records (experiments/quality/runs.jsonl, or --records: tools/quality_records.py;
+docs/quality.md's tables and figure are built from them by tools/plot_quality.py).
+Results go to WORKDIR/results.json (and --record, after every run), a plot of test
 perplexity against inference and training FLOPs to WORKDIR/quality.png (needs matplotlib: the [plot]
 extra), and RESULT lines: ppl_<arm>, inference_flops_per_token_<arm>, train_flops_<arm>.
-Bad input (an unknown arm, a budget under one step, splits that share documents, a corpus smaller than
-the budget without --allow_epochs, a finished run in WORKDIR trained with other settings than this
-invocation's) is one line and exit 2, before anything trains.
+Bad input (an unknown arm, a --learning_rates value that is not a positive number, an --override with an
+unknown key or a value of the wrong type, a budget under one step, splits that share documents, a corpus
+smaller than the budget without --allow_epochs, a finished run in WORKDIR trained with other settings than
+this invocation's, a run of this invocation that another process is using) is one line and exit 2, before
+anything trains.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import re
 import subprocess
-import sys
 import time
 
 import numpy as np
 from absl import flags
 
-from scone_jax.config import load_config_file, resume_changes
-from scone_jax.data import documents, pipeline, sources
+from scone_jax.config import apply_override, load_config_file
+from scone_jax.data import pipeline
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.model import accounting
 from scone_jax.runtime import tool_main, workdir as workdir_layout
 from scone_jax.training import assets, state as state_lib
+import quality_checks
 import quality_figure
 import quality_records
+import quality_runs
+from quality_runs import run_cli
 from quality_protocol import best_rate, family, planned_keys, sweep_stopped, variant, without_short_arms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,6 +104,23 @@ _OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra KEY=VALUE config s
                                        "of its own.")
 
 
+def parse_rates(values: list[str]) -> list[str]:
+    """--learning_rates as canonical strings (str(float)), lowest first; ValueError naming the flag."""
+    rates = set()
+    for text in values:
+        try:
+            rate = float(text)
+        except ValueError:
+            rate = float("nan")
+        if not 0 < rate < float("inf"):
+            raise ValueError(f"--learning_rates={','.join(values)}: {text!r} is not a positive learning rate. Fix: "
+                             "write numbers, e.g. --learning_rates=5e-4,1e-3,2e-3.")
+        rates.add(str(rate))
+    if not rates:
+        raise ValueError("--learning_rates is empty. Fix: e.g. --learning_rates=5e-4,1e-3,2e-3.")
+    return sorted(rates, key=float)
+
+
 def parse_tokens(text: str) -> int:
     scale = {"k": 10**3, "m": 10**6, "b": 10**9}.get(text[-1:].lower(), 1)
     try:
@@ -117,7 +141,7 @@ class Study:
                           "data.vocab_size=1024"] if quick else []
         self.overrides = quick_settings + list(overrides)  # the user's --override last: it wins
         self.results_path = os.path.join(root, "results.json")
-        self.results = _read_json(self.results_path) or {"runs": {}, "arms": {}}
+        self.results = quality_runs.read_json(self.results_path) or {"runs": {}, "arms": {}}
         self.started, self.tokens_done = time.time(), 0
         self.skipped = set()  # (arm, rate) runs the sweep rule left out
 
@@ -126,8 +150,7 @@ class Study:
         config = load_config_file(f"{CONFIG}:{variant(arm)}")
         with config.unlocked():
             for item in self.overrides:
-                key, _, value = item.partition("=")
-                _set(config, key, value)
+                apply_override(config, item)  # a bad --override: one line naming it
             config.data.update(self.data)
             rows = config.data.global_batch_size * config.data.seq_len
             t = config.train
@@ -139,7 +162,7 @@ class Study:
             if rate is not None:
                 t.learning_rate = float(rate)
             for key, value in (extra or {}).items():
-                _set(config, key, value)
+                apply_override(config, f"{key}={value}")
         if tokenizer is not None:
             assets.resolve_vocab_size(config, tokenizer)
         return config
@@ -170,15 +193,6 @@ class Study:
             _write_json(record, self.results)
 
 
-def _set(config, dotted: str, value):
-    *parents, leaf = dotted.split(".")
-    node = config
-    for p in parents:
-        node = node[p]
-    old = node[leaf]
-    node[leaf] = type(old)(value) if not isinstance(old, bool) else str(value).lower() in ("1", "true")
-
-
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -189,78 +203,11 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _read_json(path: str):
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    return None
-
-
 def _write_json(path: str, value):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(value, f, indent=1, sort_keys=True)
     os.replace(path + ".tmp", path)
-
-
-# --- checks before anything trains -------------------------------------------------------------------
-
-def document_hashes(data_cfg, split: str) -> set[str]:
-    source = sources.open_source(data_cfg, split)
-    out = set()
-    for i in range(len(source)):
-        doc = source[i]
-        out.add(hashlib.sha1(doc.encode() if isinstance(doc, str) else np.asarray(doc, "<i4").tobytes()).hexdigest())
-    return out
-
-
-def check_splits(config, test_files: str) -> None:
-    """Refuse splits that share a document (by content), naming the pair and the count."""
-    d = config.data
-    hashes = {"train": document_hashes(d, "train")}
-    for name, files in (("validation", d.eval_files), ("test", test_files)):
-        held = config.data.copy_and_resolve_references()
-        held.eval_files = files
-        hashes[name] = document_hashes(held, "eval")
-    names = list(hashes)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            shared = len(hashes[a] & hashes[b])
-            if shared:
-                raise ValueError(f"The {a} and {b} splits share {shared} documents (by content): perplexity on a split "
-                                 "the model trained on means nothing. Fix: split the corpus by document "
-                                 "(tools/split_corpus.py does, by a hash of each file's path).")
-
-
-def check_finished_runs(study: "Study", tokenizer) -> None:
-    """Refuse to reuse a finished run of this invocation's arms that was trained with other settings than
-    this invocation would train it with (a changed --override, --tokens or configs/quality.py): its
-    results would silently join a table of runs that differ in more than the arm. Compared: the keys a
-    checkpoint must match to resume (config.RESUME_KEYS, but the training files' path: moved files are
-    the same corpus) and the step count, against the run's own WORKDIR/<arm>/lr<rate>/config.json."""
-    for key, record in sorted(study.results["runs"].items()):
-        arm, rate = record["arm"], key.split("/lr", 1)[1]
-        if arm not in study.arms:
-            continue
-        saved = _read_json(os.path.join(study.run_dir(arm, rate), workdir_layout.CONFIG))
-        if saved is None:
-            continue
-        extra = {"scone.fgram_capacity": record["fgram_capacity"]} if record["fgram_capacity"] else {}
-        config = study.config(arm, rate, extra, tokenizer)
-        changes = [c for c in resume_changes(saved, config) if not c.startswith("data.train_files:")]
-        if saved["train"]["num_steps"] != config.train.num_steps:
-            changes.append(f"train.num_steps: {saved['train']['num_steps']} -> {config.train.num_steps}")
-        if changes:
-            raise ValueError(f"{key} in {study.root} is finished but was trained with other settings than this "
-                             f"invocation's (trained -> now: {'; '.join(changes)}). Fix: use a new --workdir for "
-                             "the new settings, or pass the old ones (e.g. --override=KEY=VALUE, --tokens) to "
-                             "continue that study.")
-
-
-def train_positions(config, tokenizer) -> int:
-    """Positions one pass over the training split gives: sum of (tokens + 1) over its documents."""
-    docs = documents.load(config.data, "train", tokenizer, np.arange)
-    return int(docs.lengths.sum()) + len(docs.lengths)
 
 
 def fgram_capacity(config, tokenizer, vocab, sample: int = 64) -> int:
@@ -291,28 +238,8 @@ def flops(config) -> tuple[float, float]:
 
 # --- running one arm ----------------------------------------------------------------------------------
 
-# A program's one-line error ("scone_jax: error: ...", runtime/tool_main.py's): lower case, after a program name or
-# at the start, so libraries' lines that merely contain "Error:" (libtpu's warnings on a CPU) are not taken for it.
-_ONE_LINE_ERROR = re.compile(r"(^|: )error: ")
-
-
-def run_cli(args: list[str], log_path: str, show) -> tuple[int, str]:
-    """Run a program of this package, its output appended to log_path; `show(line)` sees each line. Returns
-    its exit status and the line that says why it stopped: its last one-line error, else its last line (this
-    invocation's only: the log holds every earlier attempt too)."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    last, error = "(no output)", None
-    with open(log_path, "a") as log:
-        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            log.write(line)
-            log.flush()
-            show(line.rstrip("\n"))
-            if line.strip():
-                last = line.strip()
-                error = last if _ONE_LINE_ERROR.search(last) else error
-        return proc.wait(), (error or last)[:500]
+class RunNotFinished(ValueError):
+    """A training job ended (exit 0) before its last step: nothing of it is recorded; a rerun resumes it."""
 
 
 def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> dict:
@@ -345,6 +272,10 @@ def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> di
         raise RuntimeError(f"training {key} failed (exit {rc}): {last} (log: {log})")
     else:
         raise RuntimeError(f"training {key} kept overflowing scone.fgram_capacity (log: {log})")
+    why = quality_runs.unfinished(workdir, config.train.num_steps)
+    if why:  # e.g. train.max_steps_per_run: the job exits 0 at that step
+        raise RunNotFinished(f"{key} stopped before finishing ({why}), so it was not exported, scored or recorded. "
+                             f"Rerun the same command to resume it (log: {log}).")
     trained = time.time() - start
     metrics = [json.loads(x) for x in open(os.path.join(workdir, workdir_layout.METRICS))]
     validation = [m for m in metrics if m.get("split") == "eval"][-1]
@@ -358,7 +289,7 @@ def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> di
                         f"--config.data.eval_files={study.test_files}"], log, lambda _: None)
     if rc:
         raise RuntimeError(f"evaluating {key} failed (exit {rc}): {last} (log: {log})")
-    test = _read_json(result_path)
+    test = quality_runs.read_json(result_path)
     inference, train_flops = flops(config)
     record = {
         "arm": arm, "learning_rate": float(rate), "tokens": config.train.num_steps * config.data.global_batch_size
@@ -416,7 +347,7 @@ def main():
     if unknown:
         raise ValueError(f"Unknown arm(s) {unknown}; --arms takes {', '.join(ARMS)}.")
     arms = ["baseline", "scone"] if _QUICK.value else list(_ARMS.value)
-    rates = sorted({str(float(r)) for r in _LEARNING_RATES.value}, key=float)
+    rates = parse_rates(_LEARNING_RATES.value)
     if _QUICK.value:
         rates = rates[:1]
     tokens = 50_000 if _QUICK.value else parse_tokens(_TOKENS.value)
@@ -427,21 +358,27 @@ def main():
             "document_unit": _UNIT.value, "text_field": _TEXT_FIELD.value,
             "tokenizer_path": _TOKENIZER.value or os.path.join(root, "tokenizer.model")}
     study = Study(root, arms, tokens, ablation, rates, data, _TEST.value, _QUICK.value, _OVERRIDES.value)
+    busy = quality_runs.runs_in_use(root, arms)
+    if busy:
+        raise ValueError(f"{', '.join(busy)} in {root} is in use by another process (a training job or export, e.g. "
+                         "of a bench_quality that was stopped and is still stopping it). Fix: wait for it to end, "
+                         "then rerun; nothing was changed.")
     probe = study.config(arms[0])
     rows = probe.data.global_batch_size * probe.data.seq_len
     if min(study.budget.values()) < rows:  # (num_steps rounds up: refuse budgets under one whole step)
         raise ValueError(f"A budget of {min(study.budget.values()):,} tokens is less than one step "
                          f"({probe.data.global_batch_size} x {probe.data.seq_len} = {rows:,} tokens). Fix: raise "
                          "--tokens / --ablation_tokens.")
-    check_splits(probe, _TEST.value)
+    quality_checks.check_splits(probe, _TEST.value)
     os.makedirs(root, exist_ok=True)
     if not _TOKENIZER.value:
         tok_cfg = probe.data.copy_and_resolve_references()
         tok_cfg.tokenizer_path = ""
         assets.ensure_tokenizer(tok_cfg, root)  # trained once, on the training split, into root/tokenizer.model
     tokenizer = assets.ensure_tokenizer(probe.data, root)
-    check_finished_runs(study, tokenizer)
-    positions = train_positions(probe, tokenizer)
+    quality_runs.forget_unfinished_runs(study)
+    quality_checks.check_finished_runs(study, tokenizer)
+    positions = quality_checks.train_positions(probe, tokenizer)
     epochs = max(study.budget.values()) / positions
     print(f"training split: {positions:,} positions; the largest budget is {epochs:.2f} epochs", flush=True)
     if epochs > 1 and not _ALLOW_EPOCHS.value:
@@ -476,7 +413,7 @@ def main():
                 vocab_dir = os.path.join(root, f"fgrams_s{config.scone.num_fgrams}_k{config.scone.max_len}")
                 vocab = assets.ensure_vocab(config.scone, config.data, tokenizer, vocab_dir)
                 extra["scone.vocab_path"] = os.path.join(vocab_dir, "fgrams")
-                saved = _read_json(os.path.join(vocab_dir, "capacity.json"))
+                saved = quality_runs.read_json(os.path.join(vocab_dir, "capacity.json"))
                 if saved is None or saved["rows"] != config.data.global_batch_size * config.data.seq_len:
                     saved = {"capacity": fgram_capacity(config, tokenizer, vocab),
                              "rows": config.data.global_batch_size * config.data.seq_len}

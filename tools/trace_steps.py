@@ -27,7 +27,7 @@ from flax import nnx
 
 from embedding_scale import alignment
 from scone_jax import sharding
-from scone_jax.config import validate
+from scone_jax.config import apply_override, validate
 from scone_jax.data import pipeline
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
@@ -55,19 +55,7 @@ def run_config(run: str, overrides: list[str]):
         config = bundle.stored_config(json.load(f))
     with config.unlocked():
         for item in overrides:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"--override={item} has no '='. Fix: write KEY=VALUE.")
-            *parents, leaf = key.split(".")
-            node = config
-            try:
-                for p in parents:
-                    node = node[p]
-                old = node[leaf]
-            except KeyError:
-                raise ValueError(f"--override={item}: no config key {key!r}. Fix: name a key of config.json, "
-                                 "e.g. --override=train.seed=1.") from None
-            node[leaf] = str(value).lower() in ("1", "true") if isinstance(old, bool) else type(old)(value)
+            apply_override(config, item)
     validate(config)
     return config
 

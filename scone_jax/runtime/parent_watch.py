@@ -10,6 +10,12 @@ multiprocessing fall back to noticing that getppid() changes. A signal on the pa
 PR_SET_PDEATHSIG) is not used: it fires when the parent *thread* that started the worker exits, which for
 pools started from a helper thread is long before the program ends.
 
+Programs of this package started by another as subprocesses (tools/bench_quality.py starts the main job,
+export and evaluate) get `child_environment`; `stop_with_parent_if_asked`, called first thing by
+`python -m scone_jax.main` and every runtime/tool_main.py program, then sends the program SIGTERM when that
+parent dies: the stop of a preempted job (the main job saves a checkpoint, releases its workdir and exits
+143), instead of a run training on unseen, holding its workdir, after its study was killed.
+
 Scratch directories are named `<prefix>-<pid>-<host>-<random>`; `remove_stale_scratch` deletes this host's
 of processes that no longer run, so a killed run's scratch is removed by the next one. The host is in the
 name because a process id means nothing elsewhere: a run on another machine sharing the directory (NFS), or
@@ -22,12 +28,14 @@ import glob
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import threading
 import time
 
 EXIT_ORPHANED = 70  # a worker that outlived its parent (os._exit: no cleanup of the dead parent's state)
 _POLL_S = 0.5
+PARENT_ENV = "SCONE_JAX_STOP_WITH_PARENT"  # the pid of the process whose death stops this program
 
 
 def exit_with_parent(*_ignored) -> None:
@@ -46,6 +54,29 @@ def exit_with_parent(*_ignored) -> None:
         os._exit(EXIT_ORPHANED)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def child_environment(env: dict) -> dict:
+    """`env` for a subprocess that is to stop when this process dies (it calls stop_with_parent_if_asked)."""
+    return {**env, PARENT_ENV: str(os.getpid())}
+
+
+def stop_with_parent_if_asked() -> None:
+    """In a program started with child_environment: SIGTERM this process within ~_POLL_S of that parent's death
+    (at once if it is already dead). The variable leaves this process's environment, so that its own children
+    do not watch a process that is not their parent."""
+    text = os.environ.pop(PARENT_ENV, "")
+    if not text.isdigit():
+        return
+    parent = int(text)
+    direct = os.getppid() == parent  # else started through a wrapper (a shell, `timeout`): watch the pid itself
+
+    def watch():
+        while (os.getppid() == parent) if direct else process_alive(parent):
+            time.sleep(_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stop-with-parent", daemon=True).start()
 
 
 def process_alive(pid: int) -> bool:

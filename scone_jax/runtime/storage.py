@@ -45,6 +45,11 @@ def write_bytes(path: str, key: str, data: bytes) -> None:
     open_store(path).write(key, data).result()
 
 
+def delete(path: str, key: str) -> None:
+    """Remove the object `key` under directory `path` (nothing happens if there is none)."""
+    open_store(path).write(key, None).result()
+
+
 def read_file(path: str) -> bytes | None:
     """A whole file given by its own path or URL, or None if it does not exist."""
     directory, _, name = path.rstrip("/").rpartition("/")

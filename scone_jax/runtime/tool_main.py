@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from absl import app, flags
 
+from scone_jax.runtime import parent_watch
 from scone_jax.runtime.errors import one_line
 
 EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 130, 143
@@ -41,6 +42,7 @@ def main_of(run: Callable[[], None], program: str = "", errors: tuple[type[BaseE
     prefix = f"{program}: " if program else ""
 
     def main(argv: list[str]) -> None:
+        parent_watch.stop_with_parent_if_asked()  # started by tools/bench_quality.py: stop when it dies
         if len(argv) > 1:
             raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
         if stopped is not None and threading.current_thread() is threading.main_thread():

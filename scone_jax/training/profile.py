@@ -8,6 +8,12 @@ the range traces the rest of it) into WORKDIR/profile/plugins/profile/<time>/: `
 loop waited for its next batch is `input_wait`. Process 0 traces, or every process with
 train.profile_all_processes. With a gs:// workdir the trace is written locally and copied there
 when it ends. Tracing changes no result: the same steps run, only observed.
+
+A range past train.num_steps is refused by config.validate. A start that trains none of the range (resumed
+past END, or stopped by train.max_steps_per_run before START) says so in one warning line at start
+(`unreached`); a later start inside the range traces it. On a machine without a TPU the main job keeps
+libtpu out of the process (runtime/platforms.py says why); a process that loaded it anyway is refused
+before training (`check_tracer`) instead of crashing in jax.profiler.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import tempfile
 import jax
 from absl import logging
 
-from scone_jax.runtime import storage, workdir as workdir_layout
+from scone_jax.runtime import platforms, storage, workdir as workdir_layout
 
 
 def parse_steps(text: str) -> tuple[int, int] | None:
@@ -27,6 +33,28 @@ def parse_steps(text: str) -> tuple[int, int] | None:
         return None
     start, end = text.split(":")
     return int(start), int(end)
+
+
+def unreached(setting: str, first: int, last: int) -> str | None:
+    """The warning for a start that trains steps `first`..`last` and none of train.profile_steps, else None."""
+    span = parse_steps(setting)
+    if span is None or first > last or (span[0] <= last and first <= span[1]):
+        return None
+    where = (f"it resumed past step {span[1]}" if first > span[1] else
+             f"it stops at step {last} (train.max_steps_per_run) before step {span[0]}: a later start traces them")
+    return (f"train.profile_steps={setting}: this start trains steps {first} to {last}, so it traces none of "
+            f"them ({where}).")
+
+
+def check_tracer(setting: str) -> None:
+    """Refuse (ValueError) a profile that jax.profiler would answer with a segmentation fault: libtpu loaded
+    in a process that runs on another backend (runtime/platforms.py)."""
+    if setting and platforms.libtpu_loaded_off_tpu():
+        raise ValueError(
+            f"train.profile_steps={setting}: this process loaded libtpu (installed here) but runs on the "
+            f"{jax.default_backend()}, and libtpu's profiler crashes jax.profiler outside a TPU. Fix: set "
+            "JAX_PLATFORMS=cpu (or cuda) before JAX starts (python -m scone_jax.main does so itself on a machine "
+            "without a TPU), or train.profile_steps=''.")
 
 
 class StepProfiler:

@@ -25,9 +25,8 @@ from scone_jax.runtime import compile_cache, distributed, storage, workdir as wo
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.ownership import OwnershipLost, hold as hold_workdir
-from scone_jax.training import assets, checkpoint, exported_step, preemption, state as state_lib, steps
+from scone_jax.training import assets, checkpoint, exported_step, preemption, profile, state as state_lib, steps
 from scone_jax.training.metrics import MetricsWriter, format_line
-from scone_jax.training.profile import StepProfiler
 from scone_jax.training.throughput import Throughput, peak_flops_per_device, process_uptime_s
 
 
@@ -145,6 +144,7 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
                          f"accepts: {', '.join(config_lib.RESUME_KEYS)}.")
     mesh = sharding.make_mesh(config.mesh)
     config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
+    profile.check_tracer(config.train.profile_steps)
     # The workdir is taken before anything is written there and released however the run ends; SIGTERM stops
     # start-up cleanly (the loop's preemption.Watch takes it over at the first step).
     # The SIGTERM handler comes first, so a SIGTERM while the lease is being taken is a clean stop too.
@@ -187,6 +187,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
         raise
     if is_chief:
         config_lib.write_config(config, workdir)
+        workdir_layout.remove_stale_done(workdir, config.train.num_steps)  # before the first step
     logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(spec.abstract[0]).items()})
     flops = accounting.train_step_flops(config, spec.abstract[0], sharding.num_batch_shards(mesh))
     meta = {**expect, "config": config.to_dict(), "train_data": train_data}
@@ -210,7 +211,10 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     window, summary = [], {}
     stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
     watch = preemption.Watch()
-    profiler = StepProfiler(t.profile_steps, workdir, enabled=is_chief or t.profile_all_processes)
+    profiler = profile.StepProfiler(t.profile_steps, workdir, enabled=is_chief or t.profile_all_processes)
+    missed = profile.unreached(t.profile_steps, step + 1, stop_at)
+    if missed and is_chief:
+        logging.warning("%s", missed)
     startup = None
     try:
         batch = _next_batch(inputs, step, None) if step < stop_at else None

@@ -113,6 +113,16 @@ def test_deleted_table_directory_stops_generate(bundle_copy, text):
     assert "31 more table files are bad" in line and "done/000000002, ...)" in line
 
 
+@pytest.mark.parametrize("tool", ["evaluate", "generate"])
+def test_table_flags_reach_the_loader_and_a_budget_below_the_index_is_one_line(original, text, tool):
+    """--table=disk with --max_table_bytes under the block index that must stay in RAM (125 blocks: 500 bytes):
+    one line with the size it needs, exit 2 (caught: generate without the flags passed to inference.load:
+    the table loaded whole into RAM, exit 0)."""
+    line = one_line_error(cli(tool, original, text, "--table=disk", "--max_table_bytes=100"), tool)
+    assert f"--max_table_bytes=100 is less than the 500 bytes the block index of {original}'s table (125 blocks) " \
+           "must keep in RAM to serve rows from disk. Fix: raise --max_table_bytes to at least 500" in line
+
+
 DECODER_CHUNK = os.path.join("decoder", "stack.blocks.attn.key.kernel.value", "0.3.0")  # one shard of one array
 
 

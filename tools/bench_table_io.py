@@ -11,8 +11,10 @@ before and after (mincore(2) through ctypes over a read-only mapping of each fil
              follow where fio is installed (a cross-check).
   table      DiskTable.gather of random distinct rows, no head kept, at d = 128 and 2048 (bf16): its block
              reads use O_DIRECT, so the page cache is bypassed (no cache dropping needed); the tables are
-             synthetic (random rows written by the export's own table_layout.encode).
-  load       HostTable's whole-table load into RAM, seconds per GB (the d = 2048 table's first ram_bytes).
+             synthetic (random rows written by the export's own table_layout.encode). Then the same d = 2048
+             rows in the layout not chosen (zarr3 sharding through tensorstore; --notensorstore skips it).
+  load       HostTable's whole-table load into RAM, seconds per GB (the d = 2048 table's first ram_bytes), with
+             the page cache dropped first (posix_fadvise DONTNEED) and warm (best of 3: the RESULT).
   decode     batch-1 row lookup (gather of one id) from disk against RAM: what a token pays at decode.
   evaluate   serving.evaluate's tokens/s on a real export (a SCONE run, initialised weights) with the table
              served from disk at --max_table_bytes = a quarter of it, against the same export in RAM; with the
@@ -43,6 +45,8 @@ from scone_jax.serving import bundle, table as table_lib
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small files (64 MiB budget, 256 MiB files) and a tiny model.")
 _DIR = flags.DEFINE_string("dir", "", "Where the benchmark's files go (the disk measured); '' = a temp dir in /tmp.")
+_TENSORSTORE = flags.DEFINE_bool("tensorstore", True, "Also time the same d = 2048 rows in zarr3 sharded through "
+                                  "tensorstore (the layout not chosen).")
 _RAM = flags.DEFINE_integer("ram_bytes", 0, "RAM the benchmark allows itself (tables' budget); 0 = 1 GiB, quick 64 MiB.")
 
 PAGE = 4096
@@ -74,6 +78,14 @@ def resident(paths) -> float:
         flags_ = np.frombuffer(vec, np.uint8)
         pages, cached = pages + flags_.size, cached + int((flags_ & 1).sum())
     return cached / max(pages, 1)
+
+
+def drop_cache(paths) -> None:
+    """posix_fadvise(DONTNEED) on each file: its clean pages leave the page cache."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
 
 
 def measured(paths, fn):
@@ -119,11 +131,14 @@ def raw_reads_per_s(path: str, reads: int, threads: int) -> float:
     return reads / seconds
 
 
-def raw_aio_reads_per_s(path: str, reads: int, depth: int) -> float:
-    """The same reads through kernel AIO from one thread, `depth` in flight (what DiskTable uses)."""
+def raw_aio_reads_per_s(path: str, reads: int, depth: int, sort_batch: int = 0) -> float:
+    """The same reads through kernel AIO from one thread, `depth` in flight (what DiskTable uses); `sort_batch`:
+    offsets ascending within each run of that many (the order DiskTable submits a batch's blocks in)."""
     pages = os.path.getsize(path) // PAGE
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     offsets = np.random.default_rng(depth + 1).integers(0, pages, reads) * PAGE
+    if sort_batch:
+        offsets = np.concatenate([np.sort(offsets[i:i + sort_batch]) for i in range(0, reads, sort_batch)])
     buffer = np.frombuffer(mmap.mmap(-1, reads * PAGE), np.uint8)
     reader = aio.AsyncReads(depth)
     start = time.perf_counter()
@@ -157,6 +172,48 @@ def table_rows_per_s(path: str, batch: int, batches: int, ram_bytes: int) -> tup
     direct = table.direct
     table.close()
     return rate, direct
+
+
+def tensorstore_rows_per_s(root: str, rows_of, rows: int, width: int, batch: int, batches: int) -> dict:
+    """The layout this one was chosen against: the same rows in tensorstore's zarr3 with the sharding_indexed codec
+    (4,096-row shard files of 1-row inner chunks, each with its crc32c; a missing chunk is an error), read through
+    tensorstore (64 file reads in flight, no cache) with the page cache dropped before each pass
+    (posix_fadvise DONTNEED on every shard file: tensorstore reads through it). Rows/s: one read per row in a
+    ts.Batch, and one read of the batch's sorted ids."""
+    import tensorstore as ts
+
+    spec = {"driver": "zarr3", "kvstore": "file://" + os.path.join(root, "zarr_sharded") + "/",
+            "context": {"file_io_concurrency": {"limit": 64}, "cache_pool": {"total_bytes_limit": 0}},
+            "fill_missing_data_reads": False}
+    codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    metadata = {"shape": [rows, width], "data_type": "bfloat16",
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4096, width]}},
+                "codecs": [{"name": "sharding_indexed", "configuration": {
+                    "chunk_shape": [1, width], "codecs": codecs, "index_codecs": codecs}}]}
+    store = ts.open(spec | {"metadata": metadata}, create=True).result()
+    for lo in range(0, rows, 65536):
+        store[lo:min(lo + 65536, rows)].write(rows_of(lo, min(lo + 65536, rows))).result()
+    directory = os.path.join(root, "zarr_sharded", "c")
+    files = [os.path.join(d, n) for d, _, names in os.walk(directory) for n in names]
+    ids = np.random.default_rng(11).permutation(rows)[:batch * batches].reshape(batches, batch)
+    out = {}
+    for mode in ("batch", "sorted"):
+        drop_cache(files)
+
+        def run():
+            start = time.perf_counter()
+            for row in ids:
+                if mode == "batch":
+                    with ts.Batch() as b:
+                        reads = [store[int(i)].read(batch=b) for i in row]
+                    [r.result() for r in reads]
+                else:
+                    store[np.sort(row)].read().result()
+            return ids.size / (time.perf_counter() - start)
+
+        out[mode] = measured(files, run)
+    shutil.rmtree(os.path.join(root, "zarr_sharded"))
+    return out
 
 
 def decode_ms(table, ids) -> float:
@@ -194,6 +251,9 @@ def run_all(root: str, ram: int, quick: bool) -> dict:
             by_aio, cache = measured([raw], lambda: raw_aio_reads_per_s(raw, reads, depth))
             line += f", {by_aio:,.0f} through kernel AIO ({cache})"
             rate = max(rate, by_aio)  # the better of the two is the limit
+            in_order, cache = measured([raw], lambda: raw_aio_reads_per_s(raw, reads, depth, 4096))
+            line += (f"; {in_order:,.0f} through kernel AIO with each 4,096 offsets sorted, as DiskTable submits a "
+                     f"batch's blocks ({cache})")
         fio = fio_iops(raw, depth)
         print(f"raw disk, 4 KiB random reads, O_DIRECT, queue depth {depth}: {line}; {1e6 * depth / rate:.0f} us "
               "each" + (f"; fio libaio: {fio:,.0f} reads/s" if fio else ""))
@@ -212,6 +272,12 @@ def run_all(root: str, ram: int, quick: bool) -> dict:
         results[f"table_rows_per_s_d{width}"] = round(rate)
         if width == 2048:
             results["table_rows_vs_disk_ratio"] = round(rate / results["disk_iops_qd64"], 3)
+            if _TENSORSTORE.value:
+                zarr = tensorstore_rows_per_s(root, random_rows(width), rows, width, 4096, batches)
+                print("the alternative, zarr3 sharded (4,096-row shards, 1-row crc32c chunks) read by tensorstore, "
+                      "page cache dropped before each pass: " + "; ".join(
+                          f"{rate:,.0f} rows/s with {'a ts.Batch of one read per row' if mode == 'batch' else 'one read of the sorted ids'} "
+                          f"({cache})" for mode, (rate, cache) in zarr.items()))
             results.update(load_and_decode(path, files, ram, quick, root))
         shutil.rmtree(path)
     results.update(evaluate_disk_vs_ram(root, quick))
@@ -229,13 +295,18 @@ def load_and_decode(path: str, files, ram: int, quick: bool, root: str) -> dict:
     small = os.path.join(root, "table_ram")
     whole = table_lib.open_table(path, table="disk", max_bytes=None)
     write_table_bundle(small, random_rows(whole.width), ram // whole.layout.row_bytes, whole.width, "bfloat16", 65536)
-    best = float("inf")
-    for _ in range(3):
+    speed = {}
+    for state in ("cold", "warm", "warm", "warm"):  # cold: the page cache dropped first
+        if state == "cold":
+            drop_cache(table_files(small))
         start = time.perf_counter()
         loaded, cache = measured(table_files(small), lambda: table_lib.open_table(small, table="ram"))
-        best = min(best, (time.perf_counter() - start) / (loaded.nbytes / 1e9))
+        seconds = (time.perf_counter() - start) / (loaded.nbytes / 1e9)
+        speed[state] = min(speed.get(state, seconds), seconds), cache
         loaded.close()
-    print(f"load into RAM: {best:.3f} s/GB (best of 3; {cache})")
+    print(f"load into RAM: {speed['cold'][0]:.3f} s/GB cold ({speed['cold'][1]}), {speed['warm'][0]:.3f} s/GB warm "
+          f"(best of 3; {speed['warm'][1]})")
+    best = speed["warm"][0]
     ids = np.random.default_rng(7).permutation(whole.num_rows)[:300 if quick else 2000]
     disk, cache = measured(files, lambda: decode_ms(whole, ids))
     ram_table = table_lib.open_table(small, table="ram")
@@ -260,6 +331,7 @@ def evaluate_disk_vs_ram(root: str, quick: bool) -> dict:
     in_ram = evaluate.evaluate(ram_served, config.data, max_batches=batches)
     disk_served = inference.load(output, table="disk", max_table_bytes=budget)
     table = disk_served.table
+    drop_cache(table_files(output))
     before = resident(table_files(output))
     from_disk = evaluate.evaluate(disk_served, config.data, max_batches=batches)
     cache = f"page cache {100 * before:.1f}% -> {100 * resident(table_files(output)):.1f}% of the files"

@@ -259,3 +259,25 @@ def test_kernel_aio_reads_land_where_asked_and_an_error_leaves_nothing_in_flight
     finally:
         reader.close()
         os.close(fd)
+
+
+def test_more_files_than_the_process_may_open_is_one_line(tmp_path, monkeypatch):
+    """A 1B-row table at d = 2048 is 15,259 files: the soft open-file limit is raised to what they need, and a hard limit below it is one line with the fix (caught: the limit not checked:
+    the files opened regardless, and where the limit is really short, EMFILE partway through opening them)."""
+    path = str(tmp_path / "many")
+    write_table_bundle(path, lambda lo, hi: np.ones((hi - lo, 4), np.float32), 600 * 16, 4, "float32", 16)
+    real = table_files.resource.getrlimit
+    limits = {"soft": 300, "hard": 0}
+    monkeypatch.setattr(table_files.resource, "getrlimit", lambda which: (
+        (limits["soft"], limits["hard"]) if which == table_files.resource.RLIMIT_NOFILE else real(which)))
+    raised = []
+    monkeypatch.setattr(table_files.resource, "setrlimit", lambda which, value: raised.append(value))
+    with pytest.raises(OSError, match=f"the table at {path} needs 856 open files, more than this process may open "
+                                      r"\(hard limit 800\)\. Fix: raise the limit"):
+        limits["hard"] = 800
+        table_lib.open_table(path, table="disk")
+    limits["hard"] = 4096
+    disk = table_lib.open_table(path, table="disk")
+    assert disk.direct and (disk.files.fds < 0).all()  # one descriptor a file once reading with O_DIRECT
+    disk.close()
+    assert raised == [(856, 4096)]

@@ -38,13 +38,15 @@ class DiskTable:
             raise ValueError(f"--max_table_bytes={max_bytes:,} is less than the {index_bytes:,} bytes the block index of "
                              f"{path}'s table ({layout.num_blocks:,} blocks) must keep in RAM to serve rows from disk. "
                              f"Fix: raise --max_table_bytes to at least {index_bytes:,} (or 0: no limit).")
-        self.files = TableFiles.open(path, layout, threads=threads, direct=direct)
+        self.files = TableFiles.open(path, layout, threads=threads)
         try:
             if self.files.problems:
                 raise bundle.bad_table_error(path, layout, self.files.problems)
             self.index = self._read_index(sums)
             head = 0 if not max_bytes else (max_bytes - index_bytes) // layout.row_bytes
             self.head = self._read_head(min(layout.num_rows, head // layout.block_rows * layout.block_rows))
+            if direct:
+                self.files.start_direct()
         except BaseException:
             self.files.close()
             raise
@@ -55,7 +57,7 @@ class DiskTable:
     @property
     def direct(self) -> bool:
         """Whether block reads bypass the page cache (O_DIRECT, kernel AIO)."""
-        return bool(getattr(self.files, "direct", False))
+        return self.files.direct
 
     def _read_index(self, sums: bundle.Checksums) -> np.ndarray:
         """Every file's block index, concatenated (block b's CRC at [b]), each checked against COMPLETE."""

@@ -16,6 +16,7 @@ import concurrent.futures
 import errno
 import mmap
 import os
+import resource
 import threading
 import zlib
 
@@ -44,11 +45,15 @@ class TableFiles:
         self.threads = threads
         self.problems: dict[int, str] = {}
 
+    direct = False  # block reads bypass the page cache (start_direct)
+
     @staticmethod
-    def open(path: str, layout: Layout, *, threads: int = 64, direct: bool = False) -> "TableFiles":
-        """`direct`: block reads bypass the page cache (local files, where the filesystem allows)."""
+    def open(path: str, layout: Layout, *, threads: int = 64) -> "TableFiles":
         cls = RemoteFiles if storage.is_remote(path) else LocalFiles
-        return cls(path, layout, threads, direct)
+        return cls(path, layout, threads)
+
+    def start_direct(self) -> None:
+        """From now on, block reads bypass the page cache where they can (local files); whole-chunk reads end."""
 
     def read_into(self, c: int, offset: int, out: np.ndarray) -> None:
         """Fill `out` (a contiguous uint8 array) with chunk c's file from byte `offset`; OSError if it cannot."""
@@ -79,9 +84,23 @@ class TableFiles:
         self.pool.shutdown()
 
 
+def _allow_open_files(needed: int, path: str) -> None:
+    """Raise this process's open-file limit to what the table's files need (a 1B-row table at d = 2048 is
+    15,259 files of 65,536 rows), up to the hard limit; OSError naming the fix if that is short."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and needed > hard:
+        raise OSError(f"the table at {path} needs {needed:,} open files, more than this process may open (hard limit "
+                      f"{hard:,}). Fix: raise the limit (`ulimit -Hn`, limits.conf), or export with a larger --chunk_rows "
+                      "(fewer, larger files).")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
 class LocalFiles(TableFiles):
-    def __init__(self, path: str, layout: Layout, threads: int, direct: bool):
+    def __init__(self, path: str, layout: Layout, threads: int):
         super().__init__(path, layout, threads)
+        _allow_open_files(layout.num_chunks + 256, path)  # a file's O_DIRECT descriptor replaces its buffered one
         self.fds = np.full(layout.num_chunks, -1, np.int64)
         for c in range(layout.num_chunks):
             try:
@@ -94,7 +113,6 @@ class LocalFiles(TableFiles):
                 self.problems[c] = f"is {size} bytes, not the {want} its rows and block index take (truncated or replaced)"
         self.direct_fds = np.full(layout.num_chunks, -1, np.int64)
         self._aio = None
-        self.direct = direct and not self.problems and self._open_direct()
         block_bytes = layout.block_rows * layout.row_bytes
         # A read buffer slot per block: the block itself when blocks are whole pages, else room for the
         # aligned pages around a block at any offset.
@@ -105,16 +123,16 @@ class LocalFiles(TableFiles):
     def _name(self, c: int) -> str:
         return os.path.join(self.path, bundle.chunk_key(c))
 
-    def _open_direct(self) -> bool:
-        """Open every file again with O_DIRECT, start a kernel AIO context and read one page of the first file:
-        a filesystem without O_DIRECT (tmpfs before Linux 6.6, some FUSE ones) refuses with EINVAL; then, or
-        where kernel AIO is missing, rows are read with buffered preads from threads."""
-        if not len(self.fds):
-            return False
+    def start_direct(self) -> None:
+        """Start a kernel AIO context, open the first file with O_DIRECT and read a page of it: a filesystem
+        without O_DIRECT (tmpfs before Linux 6.6, some FUSE ones) refuses with EINVAL; then, or where kernel AIO
+        is missing, rows stay read with buffered preads from threads. Else each file's O_DIRECT descriptor
+        replaces its buffered one."""
+        if self.problems or not len(self.fds):
+            return
         try:
             self._aio = aio.AsyncReads(self.threads)
-            for c in range(len(self.fds)):
-                self.direct_fds[c] = os.open(self._name(c), os.O_RDONLY | os.O_DIRECT)
+            self.direct_fds[0] = os.open(self._name(0), os.O_RDONLY | os.O_DIRECT)
             page = np.frombuffer(mmap.mmap(-1, ALIGN), np.uint8)
             self._aio.read(self.direct_fds[:1], np.zeros(1, np.int64), np.full(1, ALIGN), np.full(1, page.ctypes.data),
                            _raise_errors)
@@ -122,8 +140,13 @@ class LocalFiles(TableFiles):
             self._close_direct()
             logging.warning("Note: %s cannot be read with O_DIRECT and kernel AIO (%s); table rows are read through "
                             "the page cache instead, from threads.", self.path, os.strerror(e.errno or errno.EINVAL))
-            return False
-        return True
+            return
+        for c in range(len(self.fds)):
+            if c:
+                self.direct_fds[c] = os.open(self._name(c), os.O_RDONLY | os.O_DIRECT)
+            os.close(int(self.fds[c]))
+            self.fds[c] = -1
+        self.direct = True
 
     def _close_direct(self):
         if self._aio is not None:
@@ -144,6 +167,7 @@ class LocalFiles(TableFiles):
         return done
 
     def read_into(self, c: int, offset: int, out: np.ndarray) -> None:
+        assert not self.direct, "whole-chunk reads come before start_direct"
         if self._pread_into(int(self.fds[c]), memoryview(out), offset) != out.size:
             raise OSError(f"{self._name(c)} cannot be read (it ended early)")
 
@@ -219,7 +243,7 @@ def _raise_errors(done, results):
 
 
 class RemoteFiles(TableFiles):
-    def __init__(self, path: str, layout: Layout, threads: int, direct: bool):
+    def __init__(self, path: str, layout: Layout, threads: int):
         super().__init__(path, layout, threads)
         self.store = storage.open_store(storage.join(path, bundle.TABLE))
         present = {k.decode() for k in self.store.list().result()}

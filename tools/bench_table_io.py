@@ -321,7 +321,8 @@ def load_and_decode(path: str, files, ram: int, quick: bool, root: str) -> dict:
 
 
 def evaluate_disk_vs_ram(root: str, quick: bool) -> dict:
-    """serving.evaluate on one export: table in RAM, then from disk with a quarter of it as the budget."""
+    """serving.evaluate on one export: table in RAM, and from disk with a quarter of it as the budget (two
+    alternating rounds, the best of each)."""
     from scone_jax.serving import evaluate, export, inference
 
     config, workdir, _, _ = make_run(root, quick)
@@ -330,19 +331,28 @@ def evaluate_disk_vs_ram(root: str, quick: bool) -> dict:
     batches = 12 if quick else 40
     ram_served = inference.load(output, table="ram")
     budget = ram_served.table.nbytes // 4
-    in_ram = evaluate.evaluate(ram_served, config.data, max_batches=batches)
     disk_served = inference.load(output, table="disk", max_table_bytes=budget)
     table = disk_served.table
     drop_cache(table_files(output))
     before = resident(table_files(output))
-    from_disk = evaluate.evaluate(disk_served, config.data, max_batches=batches)
+    in_ram = from_disk = None
+    for _ in range(2):  # alternating rounds, the best of each: other load on the machine hits both alike
+        for served in (ram_served, disk_served):
+            result = evaluate.evaluate(served, config.data, max_batches=batches)
+            best = in_ram if served is ram_served else from_disk
+            if best is None or result["tokens_per_s"] > best["tokens_per_s"]:
+                if served is ram_served:
+                    in_ram = result
+                else:
+                    from_disk = result
     cache = f"page cache {100 * before:.1f}% -> {100 * resident(table_files(output)):.1f}% of the files"
     lookups = table.rows_from_head + table.rows_from_disk
     steps_per_s = in_ram["tokens_per_s"] / (in_ram["tokens"] / in_ram["batches"])
-    needed = table.blocks_read / from_disk["batches"] * steps_per_s
+    needed = table.blocks_read / (2 * from_disk["batches"]) * steps_per_s
     supplied = table.blocks_read / max(table.read_seconds, 1e-9)
     ratio = from_disk["tokens_per_s"] / in_ram["tokens_per_s"]
-    print(f"evaluate: {in_ram['tokens_per_s']:,.0f} tokens/s in RAM, {from_disk['tokens_per_s']:,.0f} from disk "
+    print(f"evaluate (hit rate {in_ram['hit_rate']:.2f}): {in_ram['tokens_per_s']:,.0f} tokens/s in RAM, "
+          f"{from_disk['tokens_per_s']:,.0f} from disk "
           f"(table {table.nbytes / 2**20:.1f} MiB, --max_table_bytes {budget / 2**20:.1f} MiB: head of "
           f"{table.head_rows:,} of {table.num_rows:,} rows answered {table.rows_from_head / max(lookups, 1):.1%} of "
           f"lookups; {cache}); disk reads needed at the RAM run's pace {needed:,.0f}/s, supplied while reading "

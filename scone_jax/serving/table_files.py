@@ -39,13 +39,13 @@ class TableFiles:
     """The table's files (serving/table_layout.py) of the bundle at `path`. `problems` holds what is wrong with
     any of them (chunk -> state), found at open; callers raise bundle.bad_table_error with it."""
 
+    direct = False  # block reads bypass the page cache (start_direct)
+
     def __init__(self, path: str, layout: Layout, threads: int):
         self.path, self.layout = path, layout
         self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="table-io")
         self.threads = threads
         self.problems: dict[int, str] = {}
-
-    direct = False  # block reads bypass the page cache (start_direct)
 
     @staticmethod
     def open(path: str, layout: Layout, *, threads: int = 64) -> "TableFiles":
@@ -248,7 +248,7 @@ class RemoteFiles(TableFiles):
         self.store = storage.open_store(storage.join(path, bundle.TABLE))
         present = {k.decode() for k in self.store.list().result()}
         for c in range(layout.num_chunks):
-            if bundle.chunk_key(c).split("/", 1)[1] not in present:
+            if self._key(c) not in present:
                 self.problems[c] = "is missing"
 
     def _key(self, c: int) -> str:
@@ -258,7 +258,10 @@ class RemoteFiles(TableFiles):
         return self.store.read(self._key(c), byte_range=slice(offset, offset + length), batch=batch)
 
     def read_into(self, c: int, offset: int, out: np.ndarray) -> None:
-        out[:] = np.frombuffer(_value(self._range(c, offset, out.size), self.path, c), np.uint8)
+        try:
+            out[:] = np.frombuffer(_value(self._range(c, offset, out.size)), np.uint8)
+        except OSError as e:
+            raise OSError(f"{storage.join(self.path, bundle.chunk_key(c))} cannot be read ({e})") from None
 
     def read_blocks(self, chunks, offsets, lengths, want):
         out = np.empty((len(chunks), self.layout.block_rows * self.layout.row_bytes), np.uint8)
@@ -267,9 +270,9 @@ class RemoteFiles(TableFiles):
         bad = {}
         for i, future in enumerate(reads):
             try:
-                data = _value(future, self.path, int(chunks[i]))
+                data = _value(future)
             except OSError as e:
-                bad[i] = f"cannot be read ({one_line(e)})"
+                bad[i] = f"cannot be read ({e})"
                 continue
             out[i, :len(data)] = np.frombuffer(data, np.uint8)
             if (have := zlib.crc32(data)) != int(want[i]):
@@ -277,11 +280,12 @@ class RemoteFiles(TableFiles):
         return out, bad
 
 
-def _value(future, path: str, c: int) -> bytes:
+def _value(future) -> bytes:
+    """The bytes a kvstore read returned; OSError saying why there are none."""
     try:
         result = future.result()
     except ValueError as e:  # tensorstore: a short object answers OUT_OF_RANGE
-        raise OSError(f"{storage.join(path, bundle.chunk_key(c))} cannot be read ({one_line(e)})") from None
+        raise OSError(one_line(e)) from None
     if result.state != "value":
-        raise OSError(f"{storage.join(path, bundle.chunk_key(c))} is missing")
+        raise OSError("the object is missing")
     return result.value

@@ -359,9 +359,26 @@ def evaluate_disk_vs_ram(root: str, quick: bool) -> dict:
           f"{supplied:,.0f}/s ({'disk-bound' if needed > supplied else 'the disk keeps up'})")
     assert from_disk["perplexity"] == in_ram["perplexity"], "rows from disk differ from rows in RAM"
     head_shares(disk_served, config.data, batches)
+    decode_tokens(ram_served, disk_served, quick)
     for served in (ram_served, disk_served):
         served.table.close()
     return {"eval_disk_vs_ram_ratio": round(ratio, 3)}
+
+
+def decode_tokens(ram_served, disk_served, quick: bool) -> None:
+    """generate's per-token latency at batch 1 (greedy), rows from RAM against from disk: the row lookup in
+    context, beside the decoder's step (best of alternating rounds)."""
+    from scone_jax.serving import generate
+
+    tok = ram_served.tokenizer
+    prompt = np.concatenate([[tok.bos_id], tok.encode("And God said, Let there be light")])[None].astype(np.int32)
+    gens = {name: generate.Generator(served) for name, served in (("RAM", ram_served), ("disk", disk_served))}
+    best = {name: float("inf") for name in gens}
+    for _ in range(3 if quick else 5):
+        for name, gen in gens.items():
+            best[name] = min(best[name], gen.generate(prompt, 32 if quick else 64)["seconds_per_token"])
+    print(f"generate, batch 1: {1000 * best['RAM']:.2f} ms a token with rows from RAM, {1000 * best['disk']:.2f} "
+          f"from disk (head of {disk_served.table.head_rows:,} rows in RAM)")
 
 
 def head_shares(served, data_cfg, batches: int) -> None:

@@ -33,6 +33,7 @@ ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the devic
 # Up to this many blocks, read one after another with os.preadv: one read waits ~55 us that way here, ~250 us
 # through kernel AIO (tools/bench_table_io.py's decode figure).
 _SYNC_BLOCKS = 4
+_PIECE = 16 << 20
 
 
 class TableFiles:
@@ -66,8 +67,10 @@ class TableFiles:
         return out
 
     def read_all(self, jobs) -> None:
-        """read_into(c, offset, out) for each (c, offset, out) of `jobs`, on the pool (whole chunks at once)."""
-        for future in [self.pool.submit(self.read_into, *job) for job in jobs]:
+        """read_into(c, offset, out) for each (c, offset, out) of `jobs`, on the pool, in pieces of at most 16 MiB:
+        a cold load keeps the disk busy with as many reads as the pool has threads, however few the files."""
+        pieces = [(c, offset + at, out[at:at + _PIECE]) for c, offset, out in jobs for at in range(0, out.size, _PIECE)]
+        for future in [self.pool.submit(self.read_into, *piece) for piece in pieces]:
             future.result()
 
     def read_blocks(self, chunks: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, want: np.ndarray

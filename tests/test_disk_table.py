@@ -60,8 +60,8 @@ def test_rows_from_disk_equal_the_rows_in_ram_bit_for_bit(bf16_export, stored, h
     blocks of 32 and one of 16) in batches of one id (decoding: plain reads), a few and thousands (kernel AIO,
     more blocks than reads in flight), through O_DIRECT; the head in RAM answers its rows without a read.
     Caught: a row's place in its block dropped (`rows % block_rows` -> 0: the block's first row everywhere);
-    blocks matched to the wrong rows (np.unique's inverse unused); the head off by one (`< head_rows` as `<=`,
-    an IndexError); the head not consulted (no rows from it)."""
+    blocks matched to the wrong rows (np.unique's inverse unused); the head off by one (`flat >= head_rows` as
+    `>`: row head_rows looked up in the head, an IndexError); the head's rows never copied out (garbage rows)."""
     ram = table_lib.open_table(bf16_export, table="ram")
     disk = table_lib.open_table(bf16_export, table="disk", max_bytes=index_bytes(bf16_export) + head)
     assert not disk.in_ram and disk.direct and disk.head_rows == head // 128

@@ -12,6 +12,7 @@ is what a token pays.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -53,6 +54,7 @@ class DiskTable:
         self.head_rows = len(self.head)
         self.rows_from_head = self.rows_from_disk = self.blocks_read = 0
         self.read_seconds = 0.0  # in gather's disk reads
+        self._lock = threading.Lock()
 
     @property
     def direct(self) -> bool:
@@ -104,22 +106,31 @@ class DiskTable:
         ids = np.asarray(ids)
         flat = ids.reshape(-1)
         check_ids(flat, self.num_rows)
-        out = np.zeros((flat.size, self.width), self.dtype)
-        near = (flat >= 0) & (flat < self.head_rows)
-        if near.any():
-            out[near] = self.head[flat[near]]
         far = flat >= self.head_rows
-        if far.any():
-            rows = flat[far]
+        every = flat.size > 0 and bool(far.all())  # all rows from disk: the gather from the reads is the output
+        out = None
+        if not every:
+            out = np.empty((flat.size, self.width), self.dtype)
+            out[flat < 0] = 0
+            near = (flat >= 0) & ~far
+            out[near] = self.head[flat[near]]
+            self.rows_from_head += int(near.sum())
+        rows = flat if every else flat[far]
+        if rows.size:
             blocks, inverse = np.unique(rows // self.layout.block_rows, return_inverse=True)
-            staged = self._read_blocks(blocks)
-            out[far] = staged[inverse * self.layout.block_rows + rows % self.layout.block_rows]
-            self.rows_from_disk += int(far.sum())
-        self.rows_from_head += int(near.sum())
+            at = inverse * self.layout.block_rows + rows % self.layout.block_rows
+            with self._lock:  # the staged rows live in the reader's buffer until the next batch's read
+                staged = self._read_blocks(blocks)
+                if every:
+                    out = staged[at]  # (indexing copies at twice the speed of np.take into an array)
+                else:
+                    out[far] = staged[at]
+            self.rows_from_disk += len(rows)
         return out.reshape(*ids.shape, self.width)
 
     def _read_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        """The rows of `blocks` (sorted, distinct), read and checked: [len(blocks) * block_rows, d]."""
+        """The rows of `blocks` (sorted, distinct), read and checked: [len(blocks) * block_rows, d], valid until the
+        next call (the caller holds self._lock)."""
         layout = self.layout
         per, block_bytes = layout.blocks_per_chunk, layout.block_rows * layout.row_bytes
         chunks = blocks // per

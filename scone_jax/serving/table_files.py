@@ -76,8 +76,8 @@ class TableFiles:
     def read_blocks(self, chunks: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, want: np.ndarray
                     ) -> tuple[np.ndarray, dict[int, str]]:
         """Read block i (lengths[i] bytes of chunk chunks[i]'s file at offsets[i]) and check it against the CRC
-        want[i]: ([n, block bytes] uint8, block i's bytes first in row i; {i: what is wrong} for the blocks that
-        failed, the CRC of what was read (8 hex digits) or why it could not be read)."""
+        want[i]: ([n, block bytes] uint8, block i's bytes first in row i, valid until the next call; {i: what is
+        wrong} for the blocks that failed, the CRC of what was read (8 hex digits) or why it could not be read)."""
         raise NotImplementedError
 
     def _split(self, n: int):
@@ -205,8 +205,8 @@ class LocalFiles(TableFiles):
                 self._aio.read(self.direct_fds[chunks], start, size,
                                self._buffer.ctypes.data + np.arange(n) * self._slot, check)
             slots = self._buffer[:n * self._slot].reshape(n, self._slot)
-            if self._slot == block_bytes:
-                return slots.copy(), bad
+            if self._slot == block_bytes:  # blocks are whole pages: the buffer is the result (until the next read)
+                return slots, bad
             staged = np.empty((n, block_bytes), np.uint8)
             for d in np.unique(skip).tolist():  # few distinct offsets within a page
                 pick = skip == d

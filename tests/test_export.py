@@ -102,7 +102,7 @@ def test_export_never_overwrites_a_different_export(run, fp32_export, tmp_path):
     path = str(tmp_path / "copy")
     shutil.copytree(fp32_export, path)
     before = open(os.path.join(path, "export.json")).read()
-    with pytest.raises(bundle.BundleError, match=r"differs from this one in \['dtype'\]"):
+    with pytest.raises(bundle.BundleError, match=r"differs from this one in \['block_rows', 'dtype'\]"):
         export.export(run["workdir"], path, dtype="bfloat16", chunk_rows=64, batch_rows=512)
     assert open(os.path.join(path, "export.json")).read() == before
     assert json.loads(before)["dtype"] == "float32"

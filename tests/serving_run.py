@@ -103,4 +103,4 @@ def reseal(path: str) -> None:
     with open(os.path.join(path, bundle.TOKENIZER), "rb") as f:
         files[bundle.TOKENIZER] = bundle.array_checksum(f.read())
     with open(os.path.join(path, bundle.COMPLETE), "wb") as f:
-        f.write(bundle.complete_marker(meta, record["table"], files))
+        f.write(bundle.complete_marker(meta, record["table"], record["table_index"], files))

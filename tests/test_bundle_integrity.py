@@ -14,7 +14,7 @@ import pytest
 import tensorstore as ts
 
 from scone_jax.runtime import storage
-from scone_jax.serving import bundle, export, inference
+from scone_jax.serving import bundle, export, inference, table as table_lib
 from scone_jax.serving.table import HostTable
 from tests import serving_run
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-ROWS = 2000  # the shared run's f-grams; chunks of 64 rows: 32 chunks, the last one 16 rows
+ROWS = 2000  # the shared run's f-grams; files of 64 rows: 32 files, the last one 16 rows
 
 
 @pytest.fixture(scope="module")
@@ -66,54 +66,61 @@ def one_line_error(result, tool) -> str:
     return lines[0]
 
 
-def test_deleted_table_chunk_is_named_and_rerunning_the_export_repairs_it(run, original, bundle_copy, text):
-    """A deleted chunk object reads as zeros through zarr (evaluate exited 0 before checksums, the
-    perplexity slightly off). Catches (tried): HostTable skipping the CRC check of the in-RAM rows
-    (exit 0), and an export whose rerun on a COMPLETE bundle ignores deleted done markers (the repair
-    left the chunk missing: 0 rows computed)."""
-    os.remove(os.path.join(bundle_copy, "table", "c", "5", "0"))
-    line = one_line_error(cli("evaluate", bundle_copy, text), "evaluate")
-    assert f"{bundle_copy}/table/c/5/0 (table rows 320..383) is missing" in line
-    assert f"Fix: delete the done marker of each bad chunk ({bundle_copy}/done/000000005)" in line
+def test_deleted_table_file_is_named_and_rerunning_the_export_repairs_it(run, original, bundle_copy, text):
+    """A deleted table file, with rows served from disk: one line naming it, its rows and the repair (exit 2), at
+    open. Catches (tried): a table opened without looking for its files (the missing one found only when a batch
+    needs its rows), and an export whose rerun on a COMPLETE bundle ignores deleted done markers (the repair
+    left the file missing: 0 rows computed)."""
+    os.remove(os.path.join(bundle_copy, "table", "000000005"))
+    line = one_line_error(cli("evaluate", bundle_copy, text, "--table=disk"), "evaluate")
+    assert f"{bundle_copy}/table/000000005 (table rows 320..383) is missing" in line
+    assert f"Fix: delete the done marker of each bad file ({bundle_copy}/done/000000005)" in line
     assert "re-run `python -m scone_jax.serving.export --workdir=RUN" in line
 
     os.remove(os.path.join(bundle_copy, "done", "000000005"))  # the repair the message names
     figures = export.export(run["workdir"], bundle_copy, dtype="float32", chunk_rows=64, batch_rows=512)
-    assert figures["rows_computed"] == 512  # the one batch holding chunk 5
+    assert figures["rows_computed"] == 512  # the one round holding file 5
     np.testing.assert_array_equal(HostTable.open(bundle_copy).gather(np.arange(ROWS)),
                                   HostTable.open(original).gather(np.arange(ROWS)))
     with open(os.path.join(bundle_copy, "COMPLETE")) as a, open(os.path.join(original, "COMPLETE")) as b:
         assert json.load(a)["table"] == json.load(b)["table"]
 
 
-def test_corrupted_table_chunk_is_named_by_the_bounded_cache_and_at_load(bundle_copy, text):
-    """Same size, two bytes flipped: tensorstore reads it happily. The chunk cache checks each chunk it
-    fetches (tried: ChunkCache without its check; evaluate exited 0), the in-RAM load checks all; a
-    truncated chunk fails tensorstore's read and is named too."""
-    chunk = os.path.join(bundle_copy, "table", "c", "0", "0")
+def test_corrupted_table_file_is_named_with_its_rows_from_disk_and_at_load(bundle_copy, text):
+    """Same size, two bytes flipped in rows 0 and 39 (blocks of 16 fp32 rows): the CLI serving rows from disk names
+    the first damaged block's rows when a batch reads them (tried: the blocks' CRC check skipped; evaluate exited
+    0), the load into RAM names them too."""
+    chunk = os.path.join(bundle_copy, "table", "000000000")
     data = bytearray(open(chunk, "rb").read())
     data[100] ^= 0xFF
-    data[5000] ^= 0x01
+    data[39 * 256 + 8] ^= 0x01
     open(chunk, "wb").write(bytes(data))
-    line = one_line_error(cli("evaluate", bundle_copy, text, f"--max_table_bytes={4 * 64 * 64 * 4}"), "evaluate")
-    assert f"{bundle_copy}/table/c/0/0 (table rows 0..63) is damaged: its rows hash to " in line
-    assert f"COMPLETE records {json.load(open(os.path.join(bundle_copy, 'COMPLETE')))['table'][0]}" in line
-    with pytest.raises(bundle.BundleError, match=r"table/c/0/0 \(table rows 0\.\.63\) is damaged"):
-        HostTable.open(bundle_copy)
-
-    open(chunk, "wb").write(bytes(data[:1000]))
-    with pytest.raises(bundle.BundleError, match=r"table/c/0/0 \(table rows 0\.\.63\) cannot be read \("
-                                                 r".*Not enough data.*\)\. Fix: delete the done marker"):
+    line = one_line_error(cli("evaluate", bundle_copy, text, "--table=disk"), "evaluate")
+    assert f"{bundle_copy}/table/000000000 (table rows 0..63) is damaged: table rows " in line
+    assert "hash to " in line and ", its block index records " in line
+    with pytest.raises(bundle.BundleError, match=r"table/000000000 \(table rows 0\.\.63\) is damaged: table rows "
+                                                 r"0\.\.15 hash to [0-9a-f]{8}, its block index records [0-9a-f]{8} "
+                                                 r"\(1 more damaged blocks in this file\)"):
         HostTable.open(bundle_copy)
 
 
-def test_deleted_chunk_directory_stops_generate(bundle_copy, text):
-    """Every chunk gone: tensorstore serves an all-zero table; generate refuses it, counting the chunks
-    (tried: HostTable.open dropping the checksums; generate printed text from zero rows, exit 0)."""
-    shutil.rmtree(os.path.join(bundle_copy, "table", "c"))
+def test_deleted_table_directory_stops_generate(bundle_copy, text):
+    """Every table file gone: generate (table in RAM) refuses, counting the files (tried: HostTable.open not
+    looking for the files; a bare FileNotFoundError)."""
+    shutil.rmtree(os.path.join(bundle_copy, "table"))
     line = one_line_error(cli("generate", bundle_copy, text), "generate")
-    assert f"{bundle_copy}/table/c/0/0 (table rows 0..63) is missing" in line
-    assert "31 more table chunks are bad" in line and "done/000000002, ...)" in line
+    assert f"{bundle_copy}/table/000000000 (table rows 0..63) is missing" in line
+    assert "31 more table files are bad" in line and "done/000000002, ...)" in line
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "generate"])
+def test_table_flags_reach_the_loader_and_a_budget_below_the_index_is_one_line(original, text, tool):
+    """--table=disk with --max_table_bytes under the block index that must stay in RAM (125 blocks: 500 bytes):
+    one line with the size it needs, exit 2 (caught: generate without the flags passed to inference.load:
+    the table loaded whole into RAM, exit 0)."""
+    line = one_line_error(cli(tool, original, text, "--table=disk", "--max_table_bytes=100"), tool)
+    assert f"--max_table_bytes=100 is less than the 500 bytes the block index of {original}'s table (125 blocks) " \
+           "must keep in RAM to serve rows from disk. Fix: raise --max_table_bytes to at least 500" in line
 
 
 DECODER_CHUNK = os.path.join("decoder", "stack.blocks.attn.key.kernel.value", "0.3.0")  # one shard of one array
@@ -183,7 +190,7 @@ def test_corrupted_fgram_vocabulary_array_is_named(bundle_copy, text):
 
 
 @pytest.mark.slow
-def test_damaged_chunk_on_gcs_is_named_and_repaired(run, tmp_path_factory):
+def test_damaged_file_on_gcs_is_named_and_repaired(run, tmp_path_factory):
     """The same on gs:// (the emulator): the export's CRCs, both readers' checks, the marker repair
     (tried: an export rerun that trusts COMPLETE and ignores deleted markers; 0 rows recomputed)."""
     pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator (the [test] extra)")
@@ -194,12 +201,15 @@ def test_damaged_chunk_on_gcs_is_named_and_repaired(run, tmp_path_factory):
         export.export(run["workdir"], output, dtype="float32", chunk_rows=64, batch_rows=512)
         want = HostTable.open(output).gather(np.arange(ROWS))
         store = storage.open_store(output)
-        store.write(bundle.chunk_key(7), b"\0" * (64 * 64 * 4)).result()  # zeros: what a lost chunk reads as
-        with pytest.raises(bundle.BundleError, match=f"{output}/table/c/7/0 .* is damaged"):
+        good = bytes(store.read(bundle.chunk_key(7)).result().value)
+        store.write(bundle.chunk_key(7), b"\0" * (64 * 64 * 4) + good[64 * 64 * 4:]).result()  # rows zeroed
+        with pytest.raises(bundle.BundleError, match=f"{output}/table/000000007 .* is damaged: table rows 448..463"):
             HostTable.open(output)
+        with pytest.raises(bundle.BundleError, match=f"{output}/table/000000007 .* is damaged: table rows 464..479"):
+            table_lib.open_table(output, table="disk").gather(np.arange(464, 470))
         store.delete_range(_key_range(bundle.chunk_key(7))).result()
-        with pytest.raises(bundle.BundleError, match=f"{output}/table/c/7/0 .* is missing"):
-            HostTable.open(output, max_bytes=4 * 64 * 64 * 4).gather(np.arange(7 * 64, 8 * 64))
+        with pytest.raises(bundle.BundleError, match=f"{output}/table/000000007 .* is missing"):
+            table_lib.open_table(output, table="disk")
         store.delete_range(_key_range(bundle.done_key(7))).result()
         assert export.export(run["workdir"], output, dtype="float32", chunk_rows=64, batch_rows=512)[
             "rows_computed"] == 512

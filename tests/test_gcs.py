@@ -12,8 +12,7 @@ pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emul
 
 from scone_jax import sharding  # noqa: E402
 from scone_jax.runtime import storage  # noqa: E402
-from scone_jax.serving import bundle, evaluate, export, inference  # noqa: E402
-from scone_jax.serving.table import HostTable  # noqa: E402
+from scone_jax.serving import bundle, evaluate, export, inference, table as table_lib  # noqa: E402
 from scone_jax.training import assets, checkpoint, state as state_lib  # noqa: E402
 from tests import serving_run  # noqa: E402
 from tests.common import small_config  # noqa: E402
@@ -33,8 +32,11 @@ def test_export_to_gcs_evaluates_like_the_local_export(tmp_path_factory, bucket)
     remote = inference.load(output)
     ids = np.arange(2000)
     np.testing.assert_array_equal(remote.table.gather(ids), local.table.gather(ids))
-    cached = HostTable.open(output, max_bytes=4 * 64 * 64 * 4)  # rows read on demand from GCS
-    np.testing.assert_array_equal(cached.gather(ids[::7]), local.table.gather(ids[::7]))
+    on_demand = table_lib.open_table(output, table="disk", max_bytes=2 * 64 * 64 * 4)  # ranged reads from GCS
+    assert not on_demand.in_ram and on_demand.head_rows == 112  # what the budget leaves after the 500-byte index
+    mixed = np.concatenate([ids[::7], [-1, 0, 1999, 1999]])  # the head's rows and ranged reads of 16-row blocks
+    np.testing.assert_array_equal(on_demand.gather(mixed), local.table.gather(mixed))
+    assert on_demand.rows_from_disk > 0 and on_demand.rows_from_head > 0
 
     overrides = {"data.source": "text", "data.eval_files": text}
     a = evaluate.evaluate(remote, evaluate.data_config(remote, overrides).data)

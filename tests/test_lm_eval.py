@@ -235,14 +235,16 @@ def cli_env(tmp_path):
 @pytest.mark.slow
 def test_cli_runs_local_tasks_offline_and_reports_the_adapters_figures(lm, served, docs, export_path, tmp_path):
     """The program's metrics are the adapter's: bits per byte from its rolling log-likelihoods and the
-    accuracy its loglikelihoods give, on tasks read from local JSONL with the hub switched off."""
+    accuracy its loglikelihoods give, on tasks read from local JSONL with the hub switched off. The program
+    serves its rows from disk (a budget of the 500-byte block index and 96 head rows), the adapter from RAM."""
     (tmp_path / "tasks").mkdir()
     texts = docs["short"] + [docs["long"]]
     write_tasks(tmp_path / "tasks", tmp_path, texts)
     out = tmp_path / "results.json"
     result = subprocess.run(
         [sys.executable, "-m", PROGRAM, f"--export={export_path}", "--tasks=tiny_ppl,tiny_mc",
-         f"--include_path={tmp_path / 'tasks'}", f"--output={out}", "--bootstrap_iters=0"],
+         f"--include_path={tmp_path / 'tasks'}", f"--output={out}", "--bootstrap_iters=0", "--table=disk",
+         f"--max_table_bytes={500 + 96 * 256}"],
         cwd=REPO, env=cli_env(tmp_path), capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tiny_ppl" in result.stdout and "bits_per_byte" in result.stdout  # the results table
@@ -256,6 +258,22 @@ def test_cli_runs_local_tasks_offline_and_reports_the_adapters_figures(lm, serve
     picks = np.asarray([x for x, _ in lls]).reshape(len(MC_DOCS), 3).argmax(1)
     expected = float(np.mean(picks == [d["answer"] for d in MC_DOCS]))
     assert metrics["tiny_mc"]["acc,none"] == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_cli_passes_its_table_flags_to_the_loader(export_path, tmp_path):
+    """--table=disk with a budget under the block index (500 bytes) is one line, exit 2 (caught: the flags
+    defined but not passed to inference.load: the table loaded whole into RAM, exit 0)."""
+    (tmp_path / "tasks").mkdir()
+    write_tasks(tmp_path / "tasks", tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", PROGRAM, f"--export={export_path}", "--tasks=tiny_ppl",
+         f"--include_path={tmp_path / 'tasks'}", "--bootstrap_iters=0", "--table=disk", "--max_table_bytes=100"],
+        cwd=REPO, env=cli_env(tmp_path), capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"{PROGRAM}: error: --max_table_bytes=100 is less than the 500 bytes the block index of "), result.stderr[-3000:]
 
 
 @pytest.mark.slow

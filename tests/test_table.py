@@ -1,5 +1,7 @@
-"""Host table: gathers equal numpy's, the bounded cache stays bounded, the prefetcher keeps order and errors, the
-dispatch window keeps XLA:CPU from deadlocking."""
+"""Host table in RAM: gathers equal the exported rows, a table larger than the budget is refused in RAM; the
+prefetcher keeps order and errors; the dispatch window keeps XLA:CPU from deadlocking. (Rows from disk:
+tests/test_disk_table.py.)"""
+import json
 import os
 import shutil
 import subprocess
@@ -9,10 +11,9 @@ import threading
 import jax
 import numpy as np
 import pytest
-import tensorstore as ts
 from jax.sharding import Mesh
 
-from scone_jax.serving import bundle
+from scone_jax.serving import bundle, table as table_lib
 from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
 from scone_jax.serving.table import HostTable
 from tests import serving_run
@@ -23,9 +24,22 @@ def bf16_export(tmp_path_factory):
     return serving_run.exported(tmp_path_factory, "bfloat16")
 
 
+def file_rows(path: str) -> np.ndarray:
+    """The table's rows read straight from its files with numpy, by the layout bundle.py documents (rows from
+    byte 0 of each file, then its block index): the reference the readers are held to."""
+    with open(os.path.join(path, bundle.META)) as f:
+        meta = json.load(f)
+    width, dtype = meta["d_model"], bundle.numpy_dtype(meta["dtype"])
+    parts = []
+    for c, start in enumerate(range(0, meta["num_fgrams"], meta["chunk_rows"])):
+        rows = min(meta["chunk_rows"], meta["num_fgrams"] - start)
+        parts.append(np.fromfile(os.path.join(path, "table", f"{c:09d}"), dtype, rows * width).reshape(rows, width))
+    return np.concatenate(parts) if parts else np.zeros((0, width), dtype)
+
+
 @pytest.fixture(scope="module")
 def stored(bf16_export):
-    return ts.open(bundle.table_spec(bf16_export), open=True).result().read().result()
+    return file_rows(bf16_export)
 
 
 @pytest.mark.parametrize("shape", [(3, 50_000), (2, 300), (4, 1), (1, 1), (0,)])  # threaded, single take, few ids
@@ -44,33 +58,33 @@ def test_in_ram_gather_equals_numpy_and_zeroes_unmatched(bf16_export, stored, sh
             table.gather(bad)
 
 
-def test_bounded_cache_serves_the_same_rows_within_its_budget(bf16_export, stored):
-    chunk_bytes = 64 * 64 * 2
-    table = HostTable.open(bf16_export, max_bytes=3 * chunk_bytes)
-    assert not table.in_ram
-    rng = np.random.default_rng(1)
-    for _ in range(5):
-        ids = rng.integers(-1, 2000, (8, 32))  # ~32 chunks per batch: served in rounds of 3
-        np.testing.assert_array_equal(table.gather(ids)[ids >= 0], stored[ids[ids >= 0]])
-        assert table._cache.nbytes <= 3 * chunk_bytes
-    reads = table._cache.reads
-    table.gather(np.array([5, 6, 7]))
-    table.gather(np.array([8, 9]))  # same chunk again: a cache hit
-    assert table._cache.reads <= reads + 1
+def test_a_table_over_the_budget_is_served_from_disk_or_refused_in_ram(bf16_export, stored):
+    """auto: RAM when the table fits --max_table_bytes, disk when not; --table=ram over the budget is one line
+    naming both sizes and the fix (caught: auto ignoring the budget, a table loaded whole past it)."""
+    nbytes = stored.nbytes  # 2000 x 64 bf16
+    assert table_lib.open_table(bf16_export, max_bytes=nbytes).in_ram
+    assert table_lib.open_table(bf16_export, max_bytes=0).in_ram  # 0: no limit
+    over = table_lib.open_table(bf16_export, max_bytes=nbytes - 1)
+    assert not over.in_ram
+    np.testing.assert_array_equal(over.gather(np.arange(2000)), stored)
+    over.close()
+    with pytest.raises(ValueError, match=f"--table=ram: the table of {bf16_export} is {nbytes:,} bytes, more than "
+                                         f"--max_table_bytes={nbytes - 1:,}. Fix: --table=disk"):
+        table_lib.open_table(bf16_export, table="ram", max_bytes=nbytes - 1)
 
 
-def test_table_of_the_wrong_dtype_or_fingerprint_is_refused(bf16_export, tmp_path):
+def test_table_of_the_wrong_fingerprint_or_file_count_is_refused(bf16_export, tmp_path):
     with pytest.raises(bundle.BundleError, match="tokenizer_fingerprint"):
         HostTable.open(bf16_export, expect={"tokenizer_fingerprint": "0123456789abcdef"})
     path = str(tmp_path / "altered")
     shutil.copytree(bf16_export, path)
-    ts.open(bundle.create_table_spec(path, 2000, 64, "float32", 64), create=True, delete_existing=True).result()
-    with pytest.raises(bundle.BundleError, match="float32 \\[2000, 64\\] but export.json says bfloat16"):
+    with open(os.path.join(path, "COMPLETE")) as f:
+        record = json.load(f)
+    record["table"], record["table_index"] = record["table"][:-1], record["table_index"][:-1]
+    with open(os.path.join(path, "COMPLETE"), "w") as f:
+        json.dump(record, f)
+    with pytest.raises(bundle.BundleError, match="COMPLETE records 31 table files, the table has 32"):
         HostTable.open(path)
-    ts.open(bundle.create_table_spec(path, 2000, 32, "bfloat16", 64), create=True, delete_existing=True).result()
-    with pytest.raises(bundle.BundleError, match="\\[2000, 32\\]"):
-        HostTable.open(path)
-    assert os.path.exists(os.path.join(path, "COMPLETE"))
 
 
 def test_prefetcher_prepares_ahead_on_its_thread_while_the_consumer_holds_an_item():

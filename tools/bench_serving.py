@@ -10,8 +10,8 @@ weights' values do not change the timings), exports it, and prints one RESULT li
   eval_table_vs_onthefly_ratio  evaluate tokens/s with table rows / the training graph (f-gram model live)
   decode_latency_ratio          per-token decode latency with the table lookup / without
   gather_vs_numpy_ratio         HostTable.gather rows/s / np.take on the same in-RAM array
-  table_crc_s_per_gb            seconds HostTable spends checking chunk CRCs per GB of table it reads (a 256 MiB
-                                bf16 table in memory, 1024-row chunks, the default 4 threads; best of 3)
+  table_crc_s_per_gb            seconds HostTable spends checking its files' row CRCs per GB of table it loads (a
+                                256 MiB bf16 table, 65,536-row files; best of 3)
   table_crc_load_overhead_ratio that check's time / the read's time, loading the export's table into RAM (from
                                 the page cache, so the worst case: a cold disk or GCS reads far slower)
 Timings exclude compilation. On a shared 2-core CPU the figures move by +-20% between runs.
@@ -23,41 +23,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tensorstore as ts
 from absl import app, flags
 
+from bench_bundles import make_run, write_table_bundle
 from scone_jax import sharding
-from scone_jax.config import base_config
-from scone_jax.data import corpus, pipeline, tokenizer_training
-from scone_jax.serving import bundle, evaluate, export, generate, inference
-from scone_jax.serving.table import HostTable
+from scone_jax.data import pipeline
+from scone_jax.serving import evaluate, export, generate, inference, table as table_lib
 from scone_jax.training import assets, checkpoint, state as state_lib, steps
 
 _QUICK = flags.DEFINE_bool("quick", False, "A tiny model and few batches (under a minute).")
-
-
-def make_run(root: str, quick: bool):
-    """A SCONE run directory with a checkpoint of the initial state."""
-    tokenizer = tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:3000],
-                                              os.path.join(root, "tokenizer.model"), 1024, model_type="bpe")
-    c = base_config()
-    c.model.update(dict(vocab_size=1024, d_model=64 if quick else 256, num_layers=2 if quick else 4, num_heads=4,
-                        d_ff=256 if quick else 1024, max_seq_len=128, init_std=0.2))
-    c.data.update(dict(tokenizer_path=tokenizer.path, seq_len=64 if quick else 128, global_batch_size=16))
-    c.scone.update(dict(enabled=True, max_len=4, num_fgrams=8000 if quick else 100_000, min_count=3,
-                        fgram_capacity=1024 if quick else 2048, num_layers=1 if quick else 4,
-                        extract_max_tokens=300_000 if quick else 3_000_000))
-    workdir = os.path.join(root, "run")
-    vocab = assets.ensure_vocab(c.scone, c.data, tokenizer, workdir)
-    mesh = sharding.make_mesh(c.mesh)
-    spec = state_lib.state_spec(c, mesh)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    ckpt.save(1, state_lib.init_state(c, spec), {"tokenizer_fingerprint": tokenizer.fingerprint,
-                                                       "fgram_vocab_fingerprint": vocab.fingerprint,
-                                                       "config": c.to_dict(), "step": 1})
-    ckpt.wait()
-    ckpt.close()
-    return c, workdir, tokenizer, vocab
 
 
 def forward_rows_per_s(workdir: str, vocab, batch_rows: int) -> float:
@@ -110,13 +84,15 @@ def gather_ratio(table, batch_ids: int, rounds: int) -> float:
     return timings["numpy"] / timings["table"]
 
 
-def crc_seconds_per_gb(rows: int = 1 << 20, width: int = 128, chunk_rows: int = 1024) -> float:
-    """HostTable's CRC check at load on a table large enough to time (the quick export's is 1 MB)."""
-    data = np.random.default_rng(0).standard_normal((rows, width), np.float32).astype(jnp.bfloat16)
-    sums = [bundle.array_checksum(data[c:c + chunk_rows]) for c in range(0, rows, chunk_rows)]
-    meta = {"num_fgrams": rows, "d_model": width, "dtype": "bfloat16", "chunk_rows": chunk_rows}
-    seconds = min(HostTable(ts.array(data), meta, checksums=sums).verify_seconds for _ in range(3))
-    return seconds / (data.nbytes / 1e9)
+def crc_seconds_per_gb(root: str, rows: int = 1 << 20, width: int = 128) -> float:
+    """HostTable's CRC check at load on a table large enough to time (the quick export's is 1 MB): a 256 MiB
+    bundle of random bf16 rows in 65,536-row files, loaded into RAM; best of 3."""
+    path = os.path.join(root, "crc_table")
+    write_table_bundle(path, lambda lo, hi: np.random.default_rng(lo).standard_normal(
+        (hi - lo, width), np.float32).astype(jnp.bfloat16), rows, width, "bfloat16", 65536)
+    tables = [table_lib.open_table(path, table="ram") for _ in range(3)]
+    seconds = min(t.verify_seconds for t in tables)
+    return seconds / (tables[0].nbytes / 1e9)
 
 
 def main(argv):
@@ -157,7 +133,7 @@ def main(argv):
     print(f"RESULT gather_vs_numpy_ratio {ratio:.3f}")
 
     table = served.table
-    per_gb = crc_seconds_per_gb()
+    per_gb = crc_seconds_per_gb(root)
     print(f"table CRC check: {per_gb:.3f} s/GB ({1 / per_gb:.1f} GB/s); the export's {table.nbytes / 1e6:.1f} MB table "
           f"read in {1000 * table.read_seconds:.1f} ms, checked in {1000 * table.verify_seconds:.1f} ms")
     print(f"RESULT table_crc_s_per_gb {per_gb:.3f}")

@@ -1,10 +1,11 @@
 """The export bundle: everything inference needs, in one directory (local path or gs:// URL).
 
-    export.json      metadata: format, S, d, K, dtype, chunk_rows, fingerprints, the run's config
-    table/           zarr3 [S, d] f-gram embeddings in uncompressed chunks of `chunk_rows` rows: the
-                     unit a process writes and the bounded cache reads (whole objects, no range
-                     requests; embeddings do not compress)
-    done/<chunk>     markers: table chunk written (an interrupted export resumes from them); also
+    export.json      metadata: format, S, d, K, dtype, chunk_rows, block_rows, fingerprints, the run's config
+    table/<chunk>    the f-gram embeddings [S, d], `chunk_rows` rows per file, row-major, each file ending in
+                     its block index (the CRC-32 of each block of `block_rows` rows): serving/table_layout.py.
+                     A row is found by arithmetic and read with one small read, so a table larger than
+                     RAM is served from disk (serving/disk_table.py); a file is the unit a process writes
+    done/<chunk>     markers: table file written (an interrupted export resumes from them); also
                      done/fgrams and done/decoder for those two pieces
     fgrams/          the f-gram vocabulary (scone_jax.fgram.vocab format)
     tokenizer.model  the tokenizer the vocabulary and the decoder were trained with, in its serialized form
@@ -14,17 +15,18 @@
                      with the run's bos/eos/pad ids, so serving uses them without the run's data config.
                      The name stays tokenizer.model for every kind: readers tell the kind from the content.
     decoder/         orbax checkpoint of the main decoder's parameters (no f-gram model, no optimizer)
-    COMPLETE         written last; readers refuse a bundle without it. JSON: export.json's fingerprint and
-                     the CRC-32 of every table chunk and of every file of decoder/ and tokenizer.model
+    COMPLETE         written last; readers refuse a bundle without it. JSON: export.json's fingerprint, the
+                     CRC-32 of every table file's rows and of its block index, and of every file of
+                     decoder/ and tokenizer.model
 
-Integrity: each done/<chunk> marker holds the CRC-32 of that chunk's rows, computed from the rows in
-memory before they were written; done/decoder holds the CRC-32 of each decoder file, read back once
-saved. COMPLETE gathers them. Readers check every chunk as they read it (HostTable: the whole table
-at load, or each chunk the bounded cache fetches), the decoder's files and tokenizer.model before
-parsing them; the f-gram vocabulary checks its own arrays (scone_jax.fgram.vocab). A missing chunk
-reads as zeros through zarr, and zeros fail its CRC, so deleted files cannot pass as data. Repair:
-delete the done marker of the bad piece and rerun the export, which rewrites pieces without a
-marker.
+Integrity: each done/<chunk> marker holds the CRC-32s of that file's rows and block index, computed
+from the rows in memory before they were written; done/decoder holds the CRC-32 of each decoder
+file, read back once saved. COMPLETE gathers them. Readers check every row they use: a table loaded
+into RAM against its files' row CRCs (a mismatch is then located to its blocks), a table served
+from disk each block it reads against the block index (itself checked against COMPLETE at open);
+the decoder's files and tokenizer.model before parsing them; the f-gram vocabulary checks its own
+arrays (scone_jax.fgram.vocab). A missing or short table file is an error at open. Repair: delete
+the done marker of the bad piece and rerun the export, which rewrites pieces without a marker.
 
 Every file goes through tensorstore's kvstore (or orbax), so the same code reads and writes local
 disk and GCS. The bundle is self-contained on purpose: a table can only be paired with the decoder
@@ -40,15 +42,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
-import tensorstore as ts
 
 from scone_jax import config as config_lib
 from scone_jax.fgram.vocab import array_checksum
-from scone_jax.runtime.errors import one_line
 from scone_jax.runtime import storage
 from scone_jax.training import checksums
 
-FORMAT, VERSION = "scone_export", 1  # CHANGELOG.md: a change bumps VERSION and keeps a reader of the previous one
+FORMAT, VERSION = "scone_export", 2  # CHANGELOG.md: a change bumps VERSION
 META, COMPLETE, TOKENIZER = "export.json", "COMPLETE", "tokenizer.model"
 TABLE, DONE, FGRAMS, DECODER = "table", "done", "fgrams", "decoder"
 DTYPES = ("bfloat16", "float32")
@@ -98,19 +98,6 @@ def params_fingerprint(state) -> str:
     return digest.hexdigest()[:16]
 
 
-def table_spec(path: str) -> dict:
-    return {"driver": "zarr3", "kvstore": storage.kvstore_url(storage.join(path, TABLE))}
-
-
-def create_table_spec(path: str, rows: int, width: int, dtype: str, chunk_rows: int) -> dict:
-    return table_spec(path) | {"metadata": {
-        "shape": [rows, width],
-        "data_type": dtype,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_rows, width]}},
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-    }}
-
-
 def read_export_meta(path: str) -> dict | None:
     raw = storage.read_bytes(path, META)
     return None if raw is None else json.loads(raw)
@@ -118,16 +105,17 @@ def read_export_meta(path: str) -> dict | None:
 
 @dataclasses.dataclass(frozen=True)
 class Checksums:
-    """What COMPLETE records: the CRC-32 (8 hex digits) of each table chunk's rows, in chunk order, and
-    of each file of decoder/ and of tokenizer.model, keyed by its path in the bundle."""
+    """What COMPLETE records: the CRC-32 (8 hex digits) of each table file's rows and of its block index, in
+    chunk order, and of each file of decoder/ and of tokenizer.model, keyed by its path in the bundle."""
 
     table: list[str]
+    table_index: list[str]
     files: dict[str, str]
 
 
-def complete_marker(meta: dict, table: list[str], files: dict[str, str]) -> bytes:
+def complete_marker(meta: dict, table: list[str], table_index: list[str], files: dict[str, str]) -> bytes:
     return json.dumps({"export_fingerprint": meta_fingerprint(meta), "checksum": "crc32", "table": table,
-                       "files": files}).encode()
+                       "table_index": table_index, "files": files}).encode()
 
 
 def done_key(chunk: int) -> str:
@@ -135,8 +123,8 @@ def done_key(chunk: int) -> str:
 
 
 def chunk_key(chunk: int) -> str:
-    """The table chunk's object: zarr3's default key encoding; one chunk spans the row width."""
-    return f"{TABLE}/c/{chunk}/0"
+    """The table file of chunk `chunk` (serving/table_layout.py)."""
+    return f"{TABLE}/{chunk:09d}"
 
 
 def rerun_fix(path: str, marker: str | None = None) -> str:
@@ -170,23 +158,17 @@ def verify_files(path: str, sums: Checksums, directory: str, fix: str) -> None:
                               f"{sums.files[key]}. {fix}")
 
 
-def bad_chunks_error(path: str, meta: dict, bad: dict, sums: list[str] | None) -> BundleError:
-    """The error for table chunks that failed their CRC (bad: chunk -> the CRC of the rows read) or
-    could not be read (chunk -> the exception): names the first chunk's object and the repair."""
-    first, rows = min(bad), meta["chunk_rows"]
-    lo, hi = first * rows, min((first + 1) * rows, meta["num_fgrams"])
-    if isinstance(bad[first], Exception):
-        state = f"cannot be read ({one_line(bad[first])})"
-    elif storage.read_bytes(path, chunk_key(first)) is None:
-        state = "is missing (zarr would serve its rows as zeros)"
-    else:
-        state = f"is damaged: its rows hash to {bad[first]}, {COMPLETE} records {sums[first]}"
-    more = f"; {len(bad) - 1} more table chunks are bad" if len(bad) > 1 else ""
+def bad_table_error(path: str, layout, bad: dict[int, str]) -> BundleError:
+    """The error for table files that are missing, short or damaged (bad: chunk -> what is wrong with it, naming
+    its bad rows where they are known): names the first file, its rows and the repair."""
+    first = min(bad)
+    lo, hi = layout.rows_of_chunk(first)
+    more = f"; {len(bad) - 1} more table files are bad" if len(bad) > 1 else ""
     markers = ", ".join(storage.join(path, done_key(c)) for c in sorted(bad)[:3]) + (", ..." if len(bad) > 3 else "")
     return BundleError(
-        f"{storage.join(path, chunk_key(first))} (table rows {lo}..{hi - 1}) {state}{more}. Fix: delete the done "
-        f"marker of each bad chunk ({markers}), then re-run `python -m scone_jax.serving.export --workdir=RUN --output={path}` "
-        "with the run it was exported from; it rewrites the chunks that have no done marker.")
+        f"{storage.join(path, chunk_key(first))} (table rows {lo}..{hi - 1}) {bad[first]}{more}. Fix: delete the done "
+        f"marker of each bad file ({markers}), then re-run `python -m scone_jax.serving.export --workdir=RUN "
+        f"--output={path}` with the run it was exported from; it rewrites the table files that have no done marker.")
 
 
 def open_complete(path: str, expect: dict | None = None) -> dict:
@@ -206,13 +188,16 @@ def open_checked(path: str, expect: dict | None = None) -> tuple[dict, Checksums
             "(rerunning it resumes an interrupted export)."
         )
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise BundleError(f"{path!r} is format {meta.get('format')!r} v{meta.get('version')}; this code reads "
-                          f"{FORMAT!r} v{VERSION}. Fix: export the run again with this version.")
+        old = ", its table in zarr chunks that cannot be read a row at a time" if meta.get("version") == 1 else ""
+        raise BundleError(f"{path!r} is format {meta.get('format')!r} v{meta.get('version')}{old}; this code reads "
+                          f"{FORMAT!r} v{VERSION}. Fix: export the run again with this version: `python -m "
+                          "scone_jax.serving.export --workdir=RUN --output=NEW_PATH` (a fresh --output).")
     try:
         record = json.loads(marker)
     except ValueError:
         record = {}
-    if not isinstance(record, dict) or record.get("export_fingerprint") != meta_fingerprint(meta) or "table" not in record:
+    if (not isinstance(record, dict) or record.get("export_fingerprint") != meta_fingerprint(meta)
+            or "table" not in record or "table_index" not in record):
         raise BundleError(f"{path!r}: {META} and {COMPLETE} do not match; one was changed or damaged after the export "
                           f"finished. Fix: delete {storage.join(path, COMPLETE)} and re-run the export, which rebuilds "
                           "it (if it says the export differs, export into a fresh --output).")
@@ -222,16 +207,7 @@ def open_checked(path: str, expect: dict | None = None) -> tuple[dict, Checksums
                 f"The export at {path!r} has {key}={meta.get(key)!r}, but what it is used with has {want!r}. "
                 "Fix: use the export made from this run (or export this run again)."
             )
-    return meta, Checksums(table=record["table"], files=record["files"])
-
-
-def check_table(meta: dict, table: ts.TensorStore, path: str) -> None:
-    """The stored array must have the shape and dtype export.json promises."""
-    want = ([meta["num_fgrams"], meta["d_model"]], meta["dtype"])
-    have = (list(table.shape), str(table.dtype.name))
-    if have != want:
-        raise BundleError(f"The table at {path!r} is {have[1]} {have[0]} but {META} says {want[1]} {want[0]}; "
-                          "the bundle was altered. Fix: export again.")
+    return meta, Checksums(table=record["table"], table_index=record["table_index"], files=record["files"])
 
 
 def numpy_dtype(name: str):

@@ -1,8 +1,8 @@
 """Batch perplexity with offloaded f-gram rows: `python -m scone_jax.serving.evaluate --export=DIR [--config.data.*]`.
 
 Named held-out sets (`--config.data.eval_files='web=...;books=...'`, data/eval_sets.py) are evaluated one by
-one, with their unweighted average. Only the main decoder is on the devices; the f-gram rows come from the export's table in host RAM
-(scone_jax/serving/inference.py). By default the data is the run's held-out split as its config names it;
+one, with their unweighted average. Only the main decoder is on the devices; the f-gram rows come from the export's table,
+in host RAM or read from disk (--table; scone_jax/serving/inference.py), batch i+1's while the device runs batch i. By default the data is the run's held-out split as its config names it;
 override any data key, e.g. `--config.data.source=text --config.data.eval_files=held_out/*.txt`.
 Every document is counted exactly once (the last partial batch included). Prints tokens,
 perplexity, bits per byte, f-gram hit rate and tokens/s, and writes them to --result as JSON.
@@ -127,13 +127,12 @@ def _define_flags():
     export = inference.define_export_flag()
     config = config_flags.DEFINE_config_dict("config", config_lib.base_config(), "Data overrides: --config.data.*.")
     result = flags.DEFINE_string("result", "eval_result.json", "Where to write the JSON result ('' = nowhere).")
-    max_table_bytes = flags.DEFINE_integer("max_table_bytes", 0, "Host RAM for the table; 0 = load it whole, "
-                                            "else a bounded chunk cache of this many bytes.")
+    table, max_table_bytes = inference.define_table_flags()
     max_batches = flags.DEFINE_integer("max_batches", 0, "Stop after this many batches (0 = all; then no bpb).")
     cache = flags.DEFINE_string("compilation_cache_dir", "", "JAX's persistent compilation cache (a local path or "
                                 "gs:// URL), so the next evaluation of the same model loads its compiled step; '' = off.")
-    return types.SimpleNamespace(export=export, config=config, result=result, max_table_bytes=max_table_bytes,
-                                 max_batches=max_batches, cache=cache)
+    return types.SimpleNamespace(export=export, config=config, result=result, table=table,
+                                 max_table_bytes=max_table_bytes, max_batches=max_batches, cache=cache)
 
 
 def run(args):
@@ -142,7 +141,7 @@ def run(args):
     tool_main.require(export=path)
     if args.result.value:
         tool_main.check_result_path(args.result.value, "--result")
-    served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
+    served = inference.load(path, table=args.table.value, max_table_bytes=args.max_table_bytes.value)
     config = data_config(served, config_flags.get_override_values(flags.FLAGS["config"]))
     with CompileCache(args.cache.value, flag="--compilation_cache_dir"):
         result = evaluate_all(served, config.data, max_batches=args.max_batches.value)

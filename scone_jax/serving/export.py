@@ -2,9 +2,11 @@
 
 Runs the f-gram model once over all S f-grams (docs/method.md §6) in large batches sharded over every
 device of every process, and writes the bundle described in scone_jax/serving/bundle.py (PATH local or
-gs://). Each process writes the rows its own devices computed, in whole table chunks, so writers
-never overlap. Writing is asynchronous: while tensorstore writes batch g, the devices compute g+1.
-Rerunning an interrupted export skips the batches whose chunks all carry done markers; COMPLETE is
+gs://). The table is written in files of --chunk_rows rows (serving/table_layout.py): in each round
+every device computes one whole file, --batch_rows / devices rows per step, and the process that
+holds it writes it as one object, so writers never overlap and GCS needs no partial writes. Writing
+is asynchronous: while tensorstore writes a round's files, the devices compute the next.
+Rerunning an interrupted export skips the rounds whose files all carry done markers; COMPLETE is
 written last, with the checksums readers verify (bundle.py). Rerunning a finished export repairs it:
 if a done marker was deleted (what readers ask for when a piece is missing or damaged) or
 tokenizer.model differs from the run's, COMPLETE is withdrawn and those pieces are rewritten.
@@ -42,7 +44,7 @@ from scone_jax.runtime import (compile_cache, distributed, job_flags, logs, owne
                                workdir as workdir_layout, write_probe)
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
-from scone_jax.serving import bundle
+from scone_jax.serving import bundle, table_layout
 from scone_jax.serving.prefetch import DispatchWindow
 from scone_jax.training import checkpoint, state as state_lib
 
@@ -111,16 +113,31 @@ def embed_fn(model, mesh, dtype: str):
 
 
 def batch_inputs(vocab: FgramVocab, start: int, rows: int, mesh):
-    """Global [rows, K] tokens and [rows] lengths for table rows start.., padded past S with a
-    2-token PAD f-gram (computed, never written). Each process builds only its own shards."""
-    stop = min(start + rows, vocab.num_fgrams)
-    tokens = np.full((rows, vocab.max_len), PAD, np.int32)
-    tokens[: stop - start] = vocab.tokens[start:stop]
-    lengths = np.full(rows, 2, np.int32)
-    lengths[: stop - start] = vocab.lengths[start:stop]
+    """Global [rows, K] tokens and [rows] lengths for table rows start.. (see rows_inputs)."""
+    return rows_inputs(vocab, np.arange(start, start + rows), mesh)
+
+
+def rows_inputs(vocab: FgramVocab, rows: np.ndarray, mesh):
+    """Global [len(rows), K] tokens and lengths for table rows `rows`, sharded by rows; a row outside the
+    table (-1, or past S) is a 2-token PAD f-gram (computed, never written). Each process builds only its
+    own shards."""
+    real = (rows >= 0) & (rows < vocab.num_fgrams)
+    tokens = np.full((len(rows), vocab.max_len), PAD, np.int32)
+    tokens[real] = vocab.tokens[rows[real]]
+    lengths = np.full(len(rows), 2, np.int32)
+    lengths[real] = vocab.lengths[rows[real]]
     put = lambda a: jax.make_array_from_callback(  # noqa: E731
         a.shape, sharding.batch_sharding(mesh, a.ndim), lambda index: a[index])
     return put(tokens), put(lengths)
+
+
+def round_rows(layout: table_layout.Layout, shards: int, per_device: int, round_: int, step: int) -> np.ndarray:
+    """The table rows of one step of a round: batch shard j computes rows step * per_device.. of file
+    round_ * shards + j; -1 past the end of that file."""
+    chunk = round_ * shards + np.arange(shards)[:, None]
+    rows = chunk * layout.chunk_rows + step * per_device + np.arange(per_device)[None, :]
+    end = np.minimum((chunk + 1) * layout.chunk_rows, layout.num_rows)
+    return np.where(rows < end, rows, -1).reshape(-1)
 
 
 class _Progress:
@@ -142,38 +159,39 @@ class _Progress:
 
 
 class TableWriter:
-    """Writes this process's rows of each batch asynchronously; marks chunks done once committed."""
+    """Collects the rows this process's devices computed for each table file over a round's steps, and writes
+    each file whole, asynchronously (one object: local disk and GCS alike); marks it done once committed."""
 
-    def __init__(self, table: ts.TensorStore, output: str, chunk_rows: int, num_rows: int):
-        self.table, self.store = table, storage.open_store(output)
-        self.chunk_rows, self.num_rows = chunk_rows, num_rows
+    def __init__(self, output: str, layout: table_layout.Layout, shards: int, per_device: int, skip: set[int]):
+        self.store, self.layout = storage.open_store(output), layout
+        self.shards, self.per_device, self.skip = shards, per_device, skip
+        self.rows: dict[int, np.ndarray] = {}
         self.pending = collections.deque()
 
-    def write(self, start: int, result: jax.Array, skip: set[int]) -> None:
-        """Queue the rows of `result` (batch rows start..) held by this process, skipping done chunks.
-        Each shard holds whole chunks (_write_table sizes batches so), and each chunk's CRC is taken
-        here from the rows in memory: what readers check is what the f-gram model computed."""
+    def add(self, round_: int, step: int, result: jax.Array) -> None:
+        """The rows of `result` (round_rows of this round and step) held by this process, done files skipped."""
         for shard in result.addressable_shards:
             if shard.replica_id != 0:
                 continue
-            lo = start + (shard.index[0].start or 0)
-            hi = min(lo + shard.data.shape[0], self.num_rows)
-            chunks = [c for c in range(lo // self.chunk_rows, math.ceil(hi / self.chunk_rows)) if c not in skip]
-            if hi <= lo or not chunks:
+            c = round_ * self.shards + (shard.index[0].start or 0) // self.per_device
+            if c >= self.layout.num_chunks or c in self.skip:
                 continue
-            rows = np.asarray(shard.data)[: hi - lo]
-            sums = {c: bundle.array_checksum(rows[c * self.chunk_rows - lo:min((c + 1) * self.chunk_rows, hi) - lo])
-                    for c in chunks}
-            futures = self.table[lo:hi].write(rows)
-            self.pending.append((sums, futures))
-        while len(self.pending) > _MAX_PENDING_WRITES or (self.pending and self.pending[0][1].commit.done()):
+            lo, hi = self.layout.rows_of_chunk(c)
+            a, b = step * self.per_device, min((step + 1) * self.per_device, hi - lo)
+            if a >= b:
+                continue
+            rows = self.rows.setdefault(c, np.empty((hi - lo, self.layout.width), self.layout.dtype))
+            rows[a:b] = np.asarray(shard.data)[:b - a]
+            if b == hi - lo:  # the file is complete: its CRCs are taken from these rows, in memory
+                data, rows_crc, index_crc = self.layout.encode(self.rows.pop(c))
+                self.pending.append((c, f"{rows_crc} {index_crc}", self.store.write(bundle.chunk_key(c), data)))
+        while len(self.pending) > _MAX_PENDING_WRITES or (self.pending and self.pending[0][2].done()):
             self._finish_oldest()
 
     def _finish_oldest(self):
-        sums, futures = self.pending.popleft()
-        futures.commit.result()
-        for f in [self.store.write(bundle.done_key(c), crc.encode()) for c, crc in sums.items()]:
-            f.result()
+        c, marker, future = self.pending.popleft()
+        future.result()
+        self.store.write(bundle.done_key(c), marker.encode()).result()
 
     def flush(self):
         while self.pending:
@@ -221,27 +239,32 @@ def _num_chunks(meta: dict) -> int:
     return math.ceil(meta["num_fgrams"] / meta["chunk_rows"])
 
 
+def _layout(meta: dict) -> table_layout.Layout:
+    return table_layout.Layout.of_meta(meta, bundle.numpy_dtype(meta["dtype"]))
+
+
 def _complete_marker(output: str, meta: dict, tokenizer_proto: bytes) -> bytes:
-    """COMPLETE: the CRCs the done markers hold (chunks, decoder files) and tokenizer.model's."""
+    """COMPLETE: the CRCs the done markers hold (table files' rows and block indexes, decoder files) and
+    tokenizer.model's."""
     store = storage.open_store(output)
     keys = [bundle.done_key(c) for c in range(_num_chunks(meta))] + [_DECODER_DONE]
     values = {key: read.result() for key, read in [(key, store.read(key)) for key in keys]}
     for key, value in values.items():
         if value.state != "value":  # every process flushed its writes before this runs
             raise bundle.BundleError(f"{storage.join(output, key)} vanished while the export ran. Fix: rerun it.")
-    table = [bytes(values[key].value).decode() for key in keys[:-1]]
+    table = [bytes(values[key].value).decode().split() for key in keys[:-1]]
     files = json.loads(bytes(values[_DECODER_DONE].value)) | {bundle.TOKENIZER: bundle.array_checksum(tokenizer_proto)}
-    return bundle.complete_marker(meta, table, files)
+    return bundle.complete_marker(meta, [t[0] for t in table], [t[1] for t in table], files)
 
 
-def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", chunk_rows: int = 1024,
+def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", chunk_rows: int = 65536,
            batch_rows: int = 8192, log_every_s: float = 10.0) -> dict:
     """Export the latest checkpoint of `workdir` into `output`; returns figures of the run. Bad arguments and an
     output that cannot be written are refused before any work (and before anything is written there)."""
     bundle.numpy_dtype(dtype)
     for name, value in (("chunk_rows", chunk_rows), ("batch_rows", batch_rows)):
         if value < 1:
-            raise ValueError(f"--{name}={value} must be at least 1 (table rows per stored chunk / per device batch).")
+            raise ValueError(f"--{name}={value} must be at least 1 (table rows per file / f-grams per step).")
     write_probe.check_writable(output, 120, flag="--output")
     run = Run(workdir, config)
     cache = CompileCache(compile_cache.resolve(run.config.train.compilation_cache_dir, workdir))
@@ -254,6 +277,8 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
         meta = {
             "format": bundle.FORMAT, "version": bundle.VERSION, "num_fgrams": vocab.num_fgrams,
             "d_model": run.config.model.d_model, "max_len": vocab.max_len, "dtype": dtype, "chunk_rows": chunk_rows,
+            "block_rows": table_layout.block_rows_for(run.config.model.d_model * bundle.numpy_dtype(dtype).itemsize,
+                                                      chunk_rows),
             "model_fingerprint": bundle.params_fingerprint(decoder_params),
             "fgram_model_fingerprint": bundle.params_fingerprint(nnx.state(model.fgram_model, nnx.Param))
                                        if scone else None,
@@ -273,8 +298,6 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             storage.write_bytes(output, bundle.META, json.dumps(meta, indent=1).encode())
             # Tokenizer.proto: a .model's bytes, or a tokenizer.json wrapped with the run's special ids.
             storage.write_bytes(output, bundle.TOKENIZER, run.tokenizer.proto)
-            ts.open(bundle.create_table_spec(output, vocab.num_fgrams, meta["d_model"], dtype, chunk_rows),
-                    create=True, open=True).result()
         multihost_utils.sync_global_devices("scone_export_created")
         saver = None
         if storage.read_bytes(output, _DECODER_DONE) is None:  # saved asynchronously while the table computes
@@ -297,33 +320,37 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
 
 
 def _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s) -> dict:
-    chunk_rows = meta["chunk_rows"]
-    unit = sharding.num_batch_shards(mesh) * chunk_rows  # every device's rows are whole chunks
-    batch_rows = max(unit, batch_rows // unit * unit)
-    total = vocab.num_fgrams
+    """The table's files, round by round (round_rows); rounds whose files are all done are skipped."""
+    layout = _layout(meta)
+    shards = sharding.num_batch_shards(mesh)
+    per_device = max(1, min(layout.chunk_rows, batch_rows // shards))
+    steps = math.ceil(layout.chunk_rows / per_device)
+    total, per_round = layout.num_rows, shards * layout.chunk_rows
     done = done_chunks(output)
-    todo = [s for s in range(0, total, batch_rows)
-            if not all(c in done for c in range(s // chunk_rows, math.ceil(min(s + batch_rows, total) / chunk_rows)))]
-    table = ts.open(bundle.table_spec(output), open=True).result()
-    writer = TableWriter(table, output, chunk_rows, total)
+    todo = [r for r in range(math.ceil(layout.num_chunks / shards))
+            if not all(c in done for c in range(r * shards, min((r + 1) * shards, layout.num_chunks)))]
+    writer = TableWriter(output, layout, shards, per_device, done)
     embed = embed_fn(model, mesh, meta["dtype"])
-    progress = _Progress(total, total - sum(min(batch_rows, total - s) for s in todo), log_every_s)
+    rows_of = lambda r: min(total, (r + 1) * per_round) - r * per_round  # noqa: E731
+    progress = _Progress(total, total - sum(rows_of(r) for r in todo), log_every_s)
     if todo:  # compile before the clock starts, so rows/s and the ETA are the steady rate
-        jax.block_until_ready(embed(*batch_inputs(vocab, todo[0], batch_rows, mesh)))
-    start_time, computed, in_flight = time.time(), 0, None
+        jax.block_until_ready(embed(*rows_inputs(vocab, round_rows(layout, shards, per_device, todo[0], 0), mesh)))
+    start_time, in_flight = time.time(), None
     window = DispatchWindow(mesh)
-    for start in todo:
-        result = window.add(embed(*batch_inputs(vocab, start, batch_rows, mesh)))  # dispatched; runs while we write
-        if in_flight is not None:
-            writer.write(*in_flight, done)
-            progress.add(min(batch_rows, total - in_flight[0]))
-        in_flight = (start, result)
-        computed += min(batch_rows, total - start)
+    for r in todo:
+        for step in range(steps):
+            rows = round_rows(layout, shards, per_device, r, step)
+            result = window.add(embed(*rows_inputs(vocab, rows, mesh)))  # dispatched; runs while we write
+            if in_flight is not None:
+                writer.add(*in_flight[:3])
+                progress.add(in_flight[3])
+            in_flight = (r, step, result, int((rows >= 0).sum()))
     if in_flight is not None:
-        writer.write(*in_flight, done)
-        progress.add(min(batch_rows, total - in_flight[0]))
+        writer.add(*in_flight[:3])
+        progress.add(in_flight[3])
     writer.flush()
     seconds = time.time() - start_time
+    computed = sum(rows_of(r) for r in todo)
     logging.info("export: computed %s rows in %.1f s (%.0f rows/s)", f"{computed:,}", seconds,
                  computed / max(seconds, 1e-9))
     return {"rows_computed": computed, "seconds": seconds, "rows_per_s": computed / max(seconds, 1e-9)}
@@ -353,8 +380,10 @@ def _define_flags():
     workdir = flags.DEFINE_string("workdir", None, "Training run directory (checkpoints/, tokenizer, fgrams).")
     output = flags.DEFINE_string("output", None, "Bundle directory: a local path or gs://bucket/path.")
     dtype = flags.DEFINE_enum("dtype", "bfloat16", list(bundle.DTYPES), "Table dtype.")
-    chunk_rows = flags.DEFINE_integer("chunk_rows", 1024, "Table rows per stored chunk (the unit of resume).")
-    batch_rows = flags.DEFINE_integer("batch_rows", 8192, "F-grams per device batch (rounded to whole chunks).")
+    chunk_rows = flags.DEFINE_integer("chunk_rows", 65536, "Table rows per file (256 MiB at d=2048 in bf16): the unit "
+                                      "a process writes and an interrupted export resumes from.")
+    batch_rows = flags.DEFINE_integer("batch_rows", 8192, "F-grams per step over all devices (at most one file per "
+                                      "device).")
     join = job_flags.define()
     flags.adopt_module_key_flags(job_flags)  # listed by --help
     return types.SimpleNamespace(workdir=workdir, output=output, dtype=dtype, chunk_rows=chunk_rows,

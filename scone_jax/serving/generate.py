@@ -7,7 +7,8 @@ forward pass. At each step the host matches the newest token's longest f-gram ov
 and sends that one row with the token, so the device never holds the f-gram table. The match is
 incremental: the host keeps the trie slots of the f-grams ending at the newest token
 (Matcher.match_next), so a new token costs one lookup of its K-1 candidate f-grams and one row
-gather, a few microseconds.
+gather: a few microseconds from RAM, one disk read (about 0.1 ms) with --table=disk, since the
+next token's row cannot be known ahead.
 """
 from __future__ import annotations
 
@@ -112,16 +113,17 @@ def _define_flags():
     temperature = flags.DEFINE_float("temperature", 0.8, "0 = greedy.")
     top_k = flags.DEFINE_integer("top_k", 40, "Sample among the k most likely tokens (0 = all).")
     seed = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    table, max_table_bytes = inference.define_table_flags()
     return types.SimpleNamespace(
         export=export, prompt=prompt, num_tokens=num_tokens, num_samples=num_samples, temperature=temperature,
-        top_k=top_k, seed=seed)
+        top_k=top_k, seed=seed, table=table, max_table_bytes=max_table_bytes)
 
 
 def run(args):
     logs.quiet_libraries()
     path = args.export.value
     tool_main.require(export=path)
-    served = inference.load(path)
+    served = inference.load(path, table=args.table.value, max_table_bytes=args.max_table_bytes.value)
     tok = served.tokenizer
     prompt = np.concatenate([[tok.bos_id], tok.encode(args.prompt.value)]).astype(np.int32)
     generator = Generator(served, temperature=args.temperature.value, top_k=args.top_k.value)

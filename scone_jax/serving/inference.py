@@ -1,7 +1,8 @@
 """The main model at inference: the decoder of an export, fed f-gram rows from the host.
 
 The device holds only the decoder (token embedding T, blocks, head). Per batch the host finds
-each position's longest f-gram with the Matcher and gathers its table row; the device embeds
+each position's longest f-gram with the Matcher and gathers its table row, from RAM or from disk
+(serving/table.py, --table); the device embeds
 where(matched, row, T(token)) and runs the decoder unchanged (docs/method.md §3 and §7). Because
 matching depends only on token ids, the rows of a batch are known before the device needs them.
 """
@@ -24,7 +25,7 @@ from scone_jax.model.transformer import Decoder
 from scone_jax.runtime import storage
 from scone_jax.runtime.errors import one_line
 from scone_jax.serving import bundle
-from scone_jax.serving.table import HostTable
+from scone_jax.serving import table as table_lib
 from scone_jax.training import steps
 
 
@@ -39,7 +40,7 @@ class Served:
     params: nnx.State
     tokenizer: Tokenizer
     matcher: Matcher
-    table: HostTable
+    table: table_lib.HostTable | table_lib.DiskTable
 
     @property
     def decoder(self) -> Decoder:
@@ -51,11 +52,24 @@ def define_export_flag():
     return flags.DEFINE_string("export", None, "Export directory written by scone_jax.serving.export (local or gs://).")
 
 
-def load(path: str, *, mesh=None, max_table_bytes: int | None = None, tokenizer_fingerprint: str | None = None) -> Served:
-    """Load the export at `path`; refuses an unfinished one, swapped pieces, or (if given) a tokenizer
-    other than the one the export was trained with."""
+def define_table_flags():
+    """Define --table and --max_table_bytes (where the f-gram rows are served from); returns their holders."""
+    table = flags.DEFINE_enum("table", "auto", list(table_lib.TABLE_MODES),
+                              "Where the f-gram rows come from: ram (the table loaded whole), disk (each row read "
+                              "from the export's files when a batch needs it: tables larger than RAM), auto (ram "
+                              "when the table fits --max_table_bytes). docs/serving.md has the trade-off.")
+    max_table_bytes = flags.DEFINE_integer("max_table_bytes", 0, "Host RAM for the table; 0 = no limit. From disk, "
+                                           "what its block index leaves holds the most frequent rows.")
+    return table, max_table_bytes
+
+
+def load(path: str, *, mesh=None, table: str = "auto", max_table_bytes: int | None = None,
+         tokenizer_fingerprint: str | None = None) -> Served:
+    """Load the export at `path`, its f-gram rows in RAM or served from disk (`table`: ram, disk or auto, within
+    `max_table_bytes`); refuses an unfinished one, swapped pieces, or (if given) a tokenizer other than the
+    one the export was trained with."""
     expect = {} if tokenizer_fingerprint is None else {"tokenizer_fingerprint": tokenizer_fingerprint}
-    table = HostTable.open(path, expect=expect, max_bytes=max_table_bytes)
+    table = table_lib.open_table(path, expect=expect, table=table, max_bytes=max_table_bytes)
     meta, sums = table.meta, table.checksums
     config = bundle.stored_config(meta["config"])
     tokenizer = load_tokenizer(path, sums)

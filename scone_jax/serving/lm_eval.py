@@ -3,7 +3,7 @@
 Install the harness with `pip install -e '.[harness]'` (lm_eval's core; no torch). The adapter,
 SconeHarnessLM, serves the harness's three request types from an export loaded as
 scone_jax/serving/inference.py loads it: the decoder on the devices, the f-gram rows gathered from the
-table in host RAM for the longest match at each position (docs/method.md §2 and §7), never the f-gram
+table (in host RAM or read from disk: --table) for the longest match at each position (docs/method.md §2 and §7), never the f-gram
 model:
   loglikelihood          log P(continuation | [bos] + context), batched in padded buckets of lengths;
                          contexts longer than data.seq_len lose their oldest tokens.
@@ -408,13 +408,13 @@ def _define_flags():
         "HF_DATASETS_OFFLINE=1 and HF_HUB_OFFLINE=1 are set: only local files and the datasets cache are read.")
     bootstrap_iters = flags.DEFINE_integer("bootstrap_iters", 100000, "Bootstrap resamples for standard errors "
                                            "(0 = none).")
-    max_table_bytes = flags.DEFINE_integer("max_table_bytes", 0, "Host RAM for the table; 0 = load it whole, "
-                                           "else a bounded chunk cache of this many bytes.")
+    table, max_table_bytes = inference.define_table_flags()
     seed = flags.DEFINE_integer("seed", 0, "Seed of sampled generation and of the harness's few-shot draws.")
     return types.SimpleNamespace(
         export=export, tasks=tasks, include_path=include_path, num_fewshot=num_fewshot, limit=limit,
         batch_size=batch_size, max_length=max_length, rolling_eos=rolling_eos, output=output,
-        allow_downloads=allow_downloads, bootstrap_iters=bootstrap_iters, max_table_bytes=max_table_bytes, seed=seed)
+        allow_downloads=allow_downloads, bootstrap_iters=bootstrap_iters, table=table, max_table_bytes=max_table_bytes,
+        seed=seed)
 
 
 def run(args):
@@ -434,7 +434,7 @@ def run(args):
     limit = args.limit.value
     if limit is not None and limit >= 1:
         limit = int(limit)
-    served = inference.load(path, max_table_bytes=args.max_table_bytes.value or None)
+    served = inference.load(path, table=args.table.value, max_table_bytes=args.max_table_bytes.value)
     lm = SconeHarnessLM(served, batch_size=args.batch_size.value, max_length=args.max_length.value,
                         rolling_eos=args.rolling_eos.value, seed=args.seed.value)
     logging.info("%s: %d task(s), %d rows per step, max_length %d", PROGRAM, len(tasks), lm.batch_size,

@@ -1,0 +1,294 @@
+"""An export's table files, opened for reading only: whole chunks for a load into RAM, many small blocks
+at once for rows served from disk.
+
+Local block reads bypass the page cache (O_DIRECT, into page-aligned buffers) and go through kernel AIO
+(runtime/aio.py): one thread keeps tens of reads queued on the device and checks each block's CRC as it
+arrives, which is what lets a table far larger than RAM run at the disk's own speed
+(tools/bench_table_io.py). A filesystem without O_DIRECT (tmpfs before Linux 6.6) falls back, with a
+note, to buffered os.preadv from a pool of threads (each read releases the GIL). Whole chunks (a load
+into RAM, the head of a disk table) are read buffered, on the pool.
+gs:// objects are read with tensorstore's kvstore, byte ranges for blocks, all requests issued before
+the first wait. Nothing here writes.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import mmap
+import os
+import resource
+import threading
+import zlib
+
+import numpy as np
+import tensorstore as ts
+from absl import logging
+
+from scone_jax.runtime import aio, storage
+from scone_jax.runtime.errors import one_line
+from scone_jax.serving import bundle
+from scone_jax.serving.table_layout import Layout
+
+ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the device's block size; a page covers it
+# Up to this many blocks, read one after another with os.preadv: one read waits ~55 us that way here, ~250 us
+# through kernel AIO (tools/bench_table_io.py's decode figure).
+_SYNC_BLOCKS = 4
+_PIECE = 16 << 20
+
+
+class TableFiles:
+    """The table's files (serving/table_layout.py) of the bundle at `path`. `problems` holds what is wrong with
+    any of them (chunk -> state), found at open; callers raise bundle.bad_table_error with it."""
+
+    direct = False  # block reads bypass the page cache (start_direct)
+
+    def __init__(self, path: str, layout: Layout, threads: int):
+        self.path, self.layout = path, layout
+        self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="table-io")
+        self.threads = threads
+        self.problems: dict[int, str] = {}
+
+    @staticmethod
+    def open(path: str, layout: Layout, *, threads: int = 64) -> "TableFiles":
+        cls = RemoteFiles if storage.is_remote(path) else LocalFiles
+        return cls(path, layout, threads)
+
+    def start_direct(self) -> None:
+        """From now on, block reads bypass the page cache where they can (local files); whole-chunk reads end."""
+
+    def read_into(self, c: int, offset: int, out: np.ndarray) -> None:
+        """Fill `out` (a contiguous uint8 array) with chunk c's file from byte `offset`; OSError if it cannot."""
+        raise NotImplementedError
+
+    def read(self, c: int, offset: int, length: int) -> np.ndarray:
+        """`length` bytes of chunk c's file from `offset` (e.g. its block index)."""
+        out = np.empty(length, np.uint8)
+        self.read_into(c, offset, out)
+        return out
+
+    def read_all(self, jobs) -> None:
+        """read_into(c, offset, out) for each (c, offset, out) of `jobs`, on the pool, in pieces of at most 16 MiB:
+        a cold load keeps the disk busy with as many reads as the pool has threads, however few the files."""
+        pieces = [(c, offset + at, out[at:at + _PIECE]) for c, offset, out in jobs for at in range(0, out.size, _PIECE)]
+        for future in [self.pool.submit(self.read_into, *piece) for piece in pieces]:
+            future.result()
+
+    def read_blocks(self, chunks: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, want: np.ndarray
+                    ) -> tuple[np.ndarray, dict[int, str]]:
+        """Read block i (lengths[i] bytes of chunk chunks[i]'s file at offsets[i]) and check it against the CRC
+        want[i]: ([n, block bytes] uint8, block i's bytes first in row i, valid until the next call; {i: what is
+        wrong} for the blocks that failed, the CRC of what was read (8 hex digits) or why it could not be read)."""
+        raise NotImplementedError
+
+    def _split(self, n: int):
+        return np.array_split(np.arange(n), max(1, min(n, self.threads)))
+
+    def close(self):
+        self.pool.shutdown()
+
+
+def _allow_open_files(needed: int, path: str) -> None:
+    """Raise this process's open-file limit to what the table's files need (a 1B-row table at d = 2048 is
+    15,259 files of 65,536 rows), up to the hard limit; OSError naming the fix if that is short."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and needed > hard:
+        raise OSError(f"the table at {path} needs {needed:,} open files, more than this process may open (hard limit "
+                      f"{hard:,}). Fix: raise the limit (`ulimit -Hn`, limits.conf), or export with a larger --chunk_rows "
+                      "(fewer, larger files).")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
+class LocalFiles(TableFiles):
+    def __init__(self, path: str, layout: Layout, threads: int):
+        super().__init__(path, layout, threads)
+        _allow_open_files(layout.num_chunks + 256, path)  # a file's O_DIRECT descriptor replaces its buffered one
+        self.fds = np.full(layout.num_chunks, -1, np.int64)
+        for c in range(layout.num_chunks):
+            try:
+                self.fds[c] = os.open(self._name(c), os.O_RDONLY)
+            except FileNotFoundError:
+                self.problems[c] = "is missing"
+                continue
+            size, want = os.fstat(int(self.fds[c])).st_size, layout.file_bytes(c)
+            if size != want:
+                self.problems[c] = f"is {size} bytes, not the {want} its rows and block index take (truncated or replaced)"
+        self.direct_fds = np.full(layout.num_chunks, -1, np.int64)
+        self._aio = None
+        block_bytes = layout.block_rows * layout.row_bytes
+        # A read buffer slot per block: the block itself when blocks are whole pages, else room for the
+        # aligned pages around a block at any offset.
+        self._slot = block_bytes if block_bytes % ALIGN == 0 else -(-block_bytes // ALIGN) * ALIGN + ALIGN
+        self._buffer = np.empty(0, np.uint8)
+        self._lock = threading.Lock()
+
+    def _name(self, c: int) -> str:
+        return os.path.join(self.path, bundle.chunk_key(c))
+
+    def start_direct(self) -> None:
+        """Start a kernel AIO context, open the first file with O_DIRECT and read a page of it: a filesystem
+        without O_DIRECT (tmpfs before Linux 6.6, some FUSE ones) refuses with EINVAL; then, or where kernel AIO
+        is missing, rows stay read with buffered preads from threads. Else each file's O_DIRECT descriptor
+        replaces its buffered one."""
+        if self.problems or not len(self.fds):
+            return
+        try:
+            self._aio = aio.AsyncReads(self.threads)
+            self.direct_fds[0] = os.open(self._name(0), os.O_RDONLY | os.O_DIRECT)
+            page = np.frombuffer(mmap.mmap(-1, ALIGN), np.uint8)
+            self._aio.read(self.direct_fds[:1], np.zeros(1, np.int64), np.full(1, ALIGN), np.full(1, page.ctypes.data),
+                           _raise_errors)
+        except OSError as e:
+            self._close_direct()
+            logging.warning("Note: %s cannot be read with O_DIRECT and kernel AIO (%s); table rows are read through "
+                            "the page cache instead, from threads.", self.path, os.strerror(e.errno or errno.EINVAL))
+            return
+        for c in range(len(self.fds)):
+            if c:
+                self.direct_fds[c] = os.open(self._name(c), os.O_RDONLY | os.O_DIRECT)
+            os.close(int(self.fds[c]))
+            self.fds[c] = -1
+        self.direct = True
+
+    def _close_direct(self):
+        if self._aio is not None:
+            self._aio.close()  # waits for reads in flight: only then may their buffer go
+            self._aio = None
+        for fd in self.direct_fds[self.direct_fds >= 0].tolist():
+            os.close(fd)
+        self.direct_fds[:] = -1
+
+    def _pread_into(self, fd: int, view: memoryview, offset: int) -> int:
+        """Fill `view` from `offset` (a read may return less than asked); returns the bytes read."""
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def read_into(self, c: int, offset: int, out: np.ndarray) -> None:
+        assert not self.direct, "whole-chunk reads come before start_direct"
+        if self._pread_into(int(self.fds[c]), memoryview(out), offset) != out.size:
+            raise OSError(f"{self._name(c)} cannot be read (it ended early)")
+
+    def read_blocks(self, chunks, offsets, lengths, want):
+        block_bytes = self.layout.block_rows * self.layout.row_bytes
+        if not self.direct:
+            return self._read_blocks_threads(chunks, offsets, lengths, want, block_bytes)
+        with self._lock:  # one AIO context and one buffer: gathers from two threads take turns
+            n = len(chunks)
+            start = offsets - offsets % ALIGN
+            skip = offsets - start
+            if self._buffer.size < n * self._slot:  # page-aligned (a fresh mapping), kept for the next batch
+                self._buffer = np.frombuffer(mmap.mmap(-1, max(n * self._slot, 2 * self._buffer.size)), np.uint8)
+            view, bad = memoryview(self._buffer), {}
+            at = (np.arange(n) * self._slot + skip).tolist()
+            need, length, crcs = (skip + lengths).tolist(), lengths.tolist(), want.tolist()
+
+            def check(done, results):
+                for i, got in zip(done.tolist(), results.tolist()):
+                    if got < need[i]:
+                        why = os.strerror(-got) if got < 0 else "the file ended early"
+                        bad[i] = f"cannot be read ({why})"
+                    elif (have := zlib.crc32(view[at[i]:at[i] + length[i]])) != crcs[i]:
+                        bad[i] = f"{have:08x}"
+
+            size = -(-(skip + lengths) // ALIGN) * ALIGN
+            if n <= _SYNC_BLOCKS:  # a decoding step's few rows: plain reads wait less than an AIO round trip
+                results = [self._pread_into(int(self.direct_fds[c]), view[i * self._slot:i * self._slot + z], o)
+                           for i, (c, o, z) in enumerate(zip(chunks.tolist(), start.tolist(), size.tolist()))]
+                check(np.arange(n), np.asarray(results))
+            else:
+                self._aio.read(self.direct_fds[chunks], start, size,
+                               self._buffer.ctypes.data + np.arange(n) * self._slot, check)
+            slots = self._buffer[:n * self._slot].reshape(n, self._slot)
+            if self._slot == block_bytes:  # blocks are whole pages: the buffer is the result (until the next read)
+                return slots, bad
+            staged = np.empty((n, block_bytes), np.uint8)
+            for d in np.unique(skip).tolist():  # few distinct offsets within a page
+                pick = skip == d
+                staged[pick] = slots[pick, d:d + block_bytes]
+            return staged, bad
+
+    def _read_blocks_threads(self, chunks, offsets, lengths, want, block_bytes):
+        staged = np.empty((len(chunks), block_bytes), np.uint8)
+
+        def part(indices):
+            bad = {}
+            for i in indices.tolist():
+                length = int(lengths[i])
+                data = memoryview(staged[i, :length])
+                if self._pread_into(int(self.fds[chunks[i]]), data, int(offsets[i])) != length:
+                    bad[i] = "cannot be read (the file ended early)"
+                elif (have := zlib.crc32(data)) != int(want[i]):
+                    bad[i] = f"{have:08x}"
+            return bad
+
+        bad = {}
+        for found in self.pool.map(part, self._split(len(chunks))):
+            bad |= found
+        return staged, bad
+
+    def close(self):
+        super().close()
+        self._close_direct()
+        for fd in self.fds[self.fds >= 0].tolist():
+            os.close(fd)
+        self.fds[:] = -1
+
+
+def _raise_errors(done, results):
+    if (results < 0).any():
+        raise OSError(int(-results.min()), os.strerror(int(-results.min())))
+
+
+class RemoteFiles(TableFiles):
+    def __init__(self, path: str, layout: Layout, threads: int):
+        super().__init__(path, layout, threads)
+        self.store = storage.open_store(storage.join(path, bundle.TABLE))
+        present = {k.decode() for k in self.store.list().result()}
+        for c in range(layout.num_chunks):
+            if self._key(c) not in present:
+                self.problems[c] = "is missing"
+
+    def _key(self, c: int) -> str:
+        return bundle.chunk_key(c).split("/", 1)[1]
+
+    def _range(self, c: int, offset: int, length: int, batch=None):
+        return self.store.read(self._key(c), byte_range=slice(offset, offset + length), batch=batch)
+
+    def read_into(self, c: int, offset: int, out: np.ndarray) -> None:
+        try:
+            out[:] = np.frombuffer(_value(self._range(c, offset, out.size)), np.uint8)
+        except OSError as e:
+            raise OSError(f"{storage.join(self.path, bundle.chunk_key(c))} cannot be read ({e})") from None
+
+    def read_blocks(self, chunks, offsets, lengths, want):
+        out = np.empty((len(chunks), self.layout.block_rows * self.layout.row_bytes), np.uint8)
+        with ts.Batch() as batch:
+            reads = [self._range(int(c), int(o), int(n), batch) for c, o, n in zip(chunks, offsets, lengths)]
+        bad = {}
+        for i, future in enumerate(reads):
+            try:
+                data = _value(future)
+            except OSError as e:
+                bad[i] = f"cannot be read ({e})"
+                continue
+            out[i, :len(data)] = np.frombuffer(data, np.uint8)
+            if (have := zlib.crc32(data)) != int(want[i]):
+                bad[i] = f"{have:08x}"
+        return out, bad
+
+
+def _value(future) -> bytes:
+    """The bytes a kvstore read returned; OSError saying why there are none."""
+    try:
+        result = future.result()
+    except ValueError as e:  # tensorstore: a short object answers OUT_OF_RANGE
+        raise OSError(one_line(e)) from None
+    if result.state != "value":
+        raise OSError("the object is missing")
+    return result.value

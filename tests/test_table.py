@@ -74,6 +74,8 @@ def test_a_table_over_the_budget_is_served_from_disk_or_refused_in_ram(bf16_expo
 
 
 def test_table_of_the_wrong_fingerprint_or_file_count_is_refused(bf16_export, tmp_path):
+    """A COMPLETE that records one table file fewer than the table has is a BundleError saying so (caught: the count
+    not compared, an IndexError reading the 32nd file's CRC)."""
     with pytest.raises(bundle.BundleError, match="tokenizer_fingerprint"):
         HostTable.open(bf16_export, expect={"tokenizer_fingerprint": "0123456789abcdef"})
     path = str(tmp_path / "altered")

@@ -181,3 +181,38 @@ def test_plot_quality_rebuilds_the_tables_from_records_and_refuses_bad_input_in_
     path.write_text("not json\n")
     broken = run_tool("tools/plot_quality.py", [f"--records={path}", "--markdown=", "--png="])
     assert broken.returncode == 2 and f"{path}:1 is not a JSON record" in broken.stderr
+
+
+def test_runs_meet_on_their_effective_settings_whatever_defaults_they_were_recorded_under(tmp_path):
+    """configs/quality.py's SCONE arms now default to an 80-step delay (defaults version 2); records made before
+    carry no defaults_version and their overrides are relative to the method's defaults (no delay). An old run
+    with the override delay=80 and a new one with none are one table row; an old run without overrides stays
+    the undelayed row, as does a new one that asked for delay 0. Caught: a record without defaults_version read
+    as the current version (`record.get("defaults_version", DEFAULTS_VERSION)`: the old undelayed runs joined
+    the 80-step row), and configs/quality.py's default changed without a new version."""
+    def scone(test_ppl, seed, version=None, **overrides):
+        r = record(arm="scone", tokens=10002432, rate=2e-3, test_ppl=test_ppl, seed=seed, **overrides)
+        return r if version is None else dict(r, defaults_version=version)
+
+    delay80 = {"train.fgram_model_delay_steps": 80}
+    old_80, new_80 = scone(37.38, 0, **delay80), scone(37.39, 1, version=2)
+    old_plain, new_plain = scone(38.33, 0), scone(41.74, 1, version=2, **{"train.fgram_model_delay_steps": 0})
+    path = str(tmp_path / "runs.jsonl")
+    for r in (old_80, new_80, old_plain, new_plain):
+        quality_records.append(r, path)
+    records = quality_records.read(path)
+    assert "defaults_version" not in records[0] and records[1]["defaults_version"] == 2  # written as given
+    delayed = quality_tables.row("x", "scone", "10m", 2e-3, delay80)
+    plain = quality_tables.row("x", "scone", "10m", 2e-3)
+    assert {s: r["test_ppl"] for s, r in quality_tables.runs_of(delayed, records).items()} == {0: 37.38, 1: 37.39}
+    assert {s: r["test_ppl"] for s, r in quality_tables.runs_of(plain, records).items()} == {0: 38.33, 1: 41.74}
+    assert [quality_records.effective(r) for r in records] == [delay80, delay80, {}, {}]
+    # a baseline reads no SCONE default: its old and new records are one setting
+    base = [record(arm="baseline", test_ppl=50.81), dict(record(arm="baseline", test_ppl=50.98, seed=1),
+                                                         defaults_version=2)]
+    assert [quality_records.effective(r) for r in base] == [{}, {}]
+    # the newest version is what configs/quality.py holds now
+    now = quality_records.DEFAULTS[quality_records.DEFAULTS_VERSION]
+    config = load_config_file(f"{QUALITY}:scone")
+    assert {k: quality_records._get(config, k) for k in now} == now
+    assert load_config_file(f"{QUALITY}:baseline").train.fgram_model_delay_steps == 0

@@ -217,6 +217,7 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     # each finished run appended to the records with the study's settings (caught: the append call removed)
     appended = quality_records.read(str(records))
     assert [r["arm"] for r in appended] == ["baseline", "scone"] and {r["seed"] for r in appended} == {0}
+    assert {r["defaults_version"] for r in appended} == {quality_records.DEFAULTS_VERSION}
     assert all(r["overrides"]["data.vocab_size"] == 512 and r["overrides"]["data.seq_len"] == 64 for r in appended)
     assert [r["test_ppl"] for r in appended] == [results["arms"][a]["test_ppl"] for a in ("baseline", "scone")]
     assert appended[0]["splits_sha256"] == appended[1]["splits_sha256"] and appended[0]["corpus"] == corpus.name

@@ -26,11 +26,19 @@ and SCONE at 3M tokens is 20% worse (99.7 against 80.6). --config.model.embeddin
 final norm (scone.output_norm): without it its rows collapsed for less long early in training, but the
 perplexity was no better (docs/quality.md). The step count, learning rate, f-gram capacity and
 vocabulary path are set by the tool (or on the command line, e.g. --config.train.num_steps=1220 for 10M
-tokens). The experiments on how the f-gram model trains are overrides of the tool (docs/training.md), off
-here: --override=train.fgram_model_delay_steps=40, or train.fgram_model_delay_steps_per_layer=20 (20, 40,
-80 steps for the 1-, 2-, 4-block f-gram models), scone.learning_rate_multiplier=0.5, scone.gate=true. A
-baseline arm refuses the last two (they mean nothing without SCONE) unless its run is already finished, so
-pass --arms with SCONE arms only when its runs are not.
+tokens).
+
+The SCONE arms hold the f-gram model's updates back for their first 80 steps
+(train.fgram_model_delay_steps=80; 0 in the method): the best setting the study found on validation
+(1x at 10M tokens, two seeds: 31.90 / 31.80 against 32.12 / 32.05 with 40 steps; docs/quality.md), so a
+user running tools/bench_quality.py on a new corpus gets it without flags, and
+--config.train.fgram_model_delay_steps=0 gives the method's. Records made before this default say so
+(scone_jax/study/records.py: defaults_version). The other experiments on how the f-gram model trains
+are settings of the tool (docs/training.md), off here: --config.train.fgram_model_delay_steps_per_layer=20
+with --config.train.fgram_model_delay_steps=0 (20, 40, 80 steps for the 1-, 2-, 4-block f-gram models),
+--config.scone.learning_rate_multiplier=0.5, --config.scone.gate=true. A baseline arm refuses the last two
+(they mean nothing without SCONE) unless its run is already finished, so pass --arms with SCONE arms only
+when its runs are not.
 """
 import math
 
@@ -74,5 +82,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         s.num_layers, s.num_fgrams, s.max_len, s.min_count = fgram_layers, num_fgrams, max_len, 5
         s.fgram_capacity = 4096
         s.input_multiplier = m.embedding_multiplier  # the f-gram model's blocks get the scaled input too
+        t.fgram_model_delay_steps = 80  # chosen on validation (docstring; study/records.py DEFAULTS[2])
     config.lock()
     return config

@@ -195,33 +195,48 @@ def unknown_key_message(config: ml_collections.ConfigDict, dotted: str) -> str |
     return None
 
 
-def apply_override(config: ml_collections.ConfigDict, item: str, flag: str = "--override") -> None:
-    """Set one KEY=VALUE of a tool's `flag` (tools/bench_quality.py, tools/trace_steps.py) on the unlocked
-    `config`, VALUE read as the key's current type; a bad item is a ValueError naming the flag and the fix."""
+def apply_override(config: ml_collections.ConfigDict, item: str, flag: str = "--override", joint: str = "=") -> None:
+    """Set one KEY=VALUE of a tool's `flag` (tools/trace_steps.py's --override=KEY=VALUE; `joint` "." for
+    --config.KEY=VALUE) on the unlocked `config`, VALUE read as the key's current type; a bad item is a
+    ValueError naming the flag as written and the fix."""
     key, sep, value = item.partition("=")
     if not sep:
-        raise ValueError(f"{flag}={item} has no '='. Fix: write KEY=VALUE, e.g. {flag}=train.seed=1.")
+        raise ValueError(f"{flag}{joint}{item} has no '='. Fix: write KEY=VALUE, e.g. {flag}{joint}train.seed=1.")
     unknown = unknown_key_message(config, key)
     if unknown:
-        raise ValueError(f"{flag}={item}: {unknown}")
+        raise ValueError(f"{flag}{joint}{item}: {unknown}")
     *parents, leaf = key.split(".")
     node = config
     for part in parents:
         node = node[part]
     old = node[leaf]
     if isinstance(old, ml_collections.ConfigDict):
-        raise ValueError(f"{flag}={item}: {key} is a group of keys. Fix: set one of them, e.g. "
-                         f"{flag}={key}.{sorted(old.keys())[0]}=VALUE.")
+        raise ValueError(f"{flag}{joint}{item}: {key} is a group of keys. Fix: set one of them, e.g. "
+                         f"{flag}{joint}{key}.{sorted(old.keys())[0]}=VALUE.")
     if isinstance(old, bool):
         if value.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"{flag}={item}: {key} is true or false, not {value!r}.")
+            raise ValueError(f"{flag}{joint}{item}: {key} is true or false, not {value!r}.")
         node[leaf] = value.lower() in ("true", "1")
         return
     try:
         node[leaf] = type(old)(value)
     except (TypeError, ValueError):
         kind = {int: "an integer", float: "a number"}.get(type(old), type(old).__name__)
-        raise ValueError(f"{flag}={item}: {key} takes {kind} (it is {old!r} now), not {value!r}.") from None
+        raise ValueError(f"{flag}{joint}{item}: {key} takes {kind} (it is {old!r} now), not {value!r}.") from None
+
+
+def override_flag_error(argv, config: ml_collections.ConfigDict) -> str | None:
+    """Why argv's --config.KEY=VALUE flags do not fit `config` (a tool whose --config is a fixed config's
+    keys: tools/bench_quality.py), in apply_override's one line; None if they all do."""
+    trial = config.copy_and_resolve_references()
+    with trial.unlocked():
+        for arg in argv:
+            if arg.startswith("--config."):
+                try:
+                    apply_override(trial, arg[len("--config."):], flag="--config", joint=".")
+                except ValueError as e:
+                    return str(e)
+    return None
 
 
 def config_flag_error(argv) -> str | None:

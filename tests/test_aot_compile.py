@@ -73,7 +73,7 @@ def test_an_unknown_slice_lists_the_valid_names():
 def test_slice_names_map_to_libtpu_topologies():
     # In a subprocess: importing the tool defines absl flags, which must not leak into this one.
     names = ["v4-8", "v4-128", "v5p-128", "v5p-1024", "v5e-1", "v5litepod-16", "v5e-256", "v6e-8", "V6E-64"]
-    code = ("import sys; sys.path.insert(0, 'tools'); import aot_compile as a; "
+    code = ("import tools.aot_compile as a; "
             f"print([(s.topology_name, s.chips, s.chip_config, s.hbm_bytes >> 30) for s in map(a.parse_slice, {names})])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert ast.literal_eval(out) == [

@@ -5,7 +5,6 @@ import json
 import mmap
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -14,9 +13,7 @@ from scone_jax.runtime import aio
 from scone_jax.serving import bundle, table as table_lib, table_files
 from tests import serving_run
 from tests.test_table import file_rows
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from bench_bundles import write_table_bundle  # noqa: E402
+from tools.bench_bundles import write_table_bundle
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ and the config's refusals of these settings where they mean nothing.
 The ramp is read off the parameters: with b1 = b2 = 0, no weight decay and a constant rate, AdamW's update of
 an element is lr * g / (|g| + eps), so the largest move of any f-gram-model parameter in a step is lr times
 the factor on its updates (to ~1e-8), and of any decoder parameter lr."""
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +15,7 @@ from flax import nnx
 
 from scone_jax import config as config_lib, sharding
 from scone_jax.training import checkpoint, optimizer, state as state_lib, steps, train
-from tests.common import REPO, random_batch, run_main, small_config
+from tests.common import random_batch, run_main, small_config
 from tests.scone_batches import K, production_batch
 
 LR = 1e-2
@@ -181,16 +179,17 @@ def test_a_resume_that_changes_the_gate_or_the_multiplier_is_refused_naming_the_
 
 
 def test_the_quality_study_takes_them_as_overrides(tmp_path):
-    """tools/bench_quality.py's --override sets them on configs/quality.py's arms, whose defaults stay the method's;
-    the per-layer delay follows each arm's f-gram depth, and a baseline arm refuses the gate and the multiplier.
-    Caught: the per-layer delay not multiplied by scone.num_layers (fgram_model_delay returning P)."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import bench_quality
+    """tools/bench_quality.py's --config.KEY=VALUE sets them on configs/quality.py's arms, whose defaults are the
+    method's but the 80-step delay chosen on validation; the per-layer delay follows each arm's f-gram depth, and
+    a baseline arm refuses the gate and the multiplier. Caught: the per-layer delay not multiplied by
+    scone.num_layers (fgram_model_delay returning P)."""
+    from scone_jax.study.study import Study
 
-    overrides = ["scone.learning_rate_multiplier=0.5", "scone.gate=true", "train.fgram_model_delay_steps_per_layer=20"]
+    overrides = {"scone.learning_rate_multiplier": 0.5, "scone.gate": True, "train.fgram_model_delay_steps": 0,
+                 "train.fgram_model_delay_steps_per_layer": 20}
     arms = ["baseline", "scone_fgram0.5x", "scone", "scone_fgram2x"]
-    plain = bench_quality.Study(str(tmp_path), arms, 3_000_000, 3_000_000, ["0.001"], {}, "", False, [])
-    study = bench_quality.Study(str(tmp_path), arms, 3_000_000, 3_000_000, ["0.001"], {}, "", False, overrides)
+    plain = Study(str(tmp_path), arms, 3_000_000, 3_000_000, ["0.001"], {}, "", False, {})
+    study = Study(str(tmp_path), arms, 3_000_000, 3_000_000, ["0.001"], {}, "", False, overrides)
     for arm, delay in (("scone_fgram0.5x", 20), ("scone", 40), ("scone_fgram2x", 80)):
         config = study.config(arm, "0.001")
         config_lib.validate(config)
@@ -198,6 +197,6 @@ def test_the_quality_study_takes_them_as_overrides(tmp_path):
             0.5, True, delay)
         default = plain.config(arm, "0.001")
         assert (default.scone.learning_rate_multiplier, default.scone.gate, optimizer.fgram_model_delay(default)) == (
-            1.0, False, 0)
+            1.0, False, 80)
     with pytest.raises(ValueError, match=r"^scone\.learning_rate_multiplier=0\.5 is set on a run without SCONE"):
         config_lib.validate(study.config("baseline", "0.001"))

@@ -1,5 +1,5 @@
-"""The quality study's records (tools/quality_records.py, experiments/quality/runs.jsonl) and the command that
-builds docs/quality.md's tables and figure from them (tools/plot_quality.py)."""
+"""The quality study's records (scone_jax/study/records.py, experiments/quality/runs.jsonl) and the command that
+builds docs/quality.md's tables and figure from them (tools/plot_quality.py, scone_jax/study/tables.py)."""
 import json
 import os
 from collections import Counter
@@ -8,7 +8,7 @@ import pytest
 
 from scone_jax.config import load_config_file
 from tests.common import run_tool
-from tools import quality_records
+from scone_jax.study import records as quality_records, tables as quality_tables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(REPO, "configs", "quality.py")
@@ -27,8 +27,7 @@ def test_records_round_trip_with_typed_overrides_and_the_seed(tmp_path):
     """A run's record reads back as written, its overrides typed as its config holds them and its seed in
     both places. Caught: the override's text kept ('false', '40': a table row for False/40 matched nothing);
     SCONE's settings kept on a baseline (its row then missed the baseline a study with them trained)."""
-    settings = ["scone.output_norm=false", "train.fgram_model_delay_steps=40", "model.embedding_multiplier=1",
-                "train.seed=1"]
+    settings = ["scone.output_norm", "train.fgram_model_delay_steps", "model.embedding_multiplier", "train.seed"]
     configs = {}
     for arm in ("scone", "baseline"):
         configs[arm] = load_config_file(f"{QUALITY}:{arm}")
@@ -122,7 +121,7 @@ def test_tables_reproduce_the_recorded_figures():
     Caught: rows matched on arm, budget and rate without the overrides (the delayed, no-norm and seed
     reruns of `scone` overwrote its seeds: 40.87 / 40.33 where 38.33 / 41.74 belong)."""
     records = quality_records.read()
-    ten = quality_records.table("10m", records).splitlines()
+    ten = quality_tables.table("10m", records).splitlines()
     assert "| `baseline` (2 blocks) | 50.81 (44.03) | 50.98 (44.19) | 50.90 | 4.74e13 |  |" in ten
     assert "| `scone` (f-gram model 2 blocks, S = 20k, K = 5) | 38.33 (32.99) | 41.74 (35.60) | 40.04 | 8.67e13 | 0.72 |" \
         in ten
@@ -130,7 +129,7 @@ def test_tables_reproduce_the_recorded_figures():
     # the page as committed is what the records give (tools/plot_quality.py was run)
     with open(os.path.join(REPO, "docs", "quality.md")) as f:
         page = f.read()
-    assert quality_records.fill(page, records) == page
+    assert quality_tables.fill(page, records) == page
 
 
 def test_fill_rebuilds_the_blocks_and_keeps_the_prose():
@@ -138,17 +137,17 @@ def test_fill_rebuilds_the_blocks_and_keeps_the_prose():
     records = [record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=50.0),
                record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=50.81),  # a rerun of seed 0
                record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=50.98, seed=1)]
-    spec = quality_records.TABLES["10m"][0]
-    assert {s: r["test_ppl"] for s, r in quality_records.runs_of(spec, records).items()} == {0: 50.81, 1: 50.98}
+    spec = quality_tables.TABLES["10m"][0]
+    assert {s: r["test_ppl"] for s, r in quality_tables.runs_of(spec, records).items()} == {0: 50.81, 1: 50.98}
     page = "intro\n<!-- records:all -->\nstale\n<!-- /records -->\nafter\n"
-    filled = quality_records.fill(page, records)
+    filled = quality_tables.fill(page, records)
     assert filled.startswith("intro\n<!-- records:all -->\n| arm |") and filled.endswith("<!-- /records -->\nafter\n")
     assert "stale" not in filled and filled.count("| `baseline` |") == 3
-    assert quality_records.fill(filled, records) == filled
+    assert quality_tables.fill(filled, records) == filled
     with pytest.raises(ValueError, match="No record holds these rows of the table '10m': "):
-        quality_records.fill("<!-- records:10m -->\n<!-- /records -->", records)
+        quality_tables.fill("<!-- records:10m -->\n<!-- /records -->", records)
     with pytest.raises(ValueError, match="Unknown records table '10M'"):
-        quality_records.fill("<!-- records:10M -->\n<!-- /records -->", records)
+        quality_tables.fill("<!-- records:10M -->\n<!-- /records -->", records)
 
 
 def test_runs_on_another_platform_or_corpus_are_other_rows_not_seeds():
@@ -158,10 +157,10 @@ def test_runs_on_another_platform_or_corpus_are_other_rows_not_seeds():
     cpu = record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=50.81)
     h200 = dict(record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=49.0), platform="NVIDIA H200")
     english = dict(record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=48.0, seed=1), corpus="linux_doc_en")
-    spec = quality_records.TABLES["10m"][0]
-    assert {s: r["test_ppl"] for s, r in quality_records.runs_of(spec, [cpu, h200, english]).items()} == {0: 50.81}
-    on_h200 = quality_records.row("x", "baseline", "10m", 2e-3, platform="NVIDIA H200")
-    assert {s: r["test_ppl"] for s, r in quality_records.runs_of(on_h200, [cpu, h200, english]).items()} == {0: 49.0}
+    spec = quality_tables.TABLES["10m"][0]
+    assert {s: r["test_ppl"] for s, r in quality_tables.runs_of(spec, [cpu, h200, english]).items()} == {0: 50.81}
+    on_h200 = quality_tables.row("x", "baseline", "10m", 2e-3, platform="NVIDIA H200")
+    assert {s: r["test_ppl"] for s, r in quality_tables.runs_of(on_h200, [cpu, h200, english]).items()} == {0: 49.0}
 
 
 def test_plot_quality_rebuilds_the_tables_from_records_and_refuses_bad_input_in_one_line(tmp_path):
@@ -182,3 +181,38 @@ def test_plot_quality_rebuilds_the_tables_from_records_and_refuses_bad_input_in_
     path.write_text("not json\n")
     broken = run_tool("tools/plot_quality.py", [f"--records={path}", "--markdown=", "--png="])
     assert broken.returncode == 2 and f"{path}:1 is not a JSON record" in broken.stderr
+
+
+def test_runs_meet_on_their_effective_settings_whatever_defaults_they_were_recorded_under(tmp_path):
+    """configs/quality.py's SCONE arms now default to an 80-step delay (defaults version 2); records made before
+    carry no defaults_version and their overrides are relative to the method's defaults (no delay). An old run
+    with the override delay=80 and a new one with none are one table row; an old run without overrides stays
+    the undelayed row, as does a new one that asked for delay 0. Caught: a record without defaults_version read
+    as the current version (`record.get("defaults_version", DEFAULTS_VERSION)`: the old undelayed runs joined
+    the 80-step row), and configs/quality.py's default changed without a new version."""
+    def scone(test_ppl, seed, version=None, **overrides):
+        r = record(arm="scone", tokens=10002432, rate=2e-3, test_ppl=test_ppl, seed=seed, **overrides)
+        return r if version is None else dict(r, defaults_version=version)
+
+    delay80 = {"train.fgram_model_delay_steps": 80}
+    old_80, new_80 = scone(37.38, 0, **delay80), scone(37.39, 1, version=2)
+    old_plain, new_plain = scone(38.33, 0), scone(41.74, 1, version=2, **{"train.fgram_model_delay_steps": 0})
+    path = str(tmp_path / "runs.jsonl")
+    for r in (old_80, new_80, old_plain, new_plain):
+        quality_records.append(r, path)
+    records = quality_records.read(path)
+    assert "defaults_version" not in records[0] and records[1]["defaults_version"] == 2  # written as given
+    delayed = quality_tables.row("x", "scone", "10m", 2e-3, delay80)
+    plain = quality_tables.row("x", "scone", "10m", 2e-3)
+    assert {s: r["test_ppl"] for s, r in quality_tables.runs_of(delayed, records).items()} == {0: 37.38, 1: 37.39}
+    assert {s: r["test_ppl"] for s, r in quality_tables.runs_of(plain, records).items()} == {0: 38.33, 1: 41.74}
+    assert [quality_records.effective(r) for r in records] == [delay80, delay80, {}, {}]
+    # a baseline reads no SCONE default: its old and new records are one setting
+    base = [record(arm="baseline", test_ppl=50.81), dict(record(arm="baseline", test_ppl=50.98, seed=1),
+                                                         defaults_version=2)]
+    assert [quality_records.effective(r) for r in base] == [{}, {}]
+    # the newest version is what configs/quality.py holds now
+    now = quality_records.DEFAULTS[quality_records.DEFAULTS_VERSION]
+    config = load_config_file(f"{QUALITY}:scone")
+    assert {k: quality_records._get(config, k) for k in now} == now
+    assert load_config_file(f"{QUALITY}:baseline").train.fgram_model_delay_steps == 0

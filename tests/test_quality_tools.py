@@ -11,14 +11,9 @@ import time
 import numpy as np
 import pytest
 
+from scone_jax.study import protocol as quality_protocol, records as quality_records, runs as quality_runs
 from tests.common import REPO, run_tool
-from tools import quality_records
-
-sys.path.insert(0, os.path.join(REPO, "tools"))
-import bench_quality  # noqa: E402
-import embedding_scale  # noqa: E402
-import quality_protocol  # noqa: E402
-import split_corpus  # noqa: E402
+from tools import embedding_scale, split_corpus
 
 
 def make_tree(root, count=60):
@@ -89,11 +84,11 @@ def test_bench_quality_names_the_line_that_says_why_a_job_stopped(tmp_path):
     stopped = ("print('E0000 common_lib.cc:906] INVALID_ARGUMENT: Error: unexpected worker hostname'); "
                "print('W main.py:81] Stopped by SIGTERM after saving a checkpoint at step 600; rerun to resume.'); "
                "print(); raise SystemExit(143)")
-    rc, line = bench_quality.run_cli(["-c", stopped], str(log), seen.append)
+    rc, line = quality_runs.run_cli(["-c", stopped], str(log), seen.append)
     assert (rc, line) == (143, "W main.py:81] Stopped by SIGTERM after saving a checkpoint at step 600; rerun to resume.")
     assert seen[0].endswith("unexpected worker hostname") and "earlier attempt" in log.read_text()
     refused = "import sys; print('scone_jax: error: unknown key foo'); print('I exiting', file=sys.stderr); sys.exit(2)"
-    assert bench_quality.run_cli(["-c", refused], str(log), seen.append) == (2, "scone_jax: error: unknown key foo")
+    assert quality_runs.run_cli(["-c", refused], str(log), seen.append) == (2, "scone_jax: error: unknown key foo")
 
 
 def read_split(out, name):
@@ -157,16 +152,16 @@ def quality_args(corpus, workdir, *extra):
 @pytest.mark.parametrize("extra,message", [
     (["--arms=baseline,scone_huge"], "Unknown arm(s) ['scone_huge']; --arms takes baseline,"),
     (["--tokens=1000"], "is less than one step (32 x 256 = 8,192 tokens)"),
-    (["--tokens=5m", "--override=data.vocab_size=512"], "passes over the training split"),
+    (["--tokens=5m", "--config.data.vocab_size=512"], "passes over the training split"),
     (["--validation_files={corpus}/train.jsonl"], "The train and validation splits share"),
     # caught: check_splits comparing the training split with the validation split only
     (["--eval_files={corpus}/train.jsonl"], "The train and test splits share"),
     # caught: config.apply_override without its unknown-key check (the KeyError traceback bench_quality's own _set
     # gave); the other two are its other refusals (a wrong type, no '=')
-    (["--override=train.sed=1"], "bench_quality: error: --override=train.sed=1: Unknown config key 'train.sed': "
+    (["--config.train.sed=1"], "bench_quality: error: --config.train.sed=1: Unknown config key 'train.sed': "
                                  "train has no field 'sed'. Valid keys there: ["),
-    (["--override=train.num_steps=abc"], "--override=train.num_steps=abc: train.num_steps takes an integer"),
-    (["--override=train"], "--override=train has no '='. Fix: write KEY=VALUE"),
+    (["--config.train.num_steps=abc"], "--config.train.num_steps=abc: train.num_steps takes an integer"),
+    (["--config.train"], "--config.train has no '='. Fix: write KEY=VALUE"),
     # caught: parse_rates calling float() unguarded ("could not convert string to float: 'abc'", no flag named)
     (["--learning_rates=1e-3,abc"], "bench_quality: error: --learning_rates=1e-3,abc: 'abc' is not a positive "
                                     "learning rate. Fix: write numbers"),
@@ -199,9 +194,9 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     exported and recorded, exit 0); forget_unfinished_runs not called (the recorded 60-step run skipped); the
     validation perplexity read from the last training log record (split "train") instead of the evaluation."""
     study, records = tmp_path / "study", tmp_path / "runs.jsonl"
-    args = quality_args(corpus, study, "--quick", "--allow_epochs", "--override=data.vocab_size=512",
+    args = quality_args(corpus, study, "--quick", "--allow_epochs", "--config.data.vocab_size=512",
                         f"--records={records}")
-    stopped = run_tool("tools/bench_quality.py", [*args, "--override=train.max_steps_per_run=60"], timeout=900)
+    stopped = run_tool("tools/bench_quality.py", [*args, "--config.train.max_steps_per_run=60"], timeout=900)
     assert stopped.returncode == 2, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert ("bench_quality: error: baseline/lr0.0005 stopped before finishing (its last step is 60 of 98), so it was "
             "not exported, scored or recorded. Rerun the same command to resume it") in stopped.stderr
@@ -222,6 +217,7 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     # each finished run appended to the records with the study's settings (caught: the append call removed)
     appended = quality_records.read(str(records))
     assert [r["arm"] for r in appended] == ["baseline", "scone"] and {r["seed"] for r in appended} == {0}
+    assert {r["defaults_version"] for r in appended} == {quality_records.DEFAULTS_VERSION}
     assert all(r["overrides"]["data.vocab_size"] == 512 and r["overrides"]["data.seq_len"] == 64 for r in appended)
     assert [r["test_ppl"] for r in appended] == [results["arms"][a]["test_ppl"] for a in ("baseline", "scone")]
     assert appended[0]["splits_sha256"] == appended[1]["splits_sha256"] and appended[0]["corpus"] == corpus.name
@@ -248,7 +244,7 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     assert len(quality_records.read(str(records))) == 2  # a skipped run is not recorded again
     # a finished run is not reused for other settings (here the method's plain input layer): refused in one line
     before = (tmp_path / "study" / "results.json").read_text()
-    changed = run_tool("tools/bench_quality.py", [*args, "--override=model.embedding_multiplier=1"], timeout=600)
+    changed = run_tool("tools/bench_quality.py", [*args, "--config.model.embedding_multiplier=1"], timeout=600)
     assert changed.returncode == 2, changed.stdout[-2000:] + changed.stderr[-2000:]
     assert "baseline/lr0.0005 in" in changed.stderr and "model.embedding_multiplier: 11.31" in changed.stderr
     assert "Traceback" not in changed.stderr and "training" not in changed.stdout.replace("training split", "")
@@ -294,8 +290,8 @@ def test_the_training_job_of_a_killed_bench_quality_stops_with_it(corpus, tmp_pa
     study = tmp_path / "study"
     run = study / "baseline" / "lr0.001"
     args = quality_args(corpus, study, "--arms=baseline", "--learning_rates=1e-3", "--tokens=2m", "--allow_epochs",
-                        "--override=data.seq_len=64", "--override=model.max_seq_len=64",
-                        "--override=data.global_batch_size=8", "--override=data.vocab_size=512")
+                        "--config.data.seq_len=64", "--config.model.max_seq_len=64",
+                        "--config.data.global_batch_size=8", "--config.data.vocab_size=512")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": ""}
     parent = subprocess.Popen([sys.executable, "tools/bench_quality.py", *args], cwd=REPO, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,7 +1,7 @@
 """What the serving benchmarks build: a SCONE run to export, and bundles holding only a table, of any size.
 
-Imported by tools/bench_serving.py and tools/bench_table_io.py (and tests/test_table.py), which run with
-tools/ on sys.path.
+Imported by tools/bench_serving.py and tools/bench_table_io.py, scripts beside it, and by
+tests/test_disk_table.py as tools.bench_bundles.
 """
 import json
 import os

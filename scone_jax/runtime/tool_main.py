@@ -72,15 +72,23 @@ def require(**flag_values) -> None:
 
 
 def run(body: Callable[[], None], program: str = "", errors: tuple[type[BaseException], ...] = BAD_INPUT,
-        stopped: Callable[[], str] | None = None) -> None:
+        stopped: Callable[[], str] | None = None, flag_error: Callable[[list[str]], str | None] | None = None) -> None:
     """app.run(main_of(body, program, errors, stopped)), with a flag that does not parse (an unknown flag, a value
-    outside an enum) also one line and exit 2 instead of absl's usage dump and exit 1."""
+    outside an enum) also one line and exit 2 instead of absl's usage dump and exit 1. `flag_error(argv)` says
+    why in the program's own words where it can (a --config.KEY=VALUE that config_flags refuses with a
+    traceback or in its own terms)."""
     prefix = f"{program}: error: " if program else "error: "
 
     def parse(argv: list[str]) -> list[str]:
         try:
             return flags.FLAGS(argv)
-        except flags.Error as e:
+        except Exception as e:  # noqa: BLE001 - config_flags raises AttributeError for an unknown --config.KEY
+            explained = flag_error(argv) if flag_error else None
+            if explained:
+                print(prefix + explained, file=sys.stderr)
+                sys.exit(EXIT_BAD_INPUT)
+            if not isinstance(e, flags.Error):
+                raise
             print(prefix + one_line(e, limit=4000) + " (--help lists the flags)", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
 

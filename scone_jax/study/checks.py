@@ -1,4 +1,4 @@
-"""tools/bench_quality.py's checks before anything trains: splits that share a document, finished runs trained
+"""The quality study's checks (tools/bench_quality.py) before anything trains: splits that share a document, finished runs trained
 with other settings than this invocation's, and the size of the training split (for the epochs check)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 from scone_jax.config import resume_changes
 from scone_jax.data import documents, sources
 from scone_jax.runtime import workdir as workdir_layout
-from quality_runs import read_json
+from scone_jax.study.runs import read_json
 
 
 def document_hashes(data_cfg, split: str) -> set[str]:
@@ -42,7 +42,7 @@ def check_splits(config, test_files: str) -> None:
 
 def check_finished_runs(study: "Study", tokenizer) -> None:
     """Refuse to reuse a finished run of this invocation's arms that was trained with other settings than
-    this invocation would train it with (a changed --override, --tokens or configs/quality.py): its
+    this invocation would train it with (a changed --config.KEY=VALUE, --tokens or configs/quality.py): its
     results would silently join a table of runs that differ in more than the arm. Compared: the keys a
     checkpoint must match to resume (config.RESUME_KEYS, but the training files' path: moved files are
     the same corpus) and the step count, against the run's own WORKDIR/<arm>/lr<rate>/config.json."""
@@ -61,7 +61,7 @@ def check_finished_runs(study: "Study", tokenizer) -> None:
         if changes:
             raise ValueError(f"{key} in {study.root} is finished but was trained with other settings than this "
                              f"invocation's (trained -> now: {'; '.join(changes)}). Fix: use a new --workdir for "
-                             "the new settings, or pass the old ones (e.g. --override=KEY=VALUE, --tokens) to "
+                             "the new settings, or pass the old ones (e.g. --config.KEY=VALUE, --tokens) to "
                              "continue that study.")
 
 

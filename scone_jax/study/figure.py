@@ -1,6 +1,5 @@
 """The figure of a quality study (tools/bench_quality.py, tools/plot_quality.py): test perplexity against
-inference and training FLOPs per token, one curve per family of arms. Apart from the tools' flags so both
-import it."""
+inference and training FLOPs per token, one curve per family of arms."""
 from __future__ import annotations
 
 
@@ -10,7 +9,7 @@ SET_STYLES = ("-", "--", ":", "-.")
 
 def plot(results: dict, path: str, variants: dict[str, dict] | None = None) -> bool:
     """Test perplexity against inference and training FLOPs, one curve per family of `results`' arms;
-    each of `variants` (a label -> an arms dict, e.g. a study rerun with an --override) in the same
+    each of `variants` (a label -> an arms dict, e.g. a study rerun with a --config.KEY=VALUE) in the same
     family colours with its own line style, its label in the legend. False where matplotlib is missing."""
     try:
         import matplotlib

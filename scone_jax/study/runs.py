@@ -16,7 +16,7 @@ import sys
 
 from scone_jax.runtime import ownership, parent_watch, workdir as workdir_layout
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def last_step(workdir: str) -> int:

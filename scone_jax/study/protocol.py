@@ -1,4 +1,4 @@
-"""The learning-rate rule and arm names of tools/bench_quality.py, apart from its flags so that tests can import them.
+"""The quality study's learning-rate rule and arm names (tools/bench_quality.py).
 
 `runs` maps "<arm>/lr<rate>" to a finished run's record (its "validation_ppl" and "learning_rate").
 """

@@ -1,0 +1,169 @@
+"""The quality study's records: experiments/quality/runs.jsonl, one JSON object per finished run, appended by
+tools/bench_quality.py and read by tools/plot_quality.py (docs/quality.md's tables and figure: study/tables.py).
+
+A record names everything that tells a run apart, so no file name has to: its arm, every config setting it
+made on top of configs/quality.py's arm (`overrides`, dotted key -> value, `train.seed` among them when
+given), the seed, learning rate, token budget and steps, the commit, the corpus and a hash of its splits' bytes, and what
+it measured (validation and test perplexity, test tokens, FLOPs, hit rate). The file is append-only: a rerun
+of the same settings adds a line, and readers take the last one (`latest`), so nothing already recorded is
+ever rewritten. `source` names the results file a record was migrated from (null for appended runs);
+`platform` the device kind the run trained on ("cpu", "NVIDIA H200"): runs of one protocol on another platform
+are other runs (their numerics differ), never seeds of the same table row.
+
+`overrides` are relative to configs/quality.py's defaults when the run was recorded, and those defaults
+change as the study finds better ones. So a record carries `defaults_version` (DEFAULTS_VERSION when
+appended; a record without it is version 1, the method's defaults), and readers compare runs by `effective`
+settings: that version's defaults plus the overrides, told as their difference from version 1. An old run
+with train.fgram_model_delay_steps=80 and a new one with no override are then the same setting.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECORDS = os.path.join(REPO, "experiments", "quality", "runs.jsonl")
+
+# The fields of a record, in the order they are written (json.dumps keeps insertion order).
+FIELDS = ("arm", "overrides", "seed", "learning_rate", "tokens", "steps", "validation_ppl", "test_ppl",
+          "test_bits_per_byte", "test_tokens", "hit_rate", "inference_flops_per_token", "train_flops",
+          "fgram_capacity", "train_seconds", "commit", "corpus", "splits_sha256", "source", "platform")
+# Settings a run without SCONE never reads: left out of a baseline's overrides, so that a baseline of a study
+# run with e.g. --config.scone.output_norm=false is the same baseline as any other.
+SCONE_ONLY = ("scone.", "train.fgram_model_delay_steps")
+# configs/quality.py's defaults that changed, per version, for the SCONE arms (a baseline reads none of them).
+# Version 1: the method's (no delay); 2: the delay chosen on validation (docs/quality.md, "In short").
+DEFAULTS = {1: {"train.fgram_model_delay_steps": 0}, 2: {"train.fgram_model_delay_steps": 80}}
+DEFAULTS_VERSION = max(DEFAULTS)  # configs/quality.py's now: what a record appended today carries
+
+
+def read(path: str = RECORDS) -> list[dict]:
+    """Every record of `path`, in the order appended. A line that is not a record is refused naming it."""
+    out = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+                missing = [k for k in FIELDS if k not in record]
+            except (json.JSONDecodeError, TypeError) as e:
+                raise ValueError(f"{path}:{number} is not a JSON record ({e}). Fix: restore that line from "
+                                 "git (the file is append-only).") from None
+            if missing:
+                raise ValueError(f"{path}:{number} lacks the fields {missing}. Fix: restore that line from git "
+                                 "(the file is append-only).")
+            out.append(record)
+    return out
+
+
+def version(record: dict) -> int:
+    """The defaults version a record's overrides are relative to (1 for a record written before versions)."""
+    return record.get("defaults_version", 1)
+
+
+def effective(record: dict) -> dict:
+    """The run's settings apart from its seed, as their difference from version 1's defaults: its version's
+    defaults (SCONE arms) with its overrides on top, less what equals version 1's defaults."""
+    given = {k: v for k, v in record["overrides"].items() if k != "train.seed"}
+    defaults = DEFAULTS[version(record)] if record["arm"].startswith("scone") else {}
+    merged = {**defaults, **given}
+    first = DEFAULTS[1]
+    return dict(sorted((k, v) for k, v in merged.items() if not (k in first and first[k] == v)))
+
+
+def append(record: dict, path: str = RECORDS) -> None:
+    """Add `record` as the last line of `path` (created with its folder if missing); earlier lines are
+    never rewritten. A last line cut short by a crash is ended first, so the new record stays a line."""
+    missing = [k for k in FIELDS if k not in record]
+    if missing:
+        raise ValueError(f"A quality record lacks the fields {missing}; it has {sorted(record)}.")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "ab") as f:
+        if f.tell() and _last_byte(path) != b"\n":
+            f.write(b"\n")
+        fields = FIELDS + (("defaults_version",) if "defaults_version" in record else ())
+        f.write((json.dumps({k: record[k] for k in fields}) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _last_byte(path: str) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
+def overrides_of(config, keys) -> dict:
+    """The dotted config keys a run was given, as key -> the value the run's config holds (typed: 1 becomes
+    1.0 for a float key; train.seed stays one of them), SCONE's keys dropped for a run without it."""
+    out = {}
+    for key in keys:
+        if config.scone.enabled or not key.startswith(SCONE_ONLY):
+            out[key] = _get(config, key)
+    return dict(sorted(out.items()))
+
+
+def _get(config, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def splits_sha256(train_files: str, validation_files: str, test_files: str) -> str:
+    """SHA-256 over the bytes of the three splits' files (each split's files sorted by path; names and
+    places not hashed: a corpus moved unchanged keeps its hash)."""
+    from scone_jax.data import mixture, sources
+
+    digest = hashlib.sha256()
+    for name, patterns in (("train", mixture.all_files(train_files)), ("validation", validation_files),
+                           ("test", test_files)):
+        digest.update(f"\0split {name}\0".encode())
+        for path in sources.expand_files(patterns):
+            digest.update(b"\0file\0")
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def corpus_name(train_files: str) -> str:
+    """The corpus's name: the folder of its first training file (/data/linux_doc/train.jsonl -> linux_doc)."""
+    from scone_jax.data import mixture
+
+    first = mixture.all_files(train_files).split(",")[0]
+    return os.path.basename(os.path.dirname(os.path.abspath(first))) or first
+
+
+def from_run(result: dict, config, keys, test_files: str) -> dict:
+    """The record of a run tools/bench_quality.py finished: its results-file entry `result`, the run's
+    `config` and the keys the study set on top of configs/quality.py (its --config.KEY=VALUE flags)."""
+    record = {k: result.get(k) for k in FIELDS}
+    record.update(overrides=overrides_of(config, keys), seed=int(config.train.seed), defaults_version=DEFAULTS_VERSION,
+                  corpus=corpus_name(config.data.train_files),
+                  splits_sha256=splits_sha256(config.data.train_files, config.data.eval_files, test_files),
+                  source=None, platform=_device_kind())
+    return record
+
+
+def _device_kind() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
+def settings(record: dict) -> tuple:
+    """What makes runs seeds of one protocol: arm, token budget, learning rate, effective settings but the
+    seed, the platform and the corpus."""
+    rest = tuple(effective(record).items())
+    return record["arm"], record["tokens"], float(record["learning_rate"]), rest, record["platform"], record["corpus"]
+
+
+def latest(records: list[dict]) -> dict[tuple, dict[int, dict]]:
+    """settings(...) -> seed -> the last record appended for them (a rerun supersedes, nothing is rewritten)."""
+    out: dict[tuple, dict[int, dict]] = {}
+    for record in records:
+        out.setdefault(settings(record), {})[record["seed"]] = record
+    return out
+
+

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from scone_jax import config_keys
 from scone_jax.runtime import distributed, storage
 from scone_jax.runtime.errors import one_line
 from scone_jax.training import checksums
@@ -140,9 +141,7 @@ class Checkpointer:
         for path in sorted(set(want) | set(have)):
             if want.get(path) != have.get(path):
                 optimizer = path[:1] == ("1",)  # the state is (model, optimizer): training/state.py
-                fix = ("the optimizer settings the checkpoint was saved with (train.fgram_model_delay_steps "
-                       "or train.fgram_model_delay_steps_per_layer switched between 0 and > 0 changes the "
-                       "optimizer's state)" if optimizer
+                fix = (config_keys.optimizer_state_fix() if optimizer  # the keys that reshape it: their declarations
                        else "the model config the checkpoint was saved with")
                 raise CheckpointMismatchError(
                     f"Checkpoint {self.directory}/{step} does not fit the {'optimizer' if optimizer else 'model'} "

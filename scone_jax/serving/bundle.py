@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
-from scone_jax import config as config_lib
+from scone_jax import config as config_lib, config_keys
 from scone_jax.fgram.vocab import array_checksum
 from scone_jax.runtime import storage
 from scone_jax.training import checksums
@@ -60,7 +60,8 @@ class BundleError(ValueError):
 
 def stored_config(saved: dict) -> ml_collections.ConfigDict:
     """A config saved with a checkpoint or an export, over today's defaults: keys added to the code
-    since it was saved take their defaults."""
+    since it was saved take their defaults, and the data shorthand it may hold is resolved into its groups
+    (config.resolve), as today's runs save it."""
     config = config_lib.base_config()
 
     def merge(node, values, where):
@@ -68,13 +69,13 @@ def stored_config(saved: dict) -> ml_collections.ConfigDict:
             if key not in node:
                 raise BundleError(f"The saved config has {where}{key}, which this code does not know; "
                                   "use the scone_jax version that wrote it.")
-            if isinstance(value, dict):
+            if isinstance(value, dict) and f"{where}{key}" not in config_keys.GROUPS:
                 merge(node[key], value, f"{where}{key}.")
             else:
                 node[key] = value
 
     merge(config, saved, "")
-    return config
+    return config_lib.resolve(config)
 
 
 def decoder_checkpointer() -> ocp.AsyncCheckpointer:

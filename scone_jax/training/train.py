@@ -199,7 +199,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
         config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
         batch_transform=batcher, start_batch=step,
     ), mesh, batcher, pipeline.worker_count(config.data),
-        tuple(c.name for c in mixture.parse(config.data.train_files) or ()))
+        tuple(c.name for c in mixture.components(config.data) or ()))
 
     train_step = _make_train_step(spec, mesh, config)
     eval_step = steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh)

@@ -238,3 +238,47 @@ def test_training_on_a_mixture_records_each_components_tokens(two_corpora, token
         assert (r["mix/tokens_a"], r["mix/tokens_b"]) == (16.0 * (owner == 0).sum(), 16.0 * (owner == 1).sum())
     logged = record_list(str(tmp_path / "run"), "train")
     assert logged[-1]["mix/tokens_a"] + logged[-1]["mix/tokens_b"] == 2 * 16 * 16  # the window's two steps
+
+
+def test_a_config_file_mixture_gives_the_shorthands_rows_in_its_written_order(two_corpora, tok):
+    """data.mixture set as a config file does (a dict, its names out of alphabetical order) is resolved to what
+    the shorthand gives, and both build the same batches, byte for byte; the component dealt first is the one of
+    order 0 ('zeta': b's tokens, weight 3), not the first by name. Caught: mixture.components ordering the
+    components by name (`sorted(group.items())`: 'alpha' dealt first, with weight 1/4)."""
+    short = _cfg(two_corpora, train_files=f"zeta={two_corpora}/b.arrayrecord@3;alpha={two_corpora}/a.arrayrecord@1")
+    config = small_config()
+    config.data.update(dict(source="arrayrecord", seq_len=16, global_batch_size=4, shuffle_seed=3))
+    config.data.mixture = {"alpha": {"files": f"{two_corpora}/a.arrayrecord", "weight": 1, "order": 1},
+                           "zeta": {"files": f"{two_corpora}/b.arrayrecord", "weight": 3.0, "order": 0}}
+    config_lib.validate(config)
+    assert config.data.mixture.to_dict() == short.mixture.to_dict() and config.data.train_files == ""
+    assert [c.name for c in mixture.components(config.data)] == ["zeta", "alpha"]
+    by_group, by_shorthand = pipeline.batch_builder(config.data, tok), pipeline.batch_builder(short, tok)
+    owners = []
+    for b in range(12):
+        got, want = by_group(b), by_shorthand(b)
+        for key, array in want.arrays().items():
+            assert array.tobytes() == getattr(got, key).tobytes(), (b, key)
+        zeta_rows = got.inputs[got.row_source == 0]
+        assert ((zeta_rows == tok.bos_id) | ((zeta_rows >= 300) & (zeta_rows < 350))).all()  # b's tokens
+        owners.append(got.row_source)
+    np.testing.assert_array_equal(np.concatenate(owners), mixture.Schedule([0.75, 0.25], 3).rows(0, 48)[0])
+
+
+@pytest.mark.parametrize("group,message", [
+    ({"web": {"files": "/a", "weight": 1.0, "order": 0}, "books": {"files": "/b", "weight": 1.0, "order": 0}},
+     "the components' orders are [0, 0], not 0, 1, ... once each"),
+    ({"web": {"files": "/a", "weight": -2.0, "order": 0}}, "component 'web' has files '/a' and weight -2.0"),
+    ({"web": {"files": "", "weight": 1.0, "order": 0}}, "component 'web' has files '' and weight 1.0"),
+    ({"web": {"files": "/a", "weight": 1.0}}, "component 'web' is"),
+    ({"web": {"files": "/a", "weight": 1.0, "order": 0}, "books": {"files": "/b", "weight": 1e-4, "order": 1}},
+     "data.mixture: component 'books' has 0.0001 of the total weight, below 1/4096"),
+])
+def test_a_bad_config_file_mixture_is_refused_naming_the_component(group, message):
+    """The group's own checks, in the words of data.mixture. Caught: the orders left unchecked (two components
+    of order 0 resolved, and dealt in whichever order the ConfigDict's sorted names gave)."""
+    config = small_config()
+    config.data.mixture = group
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        config_lib.validate(config)
+    assert "Fix:" in str(e.value) and "\n" not in str(e.value)

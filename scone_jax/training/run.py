@@ -186,20 +186,19 @@ def build(config, workdir: str, mesh, *, start=RESUME, allow_config_changes=()) 
     Sizes model.vocab_size 0 from the tokenizer (assets.resolve_vocab_size). Refused resumes stop before
     anything in the workdir changes (f-grams, config.json)."""
     latest = start if isinstance(start, Latest) else None
-    if latest is not None:  # as the run left them: an export never trains a tokenizer or extracts f-grams
-        tokenizer = assets.existing_tokenizer(config.data, workdir)
-    else:
-        tokenizer = distributed.chief_first("tokenizer", lambda: assets.ensure_tokenizer(config.data, workdir))
-    assets.resolve_vocab_size(config, tokenizer)
     if start == FRESH:
+        tokenizer = _tokenizer(config, workdir, None)
         vocab, spec = _vocab(config, tokenizer, workdir, None), state_lib.state_spec(config, mesh)
         return _assemble(config, workdir, mesh, tokenizer, vocab, spec, 0, state_lib.init_state(config, spec), None,
                          None, None)
-    ckpt = latest.checkpointer if latest else checkpoint.Checkpointer(
-        workdir_layout.path(workdir, workdir_layout.CHECKPOINTS), keep=config.train.keep_checkpoints)
+    ckpt = latest.checkpointer if latest else None
     try:
+        tokenizer = _tokenizer(config, workdir, latest)
+        if ckpt is None:
+            ckpt = checkpoint.Checkpointer(workdir_layout.path(workdir, workdir_layout.CHECKPOINTS),
+                                           keep=config.train.keep_checkpoints)
         identity_ = None if latest else identity.train_data_identity(config.data)
-        newest = _newest_meta(ckpt) if not latest else (latest.step, latest.meta)
+        newest = (latest.step, latest.meta) if latest else _newest_meta(ckpt)
         if not latest:
             check_resume(ckpt, newest, config, allow_config_changes, identity_)
         vocab = _vocab(config, tokenizer, workdir, latest)
@@ -212,7 +211,8 @@ def build(config, workdir: str, mesh, *, start=RESUME, allow_config_changes=()) 
         else:
             step, state, saved = _restore_newest_good(ckpt, config, spec, mesh, expect, newest)
     except BaseException:
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
         raise
     return _assemble(config, workdir, mesh, tokenizer, vocab, spec, step, state, saved, ckpt, identity_)
 
@@ -221,6 +221,17 @@ def _assemble(config, workdir, mesh, tokenizer, vocab, spec, step, state, saved,
     return Run(config, workdir, mesh, tokenizer, vocab, spec, step, state, saved, ckpt, identity_,
                train_step=_make_train_step(spec, mesh, config),
                eval_step=steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh))
+
+
+def _tokenizer(config, workdir: str, latest):
+    """The run's tokenizer (trained into the workdir on first use, except for an export), model.vocab_size 0 sized
+    from it."""
+    if latest is not None:  # as the run left it: an export never trains a tokenizer or extracts f-grams
+        tokenizer = assets.existing_tokenizer(config.data, workdir)
+    else:
+        tokenizer = distributed.chief_first("tokenizer", lambda: assets.ensure_tokenizer(config.data, workdir))
+    assets.resolve_vocab_size(config, tokenizer)
+    return tokenizer
 
 
 def _vocab(config, tokenizer, workdir: str, latest):

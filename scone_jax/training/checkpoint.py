@@ -102,12 +102,12 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore(self, step: int, abstract_state, expect: dict | None = None):
+    def restore(self, step: int, abstract_state, expect: dict | None = None, *, meta: dict | None = None):
         """Restore onto `abstract_state` (ShapeDtypeStructs with the *current* shardings, so a
         different mesh or device count works) and verify every array against its saved checksum.
-        Every process calls it (a collective)."""
+        `meta`: the step's metadata if the caller has read it already. Every process calls it (a collective)."""
         try:
-            meta = self.read_checkpoint_meta(step)
+            meta = self.read_checkpoint_meta(step) if meta is None else meta
         except Exception as e:  # noqa: BLE001 - unreadable metadata: the step is damaged
             raise CheckpointDamagedError(self.directory, step, f"its metadata cannot be read ({one_line(e)})") from e
         check_compatible(meta, expect or {}, f"{self.directory}/{step}")

@@ -44,6 +44,7 @@ from scone_jax.runtime import (compile_cache, distributed, job_flags, logs, owne
                                workdir as workdir_layout, write_probe)
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
+from scone_jax.saved_config import stored_config
 from scone_jax.serving import bundle, table_layout
 from scone_jax.serving.prefetch import DispatchWindow
 from scone_jax.training import checkpoint, state as state_lib
@@ -64,7 +65,7 @@ class Run:
             raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints. Fix: train first "
                                     f"(python -m scone_jax.main --workdir={workdir}).")
         meta = self.checkpointer.read_checkpoint_meta(self.step)
-        self.config = config or bundle.stored_config(meta["config"])
+        self.config = config or stored_config(meta["config"])
         d = self.config.data
         # The run's special-id policy too: the fingerprint (and the ids the bundle stores) must be the run's.
         self.tokenizer = Tokenizer.load(d.tokenizer_path or workdir_layout.path(workdir, workdir_layout.TOKENIZER),

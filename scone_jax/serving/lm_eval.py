@@ -158,7 +158,7 @@ class SconeHarnessLM(TemplateLM):
         return self.served.tokenizer.decode(ids)
 
     def get_model_info(self) -> dict:
-        meta = self.served.meta
+        meta = self.served.bundle.meta
         return {"scone_export": {k: meta.get(k) for k in ("model_fingerprint", "tokenizer_fingerprint",
                                                             "fgram_vocab_fingerprint", "d_model")},
                 "max_length": self.max_length, "rolling_eos": self.rolling_eos}

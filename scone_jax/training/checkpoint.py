@@ -22,9 +22,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from scone_jax.runtime import distributed, storage
+from scone_jax.runtime import checksums, distributed, storage
 from scone_jax.runtime.errors import one_line
-from scone_jax.training import checksums
 
 _STATE, _META = "state", "meta"
 

@@ -104,11 +104,11 @@ def test_sigterm_during_export_is_one_line_and_the_rerun_resumes_to_the_same_bun
                     "to resume: it computes only the rest."), stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     with pytest.raises(bundle.BundleError, match="unfinished export"):
-        table_lib.open_table(bundle.Bundle.open(str(output)), table="ram")
+        serving_run.ram_table(str(output))
 
     figures = export.export(run["workdir"], str(output), dtype="float32", chunk_rows=64, batch_rows=512)
     assert figures["rows_computed"] == 2000 - 512
-    np.testing.assert_array_equal(table_lib.open_table(bundle.Bundle.open(str(output)), table="ram").gather(np.arange(2000)),
+    np.testing.assert_array_equal(serving_run.ram_table(str(output)).gather(np.arange(2000)),
                                   serving_run.ram_table(reference).gather(np.arange(2000)))
-    assert bundle.open_complete(str(output))["num_fgrams"] == 2000
+    assert bundle.Bundle.open(str(output)).meta["num_fgrams"] == 2000
     assert sorted(os.listdir(output)) == sorted(os.listdir(reference))  # nothing left over from the stop

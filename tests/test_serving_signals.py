@@ -77,7 +77,7 @@ def test_a_signal_during_evaluate_is_one_line_and_writes_nothing(tmp_path_factor
     text = serving_run.eval_text(tmp_path_factory)
     result = tmp_path / "result.json"
     code, stdout, stderr = run_until_signalled(
-        tmp_path, sig, "scone_jax.serving.evaluate", ("scone_jax.serving.prefetch", "DispatchWindow.add", "2"),
+        tmp_path, sig, "scone_jax.serving.evaluate", ("scone_jax.runtime.prefetch", "DispatchWindow.add", "2"),
         [f"--export={path}", "--config.data.source=text", f"--config.data.eval_files={text}", f"--result={result}"])
     name = signal.Signals(sig).name
     assert code == status, stderr[-3000:]

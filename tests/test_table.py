@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from scone_jax.runtime.prefetch import DispatchWindow, Prefetcher
 from scone_jax.serving import bundle, table as table_lib
-from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
 from tests import serving_run
 
 
@@ -144,7 +144,7 @@ _MANY_PROGRAMS = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from scone_jax.serving.prefetch import DispatchWindow
+from scone_jax.runtime.prefetch import DispatchWindow
 mesh = Mesh(np.array(jax.devices()), ("data",))
 w = jax.device_put(jnp.ones((256, 256)), NamedSharding(mesh, P()))
 xs = [jax.device_put(np.full((64, 256), i / 8, np.float32), NamedSharding(mesh, P("data"))) for i in range(8)]

@@ -7,7 +7,7 @@ block, itself checked against COMPLETE at open), so a damaged block is a BundleE
 never wrong rows. What RAM the budget leaves after the index holds the table's head: rows are in rank
 order (the most frequent f-grams first), so rows 0..H-1 answer a share of lookups far above H / S
 without a read (docs/serving.md measures it). Evaluation reads batch i+1's rows while the device runs
-batch i (serving/prefetch.py); decoding cannot know the next row ahead, so there one read's latency
+batch i (runtime/prefetch.py); decoding cannot know the next row ahead, so there one read's latency
 is what a token pays.
 """
 from __future__ import annotations

@@ -44,9 +44,9 @@ from scone_jax.runtime import (compile_cache, distributed, job_flags, logs, owne
                                workdir as workdir_layout, write_probe)
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
+from scone_jax.runtime.prefetch import DispatchWindow
 from scone_jax.saved_config import stored_config
 from scone_jax.serving import bundle, table_layout
-from scone_jax.serving.prefetch import DispatchWindow
 from scone_jax.training import checkpoint, state as state_lib
 
 _MAX_PENDING_WRITES = 3

@@ -41,8 +41,8 @@ from scone_jax.data.batch import Batch
 from scone_jax.model import scone
 from scone_jax.runtime import logs, tool_main
 from scone_jax.runtime.errors import one_line
+from scone_jax.runtime.prefetch import DispatchWindow, Prefetcher
 from scone_jax.serving import generate, inference
-from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
 
 try:  # absolute import: the top-level harness package, not this module
     from lm_eval.api.model import TemplateLM

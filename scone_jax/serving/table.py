@@ -10,7 +10,7 @@ host, from one of two stores, as in the paper:
 `open_table(bundle, table="auto")` picks RAM when the table fits `max_bytes` (0 or None: no limit), else disk.
 The tables hold rows only: what the export records about them (layout, checksums) comes from the opened
 bundle (serving/bundle.py), which the caller keeps.
-serving/prefetch.py gathers the rows of batch i+1 while the device computes batch i.
+runtime/prefetch.py gathers the rows of batch i+1 while the device computes batch i.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ finishes the current step, saves a checkpoint there and raises preemption.Preemp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -17,7 +18,7 @@ import numpy as np
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.data import eval_sets, identity, mixture, pipeline
+from scone_jax.data import identity, mixture, pipeline
 from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, losses
@@ -25,7 +26,8 @@ from scone_jax.runtime import compile_cache, distributed, storage, workdir as wo
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.ownership import OwnershipLost, hold as hold_workdir
-from scone_jax.training import assets, checkpoint, exported_step, preemption, profile, state as state_lib, steps
+from scone_jax.training import (assets, checkpoint, evaluation, exported_step, preemption, profile, state as state_lib,
+                                steps)
 from scone_jax.training.metrics import MetricsWriter, format_line
 from scone_jax.training.throughput import Throughput, peak_flops_per_device, process_uptime_s
 
@@ -47,49 +49,6 @@ def batch_fingerprint(batch: Batch) -> int:
         crc = zlib.crc32(key.encode(), crc)
         crc = zlib.crc32(np.ascontiguousarray(array).tobytes(), crc)
     return crc
-
-
-def held_out_loss(eval_step, model_state, batches, mesh, batch_transform=None, max_batches: int = 0) -> dict:
-    """Held-out loss and perplexity of the training graph over `batches` (pipeline.EvalBatches; at most
-    `max_batches` of them, 0 = all), each through `batch_transform` (the f-gram batcher) first.
-    serving.evaluate is the exported model's evaluation: the same eval step, table rows in the batch."""
-    loss_sum, count = 0.0, 0.0
-    for i, batch in enumerate(batches):
-        if max_batches and i >= max_batches:
-            break
-        if batch_transform is not None:
-            batch = batch_transform(batch)
-        l, n = eval_step(model_state, sharding.global_batch(batch.for_device(), mesh))
-        loss_sum, count = loss_sum + float(l), count + float(n)
-    loss = loss_sum / max(count, 1.0)
-    return {"loss": loss, "perplexity": losses.perplexity(loss), "tokens": count}
-
-
-class _HeldOut:
-    """The held-out sets of data.eval_files (data/eval_sets.py), read and checked when the run starts, and
-    their evaluation: {set name: loss, perplexity, bits_per_byte, tokens}, plus the unweighted average of
-    named sets as `average` (an unnamed value's one set is named '')."""
-
-    def __init__(self, data_cfg, tokenizer, max_batches: int):
-        self.max_batches = max_batches
-        configs = eval_sets.configs(data_cfg)
-        self.sets = {name: pipeline.make_eval_batches(cfg, tokenizer, process_index=jax.process_index(),
-                                                      process_count=jax.process_count())
-                     for name, cfg in configs.items()}
-        # Bits per byte needs every document once: not with train.eval_batches limiting the batches.
-        self.bytes = {name: 0 if max_batches and max_batches < len(self.sets[name]) else
-                      eval_sets.held_out_bytes(cfg, tokenizer) for name, cfg in configs.items()}
-
-    def evaluate(self, eval_step, model_state, mesh, batcher) -> dict:
-        results = {}
-        for name, batches in self.sets.items():
-            ev = held_out_loss(eval_step, model_state, batches, mesh, batcher, self.max_batches)
-            bpb = eval_sets.bits_per_byte(ev["loss"], ev["tokens"], self.bytes[name])
-            results[name] = {**ev, **({"bits_per_byte": bpb} if bpb is not None else {})}
-        if eval_sets.SINGLE not in results:
-            mean = {k: v for k, v in eval_sets.average(results).items() if v is not None}
-            results[eval_sets.AVERAGE] = {**mean, "tokens": sum(r["tokens"] for r in results.values())}
-        return results
 
 
 class EvaluationError(ValueError):
@@ -193,7 +152,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
     meta = {**expect, "config": config.to_dict(), "train_data": train_data}
     # The held-out data is read (tokenized) and checked now, before step 1: a missing or empty eval file must
     # stop the run before it has done work that the error would lose.
-    held_out = _HeldOut(config.data, tokenizer, config.train.eval_batches) if config.train.eval_every else None
+    held_out = evaluation.HeldOut(config.data, tokenizer, config.train.eval_batches) if config.train.eval_every else None
     # One batch per step: the batch numbers continue where the checkpoint stopped (packing.py).
     inputs = _Inputs(pipeline.make_train_dataset(
         config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
@@ -253,7 +212,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                 logging.info(format_line(step, t.num_steps, summary))
             if plan.evaluate:
                 try:
-                    results = held_out.evaluate(eval_step, state[0], mesh, batcher)
+                    results = held_out.evaluate(functools.partial(eval_step, state[0]), mesh, rows=batcher)
                 except Exception as e:  # the held-out data was checked at start; whatever fails now, keep the work
                     _save_after_input_failure(ckpt, step, state, meta, pending, writer)
                     raise EvaluationError(
@@ -261,6 +220,7 @@ def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
                         f"checkpoint was saved at step {step}: rerun the same command after the fix to resume there "
                         "(or set train.eval_every=0 to train without evaluating).") from e
                 for name, ev in results.items():
+                    ev = {k: v for k, v in ev.items() if v is not None}
                     writer.write(step, ev, prefix=f"eval/{name}" if name else "eval")
                     logging.info("eval%s step %d: loss %.4f ppl %.2f bits/byte %s over %d tokens",
                                  f" {name}" if name else "", step, ev["loss"], ev["perplexity"],

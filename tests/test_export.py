@@ -37,9 +37,8 @@ def reference_rows(run, rows):
     like: each row inside the same 512-row batch, sharded over the same devices as the export computes it.
     A 6-row batch on one device reduces in another order: 1 of 384 fp32 elements then differs by ~1e-6 on
     some CPUs, so anything short of this comparison needs a tolerance that would hide a row off by a little."""
-    r = export.Run(run["workdir"])
-    mesh = sharding.make_mesh(r.config.mesh)
-    model = r.restore_model(mesh)
+    r = export.open_run(run["workdir"])
+    mesh, model = r.mesh, r.model()
     r.close()
     graphdef, params = nnx.split(model)
     embed = sharding.under_mesh(mesh, jax.jit(lambda p, t, n: nnx.merge(graphdef, p).fgram_embeddings(t, n)))

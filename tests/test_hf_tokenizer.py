@@ -6,7 +6,7 @@ with a tokenizer.json.
 Deliberate bugs these tests were run against once (each made the named test fail):
   - the fingerprint hashing only the file, not the resolved ids
     (test_fingerprint_changes_with_the_file_and_with_the_policy_not_with_the_path);
-  - export.Run loading the tokenizer without the run's data.*_token overrides
+  - the export's run (then export.Run) loading the tokenizer without the run's data.*_token overrides
     (test_scone_run_with_a_tokenizer_json_trains_exports_and_serves_with_the_runs_ids: the export refused
     the run's own f-gram vocabulary, whose fingerprint has the overridden ids);
   - encode leaving the library's default of matching special tokens inside text

@@ -4,15 +4,16 @@
   python tools/trace_steps.py --run=... --override=scone.output_norm=false --override=train.seed=1
 
 A run's first steps are deterministic on one CPU (the same config, init seed and batch order), so this
-trains them again from scratch with the run's config.json, tokenizer and f-gram vocabulary, through the
-production train step (scone_jax.training.steps), and before each step reads, on the same batch and
-state: the loss at matched and at unmatched positions, and how much the f-gram rows of the batch share
-one direction (tools/embedding_scale.py's alignment: near 1 when they have collapsed onto one vector,
-docs/quality.md). Each step's record (also the step's loss, gradient norms and learning rate) goes to
---output as JSONL; every --print_every steps a line is printed. --override=KEY=VALUE replays the same
-batches under another setting (another seed, learning rate or scone.output_norm); --positions_from=VOCAB
-splits the losses by that f-gram vocabulary's matches instead of the run's own, so that two runs (a baseline
-and a SCONE arm, or two values of S) compare their losses at the same positions.
+trains them again from scratch with the run's config.json, tokenizer and f-gram vocabulary (built as training
+builds a run, scone_jax.training.run, with a fresh state), through the production train step, and before
+each step reads, on the same batch and state: the loss at matched and at unmatched positions, and how much
+the f-gram rows of the batch share one direction (tools/embedding_scale.py's alignment: near 1 when they
+have collapsed onto one vector, docs/quality.md). Each step's record (also the step's loss, gradient norms
+and learning rate) goes to --output as JSONL; every --print_every steps a line is printed.
+--override=KEY=VALUE replays the same batches under another setting (another seed, learning rate or
+scone.output_norm); --positions_from=VOCAB splits the losses by that f-gram vocabulary's matches instead of
+the run's own, so that two runs (a baseline and a SCONE arm, or two values of S) compare their losses at the
+same positions.
 """
 from __future__ import annotations
 
@@ -28,13 +29,12 @@ from flax import nnx
 from embedding_scale import alignment
 from scone_jax import sharding
 from scone_jax.config import apply_override, validate
-from scone_jax.data import pipeline
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
 from scone_jax.model.scone import SconeModel, token_losses
 from scone_jax.runtime import tool_main, workdir as workdir_layout
 from scone_jax.saved_config import stored_config
-from scone_jax.training import assets, state as state_lib, steps
+from scone_jax.training import run as run_lib
 
 _RUN = flags.DEFINE_string("run", None, "A training run's workdir (it holds config.json).")
 _STEPS = flags.DEFINE_integer("steps", 200, "Steps to replay from the start.")
@@ -97,28 +97,23 @@ def main():
     if _STEPS.value < 1:
         raise ValueError(f"--steps={_STEPS.value}: replay at least one step.")
     config = run_config(_RUN.value, _OVERRIDES.value)
-    mesh = sharding.make_mesh(config.mesh)
-    tokenizer = assets.ensure_tokenizer(config.data, _RUN.value)
-    assets.resolve_vocab_size(config, tokenizer)
-    _, batcher = assets.fgram_batcher(config, tokenizer, _RUN.value, mesh)
-    build = pipeline.batch_builder(config.data, tokenizer, batch_transform=batcher)
-    other = (Matcher(load_vocab(_POSITIONS_FROM.value, expected_tokenizer_fingerprint=tokenizer.fingerprint))
+    run = run_lib.build(config, _RUN.value, sharding.make_mesh(config.mesh), start=run_lib.FRESH)
+    other = (Matcher(load_vocab(_POSITIONS_FROM.value, expected_tokenizer_fingerprint=run.tokenizer.fingerprint))
              if _POSITIONS_FROM.value else None)
-    spec = state_lib.state_spec(config, mesh)
-    state = state_lib.init_state(config, spec)
-    train_step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    probe = make_probe(spec, mesh)
+    state, mesh = run.state, run.mesh
+    probe = make_probe(run.spec, mesh)
     out = open(_OUTPUT.value, "w") if _OUTPUT.value else None
+    batches = iter(run.train_data)  # from batch 0, as the run read them
     try:
         for step in range(1, _STEPS.value + 1):
-            host = build(step - 1)
+            host = next(batches)
             if other is not None:
                 matched = other.match(host.inputs, host.segment_ids) >= 0
             else:
                 matched = host.fgram_slot >= 0 if host.fgram_slot is not None else np.zeros(host.inputs.shape, bool)
             batch, matched = sharding.global_batch((host.for_device(), matched), mesh)
             probed = jax.device_get(probe(state[0], batch, matched))  # before the step: the state its loss saw
-            state, metrics = train_step(state, batch)
+            state, metrics = run.train_step(state, batch)
             rec = record(step, jax.device_get(metrics), probed)
             if out is not None:
                 out.write(json.dumps(rec) + "\n")
@@ -130,6 +125,7 @@ def main():
                              f"{rec['fgram_row_alignment']:.3f} norm {rec['fgram_row_norm']:.2f}")
                 print(line, flush=True)
     finally:
+        getattr(batches, "close", lambda: None)()  # the pipeline's worker processes
         if out is not None:
             out.close()
 

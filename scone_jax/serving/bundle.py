@@ -74,7 +74,7 @@ def meta_fingerprint(meta: dict) -> str:
 
 def params_fingerprint(state) -> str:
     """Content fingerprint of a parameter tree, the same on any mesh and device count: each array's
-    checksum (training/checksums.py, what checkpoints record) with its path, shape and dtype, hashed."""
+    checksum (runtime/checksums.py, what checkpoints record) with its path, shape and dtype, hashed."""
     sums = checksums.tree_checksums(state)
     digest = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):

@@ -304,7 +304,7 @@ def test_scone_run_with_a_tokenizer_json_trains_exports_and_serves_with_the_runs
     tok = served.tokenizer
     assert (tok.kind, tok.special_ids, tok.fingerprint) == ("huggingface", {"bos": 2, "eos": 2, "pad": 0},
                                                             run_tok.fingerprint)
-    assert served.meta["tokenizer_fingerprint"] == run_tok.fingerprint != Tokenizer.load(llama_json).fingerprint
+    assert served.bundle.meta["tokenizer_fingerprint"] == run_tok.fingerprint != Tokenizer.load(llama_json).fingerprint
     # Bits per byte on a small held-out text file, decoded generation.
     held_out = tmp_path / "held_out.txt"
     held_out.write_text("\n".join(list(corpus.kjv_documents("eval", 0.02)[:30]) + [AWKWARD_TEXTS[3]]) + "\n")

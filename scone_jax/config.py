@@ -24,7 +24,7 @@ def base_config() -> ml_collections.ConfigDict:
         section, name = key.name.split(".")
         if section not in c:
             c[section] = ml_collections.ConfigDict()
-        c[section][name] = key.default
+        c[section][name] = ml_collections.ConfigDict() if isinstance(key.default, config_keys.Group) else key.default
     return c
 
 
@@ -93,6 +93,10 @@ def apply_override(config: ml_collections.ConfigDict, item: str, flag: str = "--
         node = node[part]
     old = node[leaf]
     if isinstance(old, ml_collections.ConfigDict):
+        if key in config_keys.GROUPS:
+            raise ValueError(f"{flag}{joint}{item}: {key} is a group of named entries, set whole. Fix: set it in a "
+                             f"config file, or give its shorthand, e.g. {flag}{joint}"
+                             f"{config_keys.BY_NAME[key].default.shorthand}.")
         raise ValueError(f"{flag}{joint}{item}: {key} is a group of keys. Fix: set one of them, e.g. "
                          f"{flag}{joint}{key}.{sorted(old.keys())[0]}=VALUE.")
     if isinstance(old, bool):
@@ -179,15 +183,47 @@ def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
                          "they are two ways to give the one delay. Fix: set one of them to 0.")
 
 
+def resolve_data(data: dict) -> dict:
+    """The data section (a plain dict) with the command line's shorthand parsed into its groups, the one
+    place it is read: data.train_files 'web=GLOBS@0.7;books=GLOBS@0.3' into data.mixture and data.eval_files
+    'web=GLOBS;books=GLOBS' into data.eval_sets, each string left ''; both groups checked and in plain form.
+    A section saved before the groups existed (a checkpoint's, an export's) gets them the same way, so it
+    compares equal to today's resolution of the same command line. ValueError naming the key and the fix for a
+    bad shorthand or group, or a group set beside a string that gives the same data."""
+    data = dict(data)
+    where = {}
+    for key, group_key, parse in (("eval_files", "eval_sets", eval_sets.parse), ("train_files", "mixture", mixture.parse)):
+        group, text = dict(data.get(group_key) or {}), data.get(key, "")
+        if group and text:
+            raise ValueError(f"data.{key}={text!r} and data.{group_key} ({', '.join(group)}) are both set: two ways "
+                             f"to give the same data. Fix: set one of them (data.{key}='' to keep data.{group_key}).")
+        parsed = parse(text)
+        if parsed is not None:
+            group, data[key] = parsed, ""
+        data[group_key], where[group_key] = group, f"data.{key}" if parsed is not None else f"data.{group_key}"
+    data["mixture"] = mixture.check(data["mixture"], where["mixture"])
+    data["eval_sets"] = eval_sets.check(data["eval_sets"])
+    return data
+
+
+def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`config` (changed in place, locked or not) with its data section resolved (resolve_data): from here on
+    every consumer reads data.mixture and data.eval_sets, never the shorthand. Idempotent; validate calls it
+    first, so a run, a tool and a test that validate see the groups."""
+    data = resolve_data(config.data.to_dict())
+    for key in ("train_files", "eval_files", "mixture", "eval_sets"):
+        config.data[key] = data[key]
+    return config
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Every numeric key's range (NUMERIC_RULES), then cross-field checks that ml_collections
-    cannot express; each error names the key and says the fix."""
+    """Every numeric key's range (NUMERIC_RULES), then cross-field checks that ml_collections cannot express,
+    resolve(config) (in place) among them; each error names the key and says the fix."""
     _check_numbers(config)
     m, d, t = config.model, config.data, config.train
     _check_special_tokens(d)
     _check_fgram_training(config)
-    eval_sets.parse(d.eval_files)  # named held-out sets: a set without files or a name used twice
-    mixture.parse(d.train_files)  # a training mixture: a component without files, a bad weight, a name used twice
+    resolve(config)  # the shorthand into its groups: a set or component without files, a bad weight, a name twice
     if t.profile_steps:
         start, sep, end = t.profile_steps.partition(":")
         if not (sep and start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
@@ -243,14 +279,19 @@ RESUME_KEYS = config_keys.RESUME_KEYS
 
 def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
     """'key: saved -> now' for every RESUME_KEYS value that differs from the saved config (a plain
-    dict, as checkpoints store it); keys the saved config predates are not compared."""
+    dict, as checkpoints store it); keys the saved config predates are not compared. Its data section is
+    resolved as today's is (resolve_data), so a run saved with the shorthand compares with its groups."""
+    if "data" in saved:
+        saved = {**saved, "data": resolve_data(saved["data"])}
     changes = []
     for key in RESUME_KEYS:
         section, name = key.split(".")
         if section == "scone" and name != "enabled" and not config.scone.enabled:
             continue  # the f-gram settings of a run without f-grams mean nothing
-        if name in saved.get(section, {}) and saved[section][name] != config[section][name]:
-            changes.append(f"{key}: {saved[section][name]!r} -> {config[section][name]!r}")
+        now = config[section][name]
+        now = now.to_dict() if isinstance(now, ml_collections.ConfigDict) else now
+        if name in saved.get(section, {}) and saved[section][name] != now:
+            changes.append(f"{key}: {saved[section][name]!r} -> {now!r}")
     return changes
 
 

@@ -38,6 +38,16 @@ class Key:
     optimizer_state: str = ""  # when a change reshapes the optimizer's state, e.g. 'switched between 0 and > 0'
 
 
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A key's default when its value is a group of named entries, empty by default (config.base_config
+    makes a fresh ConfigDict): `entry` names each entry's fields, () when an entry is one string. Set
+    whole, in a config file or by its command-line shorthand (config.resolve); not by --config.KEY.NAME,
+    since the names are the config's own."""
+    entry: tuple = ()
+    shorthand: str = ""  # the string key and value that config.resolve parses into the group
+
+
 _SPECIAL_TOKENS = (
     "The pipeline's special ids (data/tokenizer.py): each document is packed as [bos] + ids + [eos]; pad fills "
     "only positions masked out of the loss, so it may equal eos. '' = the tokenizer's own: a SentencePiece "
@@ -117,11 +127,20 @@ KEYS = (
     # data: corpus, tokenizer, batches
     Key("data.source", "kjv", STATE, "'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'"),
     Key("data.train_files", "", STATE,
-        "glob pattern(s), comma-separated; or a mixture of named, weighted components, "
-        "'web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3' (data/mixture.py)"),
+        "glob pattern(s), comma-separated; or the shorthand of data.mixture, "
+        "'web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3', which config.resolve parses into it (leaving "
+        "this '')"),
+    Key("data.mixture", Group(("files", "weight", "order"), "data.train_files='web=/d/web/*.jsonl@0.7;books=/d/b/*.txt@0.3'"),
+        STATE,
+        "a training mixture (data/mixture.py): component name -> {files: comma-separated globs, weight: relative "
+        "share of rows, order: its place, 0, 1, ... (the schedule and each component's shuffle follow it)}; empty = "
+        "data.train_files alone"),
     Key("data.eval_files", "", LOOP,
-        "held-out data: globs, or named sets 'web=/d/web/*.jsonl;books=/d/b/*.txt' evaluated one by one with their "
-        "average (data/eval_sets.py); '' with kjv = its built-in held-out split"),
+        "held-out data: globs; or the shorthand of data.eval_sets, 'web=/d/web/*.jsonl;books=/d/b/*.txt', which "
+        "config.resolve parses into it (leaving this ''); '' with kjv and no sets = its built-in held-out split"),
+    Key("data.eval_sets", Group((), "data.eval_files='web=/d/web/*.jsonl;books=/d/b/*.txt'"), LOOP,
+        "named held-out sets (data/eval_sets.py): set name -> comma-separated globs, each evaluated on its own, in "
+        "name order, with their average; empty = data.eval_files alone"),
     Key("data.text_field", "text", STATE, "jsonl field holding the document"),
     Key("data.document_unit", "line", STATE, "text files: one document per 'line' or per 'file'"),
     Key("data.eval_fraction", 0.02, STATE, "kjv: fraction of documents held out", "in (0, 1)"),
@@ -208,6 +227,8 @@ RESUME_KEYS = tuple(key.name for key in KEYS if not key.role.resume)
 # What the exported train step's key leaves out (training/exported_step.py): a resume that changes them still
 # loads the traced program.
 LOOP_ONLY_KEYS = tuple(key.name for key in KEYS if not key.role.program)
+# Keys whose value is a group of named entries, set whole (config.resolve, and stored configs in serving/bundle.py).
+GROUPS = tuple(key.name for key in KEYS if isinstance(key.default, Group))
 # Keys whose change reshapes the optimizer's state: a checkpoint saved before such a change does not fit.
 OPTIMIZER_STATE_KEYS = tuple(key.name for key in KEYS if key.optimizer_state)
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import ml_collections
 
-from scone_jax import config as config_lib
+from scone_jax import config as config_lib, config_keys
 
 
 def stored_config(saved: dict) -> ml_collections.ConfigDict:
     """`saved` over base_config(): keys added to the code since it was saved take their defaults; a key the
-    code does not know is a ValueError (the config came from another version)."""
+    code does not know is a ValueError (the config came from another version). The data shorthand it may hold
+    is resolved into its groups (config.resolve), as today's runs save it."""
     config = config_lib.base_config()
 
     def merge(node, values, where):
@@ -17,10 +18,10 @@ def stored_config(saved: dict) -> ml_collections.ConfigDict:
             if key not in node:
                 raise ValueError(f"The saved config has {where}{key}, which this code does not know; "
                                  "use the scone_jax version that wrote it.")
-            if isinstance(value, dict):
+            if isinstance(value, dict) and f"{where}{key}" not in config_keys.GROUPS:
                 merge(node[key], value, f"{where}{key}.")
             else:
                 node[key] = value
 
     merge(config, saved, "")
-    return config
+    return config_lib.resolve(config)

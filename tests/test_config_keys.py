@@ -18,9 +18,16 @@ _OTHER = {"model.num_heads": 2, "model.head_dim": 32, "model.norm": "rmsnorm", "
           "model.attention": "xla", "scone.num_heads": 2, "scone.d_model": 32, "scone.max_len": 3}
 
 
+# A group's other value: one entry (config_keys.Group).
+_GROUPS = {"data.mixture": {"web": {"files": "/d/web/*.jsonl", "weight": 1.0, "order": 0}},
+           "data.eval_sets": {"web": "/d/web/*.jsonl"}}
+
+
 def _other(name, value):
     if name in _OTHER:
         return _OTHER[name]
+    if name in _GROUPS:
+        return _GROUPS[name]
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
@@ -36,7 +43,8 @@ def _changed(config, name):
     section, key = name.split(".")
     old = config[section][key]
     changed[section][key] = _other(name, old)
-    return changed, old, changed[section][key]
+    new = changed[section][key]
+    return (changed, *(v.to_dict() if hasattr(v, "to_dict") else v for v in (old, new)))
 
 
 def _scone_config():
@@ -55,6 +63,10 @@ def test_base_config_holds_each_declared_key_once_at_its_default():
     assert sorted(f"{section}.{key}" for section in config for key in config[section]) == sorted(names)
     for key in KEYS:
         section, name = key.name.split(".")
+        if isinstance(key.default, config_keys.Group):  # a fresh, empty group of its own
+            assert config[section][name].to_dict() == {} and key.name in config_keys.GROUPS, key.name
+            assert config[section][name] is not config_lib.base_config()[section][name]
+            continue
         assert config[section][name] == key.default and type(config[section][name]) is type(key.default), key.name
     assert (config.model.d_model, config.train.b2, config.data.worker_count, config.mesh.data) == (256, 0.95, -1, -1)
     assert set(config_lib.NUMERIC_RULES.values()) <= set(config_lib._RULE_TESTS)

@@ -74,7 +74,11 @@ def data_config(served: inference.Served, overrides: dict):
         raise ValueError(f"{bad} cannot change at evaluation: the model comes from the export. Only "
                          "--config.data.* and --config.mesh.* apply.")
     with config.unlocked():
+        for key, group in (("eval_files", "eval_sets"), ("train_files", "mixture")):
+            if f"data.{key}" in overrides:  # the command line's data replaces the run's groups
+                config.data[group] = {}
         config.update_from_flattened_dict(overrides)
+    config_lib.resolve(config)
     if "data.tokenizer_path" in overrides and config.data.tokenizer_path:
         other = Tokenizer.load(config.data.tokenizer_path, special_tokens_of(config.data))
         if other.fingerprint != served.tokenizer.fingerprint:

@@ -77,7 +77,7 @@ def countable_bytes(data_cfg, tokenizer, batches, max_batches: int) -> int:
 
 
 class HeldOut:
-    """The held-out sets of data.eval_files (data/eval_sets.py), read and checked when made (a training run makes
+    """The held-out sets of data.eval_sets (data/eval_sets.py), read and checked when made (a training run makes
     them before step 1), and their evaluation: {set name: evaluate()'s result}, plus the unweighted average of
     named sets as `average` {loss, perplexity, bits_per_byte, tokens} (an unnamed value's one set is named '')."""
 

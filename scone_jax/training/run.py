@@ -138,7 +138,7 @@ class Run:
     @property
     def sources(self) -> tuple[str, ...]:
         """The training mixture's component names, in order (data/mixture.py); () without a mixture."""
-        return tuple(c.name for c in mixture.parse(self.config.data.train_files) or ())
+        return tuple(c.name for c in mixture.components(self.config.data) or ())
 
     @functools.cached_property
     def held_out(self) -> evaluation.HeldOut | None:
@@ -162,7 +162,9 @@ class Run:
 def build(config, workdir: str, mesh, *, start=RESUME, allow_config_changes=()) -> Run:
     """The run of `config` in `workdir` over `mesh`, its state started as `start` says (module docstring).
     Sizes model.vocab_size 0 from the tokenizer (assets.resolve_vocab_size). Refused resumes stop before
-    anything in the workdir changes (f-grams, config.json)."""
+    anything in the workdir changes (f-grams, config.json). The data shorthand, if any, is resolved into its
+    groups first (config.resolve: idempotent), so every tool's run reads data.mixture and data.eval_sets."""
+    config_lib.resolve(config)
     latest = start if isinstance(start, Latest) else None
     if start == FRESH:
         tokenizer = _tokenizer(config, workdir, None)

@@ -136,7 +136,7 @@ def num_batch_shards(mesh: Mesh) -> int:
 
 
 def global_batch(local_batch, mesh: Mesh):
-    """This process's numpy batch (a data/batch.py Batch, or any tree of arrays) as global jax.Arrays sharded
+    """This process's numpy batch (a scone_jax/batch.py Batch, or any tree of arrays) as global jax.Arrays sharded
     by rows over the mesh; the transfers start now (asynchronously)."""
     return jax.tree.map(lambda v: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v),
                         local_batch)

@@ -5,8 +5,8 @@ import sys
 
 import numpy as np
 
+from scone_jax.batch import Batch
 from scone_jax.config import base_config
-from scone_jax.data.batch import Batch
 
 
 def small_config(**model_overrides):

@@ -7,8 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
+from scone_jax.batch import BASE_DTYPES as KEYS, Batch
 from scone_jax.data import corpus, documents, pipeline, sources
-from scone_jax.data.batch import BASE_DTYPES as KEYS, Batch
 
 
 def _data_cfg(**overrides):

@@ -15,8 +15,8 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance
 
+from scone_jax.batch import Batch
 from scone_jax.data import corpus
-from scone_jax.data.batch import Batch
 from scone_jax.model import scone
 from scone_jax.serving import evaluate, generate, inference, lm_eval as harness
 from tests import serving_run

@@ -127,7 +127,7 @@ def abstract_batch(config, mesh):
     import jax.numpy as jnp
 
     from scone_jax import sharding
-    from scone_jax.data.batch import Batch
+    from scone_jax.batch import Batch
 
     rows = (config.data.global_batch_size, config.data.seq_len)
     shapes = dict(inputs=rows, targets=rows, segment_ids=rows, positions=rows, loss_mask=rows)

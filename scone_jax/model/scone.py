@@ -3,7 +3,7 @@ losses, for every caller (train and eval steps, serving's evaluation, harness sc
 
 The decoder's input is T(token) everywhere, replaced where an f-gram ends by that f-gram's embedding
 (docs/method.md §3; with scone.gate, by its mix with T(token), SconeModel.matched_inputs). The
-embeddings come from one of two providers, chosen by the batch's arrays (data/batch.py):
+embeddings come from one of two providers, chosen by the batch's arrays (scone_jax/batch.py):
   trained  the f-gram model of a SconeModel, run once per row of each group's maximal unique f-grams
            (fgram_tokens [G, C, K], fgram_lengths [G, C]) and read back per position through its slot
            (fgram_slot, row*K + j, -1 = no match), inside the group: the arrays of group g sit on the

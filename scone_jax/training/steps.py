@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.model.scone import token_losses
 from scone_jax.training.optimizer import learning_rate_schedule
 

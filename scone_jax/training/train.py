@@ -17,8 +17,8 @@ import numpy as np
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
+from scone_jax.batch import Batch
 from scone_jax.data import eval_sets, identity, mixture, pipeline
-from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, losses
 from scone_jax.runtime import compile_cache, distributed, storage, workdir as workdir_layout

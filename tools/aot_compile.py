@@ -137,7 +137,7 @@ def abstract_batch(config, mesh):
         shapes.update(fgram_tokens=(*groups, config.scone.max_len), fgram_lengths=groups, fgram_slot=rows)
     return Batch(**{
         k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                sharding=sharding.batch_sharding(mesh, len(shape)))
+                                sharding=sharding.batch_sharding(mesh))
         for k, shape in shapes.items()
     })
 

@@ -22,6 +22,14 @@ def small_config(**model_overrides):
     return c
 
 
+def config_with(tokenizer_path, model=None, **train_overrides):
+    """small_config (with `model`'s overrides) reading the session's tokenizer, its train section overridden."""
+    config = small_config(**(model or {}))
+    config.data.tokenizer_path = tokenizer_path
+    config.train.update(train_overrides)
+    return config
+
+
 def largest(tree) -> float:
     """max |x| over every array of a tree (the `scale` of assert_sums_close for gradient trees)."""
     import jax

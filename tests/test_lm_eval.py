@@ -20,8 +20,8 @@ from scone_jax.data import corpus
 from scone_jax.model import scone
 from scone_jax.serving import evaluate, generate, inference, lm_eval as harness
 from tests import serving_run
+from tests.common import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAM = "scone_jax.serving.lm_eval"
 
 

@@ -12,9 +12,7 @@ import pytest
 from scone_jax.data import corpus, sources
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.training.assets import ensure_tokenizer
-from tests.common import small_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.common import REPO, small_config
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,7 @@ import pytest
 from scone_jax import sharding
 from scone_jax.data import tokenizer as tokenizer_lib
 from scone_jax.training import assets, checkpoint, state as state_lib, train
-from tests.common import run_main, small_config, step_records
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def config_with(tokenizer_path, **train_overrides):
-    config = small_config()
-    config.data.tokenizer_path = tokenizer_path
-    config.train.update(train_overrides)
-    return config
+from tests.common import config_with, run_main, small_config, step_records
 
 
 def final_params(config, workdir):

@@ -26,7 +26,7 @@ from ml_collections import config_flags
 from scone_jax import config as config_lib
 from scone_jax.data import eval_sets, pipeline
 from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
-from scone_jax.model import losses
+from scone_jax.model import scone
 from scone_jax.runtime import logs, tool_main
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.serving import inference
@@ -74,7 +74,7 @@ def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_
     return {
         "tokens": int(tokens),
         "loss": loss,
-        "perplexity": losses.perplexity(loss),
+        "perplexity": scone.perplexity(loss),
         "bytes": num_bytes,
         "bits_per_byte": eval_sets.bits_per_byte(loss, tokens, num_bytes),
         "hit_rate": hits / max(positions, 1) if use_table else None,

@@ -20,7 +20,7 @@ from scone_jax import config as config_lib, sharding
 from scone_jax.batch import Batch
 from scone_jax.data import eval_sets, identity, mixture, pipeline
 from scone_jax.fgram import stats as fgram_stats
-from scone_jax.model import accounting, losses
+from scone_jax.model import accounting, scone
 from scone_jax.runtime import compile_cache, distributed, storage, workdir as workdir_layout
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
@@ -62,7 +62,7 @@ def held_out_loss(eval_step, model_state, batches, mesh, batch_transform=None, m
         l, n = eval_step(model_state, sharding.global_batch(batch.for_device(), mesh))
         loss_sum, count = loss_sum + float(l), count + float(n)
     loss = loss_sum / max(count, 1.0)
-    return {"loss": loss, "perplexity": losses.perplexity(loss), "tokens": count}
+    return {"loss": loss, "perplexity": scone.perplexity(loss), "tokens": count}
 
 
 class _HeldOut:
@@ -454,7 +454,7 @@ def _summarize(records: list[dict], rates: dict) -> dict:
     return {
         **mix,
         "loss": loss,
-        "perplexity": losses.perplexity(loss),
+        "perplexity": scone.perplexity(loss),
         "grad_norm": records[-1]["grad_norm"],
         "learning_rate": records[-1]["learning_rate"],
         **fgram,

@@ -17,7 +17,7 @@ from tests.scone_batches import K, device_arrays, production_batch
 
 
 def scone_config(**scone_overrides):
-    config = small_config()
+    config = small_config(num_layers=1)  # one block: what is compared is independent of depth
     config.scone.update(dict(enabled=True, max_len=K, fgram_capacity=48, num_layers=1, **scone_overrides))
     return config
 

@@ -39,6 +39,7 @@ def test_compiles_the_train_step_for_a_v5e_slice():
     assert run.stdout.rstrip().splitlines()[-1].startswith("FITS: ")
 
 
+@pytest.mark.slow
 def test_the_flop_formula_agrees_with_xla_on_the_unscanned_step():
     """XLA counts a scan's body once, so the formula behind MFU is checked on the Python loop."""
     run = aot(*SMALL, "--topology=v5e-4", "--config.model.scan_layers=False")
@@ -48,6 +49,7 @@ def test_the_flop_formula_agrees_with_xla_on_the_unscanned_step():
     assert results(run.stdout)["step_flops"] == pytest.approx(float(flops[1]), rel=1e-3)
 
 
+@pytest.mark.slow
 def test_a_batch_too_big_for_hbm_does_not_fit():
     # 4096 x 128 tokens of fp32 logits over 8,064 pieces alone are 15.8 GiB: over a v5e's 16 GiB.
     run = aot("--config=configs/tiny.py:baseline", "--topology=v5e-1", "--config.data.global_batch_size=4096")

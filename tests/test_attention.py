@@ -233,6 +233,7 @@ def tpu_compiled():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # compiles a train step for TPU in a process of its own
 @pytest.mark.parametrize("case", ["auto-1024-bf16", "auto-300-fp32"])
 def test_splash_train_step_compiles_for_tpu_without_square_buffers(tpu_compiled, case):
     """'auto' under a TPU mesh (on this CPU host) picks splash: the compiled program calls the

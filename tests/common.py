@@ -5,8 +5,8 @@ import sys
 
 import numpy as np
 
+from scone_jax.batch import Batch
 from scone_jax.config import base_config
-from scone_jax.data.batch import Batch
 
 
 def small_config(**model_overrides):
@@ -20,6 +20,14 @@ def small_config(**model_overrides):
     c.mesh.data = -1
     c.lock()
     return c
+
+
+def config_with(tokenizer_path, model=None, **train_overrides):
+    """small_config (with `model`'s overrides) reading the session's tokenizer, its train section overridden."""
+    config = small_config(**(model or {}))
+    config.data.tokenizer_path = tokenizer_path
+    config.train.update(train_overrides)
+    return config
 
 
 def largest(tree) -> float:

@@ -19,9 +19,7 @@ from scone_jax.fgram.vocab import FgramVocab, save_vocab
 from scone_jax.serving import bundle, evaluate, inference
 from scone_jax.training import assets, checkpoint, state as state_lib
 from tests import serving_run
-from tests.common import training_graph_eval as held_out_of_state
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.common import REPO, training_graph_eval as held_out_of_state
 
 
 @pytest.fixture(scope="module")

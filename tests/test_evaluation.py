@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from scone_jax import sharding
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.training import evaluation
 from tests.common import small_config
 

@@ -14,9 +14,7 @@ from scone_jax import sharding
 from scone_jax.serving import bundle, export
 from scone_jax.training import state as state_lib
 from tests import serving_run
-from tests.common import small_config, training_graph_eval
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.common import REPO, small_config, training_graph_eval
 
 
 @pytest.fixture(scope="module")

@@ -29,9 +29,8 @@ from scone_jax.data import corpus, eval_sets, sources, tokenize
 from scone_jax.data.tokenizer import Tokenizer, in_worker_process
 from scone_jax.serving import evaluate, export, generate, inference
 from scone_jax.training import assets, train
-from tests.common import small_config
+from tests.common import REPO, small_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_DOCS = 2000  # KJV verses the test tokenizers learn from (~0.6 s each)
 
 AWKWARD_TEXTS = [

@@ -23,8 +23,6 @@ from tests.common import free_port, main_process_argv as cli, run_processes
 
 pytestmark = pytest.mark.slow  # every test here starts processes or runs whole jobs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def run_workers(task: str, tokenizer_path: str, workdir: str) -> None:
     port = free_port()

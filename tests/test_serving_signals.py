@@ -12,10 +12,10 @@ import pytest
 
 from scone_jax.serving import bundle, export
 from tests import serving_run
+from tests.common import REPO
 
 pytestmark = pytest.mark.slow  # every test here starts a process
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GATE = "GATE: waiting for the test's signal"
 
 # `python -c GATED PROGRAM MODULE NAME CALLS ARGS` = `python -m PROGRAM ARGS`, except that the CALLS-th call of

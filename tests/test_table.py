@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from scone_jax.runtime.prefetch import DispatchWindow, Prefetcher
 from scone_jax.serving import bundle, table as table_lib
 from tests import serving_run
+from tests.common import REPO
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_dispatch_window_keeps_xla_cpu_from_deadlocking_on_collectives():
     and a crash of the test suite)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     result = subprocess.run([sys.executable, "-c", _MANY_PROGRAMS, "3000"], env=env, capture_output=True, text=True,
-                            timeout=240, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            timeout=240, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     limit, total = result.stdout.split()
     expected = sum(np.float32(np.tanh(np.float32(256 * (i % 8) / 8))) * 64 * 256 for i in range(3000))

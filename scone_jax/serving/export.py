@@ -101,7 +101,7 @@ def rows_inputs(vocab: FgramVocab, rows: np.ndarray, mesh):
     lengths = np.full(len(rows), 2, np.int32)
     lengths[real] = vocab.lengths[rows[real]]
     put = lambda a: jax.make_array_from_callback(  # noqa: E731
-        a.shape, sharding.batch_sharding(mesh, a.ndim), lambda index: a[index])
+        a.shape, sharding.batch_sharding(mesh), lambda index: a[index])
     return put(tokens), put(lengths)
 
 

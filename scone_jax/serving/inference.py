@@ -17,7 +17,7 @@ from absl import flags
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
@@ -142,7 +142,7 @@ def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums):
 
 
 def host_rows(served: Served, batch: Batch) -> Batch:
-    """The table provider's arrays (data/batch.py): fgram_ids (longest match, -1 none; stays on the host),
+    """The table provider's arrays (scone_jax/batch.py): fgram_ids (longest match, -1 none; stays on the host),
     fgram_rows [B, T, d] (zero where none) and fgram_matched."""
     ids = served.matcher.match(batch.inputs, batch.segment_ids)
     return batch.replace(fgram_ids=ids, fgram_rows=served.table.gather(ids), fgram_matched=ids >= 0)

@@ -37,7 +37,7 @@ from absl import flags, logging
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.model import scone
 from scone_jax.runtime import logs, tool_main
 from scone_jax.runtime.errors import one_line

@@ -16,8 +16,8 @@ from absl import logging
 
 from scone_jax import sharding
 from scone_jax.data import eval_sets, pipeline
-from scone_jax.data.batch import Batch
-from scone_jax.model import losses
+from scone_jax.batch import Batch
+from scone_jax.model import scone
 from scone_jax.runtime.prefetch import DispatchWindow, Prefetcher
 
 
@@ -61,7 +61,7 @@ def evaluate(step: Callable, batches, mesh, *, rows: Callable[[Batch], Batch] | 
     return {
         "tokens": int(tokens),
         "loss": loss,
-        "perplexity": losses.perplexity(loss),
+        "perplexity": scone.perplexity(loss),
         "bytes": num_bytes,
         "bits_per_byte": eval_sets.bits_per_byte(loss, tokens, num_bytes),
         "hit_rate": hits / max(positions, 1) if rows is not None else None,

@@ -21,7 +21,7 @@ from absl import logging
 
 from scone_jax import config as config_lib, sharding
 from scone_jax.data import identity, mixture, pipeline
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.runtime import distributed, storage, workdir as workdir_layout
 from scone_jax.training import assets, checkpoint, evaluation, exported_step, state as state_lib, steps
 
@@ -78,7 +78,7 @@ def abstract_batch(config, mesh) -> Batch:
         shapes.update(fgram_tokens=(*groups, config.scone.max_len), fgram_lengths=groups, fgram_slot=rows)
     return Batch(**{
         k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                sharding=sharding.batch_sharding(mesh, len(shape)))
+                                sharding=sharding.batch_sharding(mesh))
         for k, shape in shapes.items()
     })
 

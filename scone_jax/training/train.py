@@ -18,10 +18,10 @@ import numpy as np
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
+from scone_jax.batch import Batch
 from scone_jax.data import pipeline
-from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats as fgram_stats
-from scone_jax.model import accounting, losses
+from scone_jax.model import accounting, scone
 from scone_jax.runtime import compile_cache, distributed, storage, workdir as workdir_layout
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
@@ -359,7 +359,7 @@ def _summarize(records: list[dict], rates: dict) -> dict:
     return {
         **mix,
         "loss": loss,
-        "perplexity": losses.perplexity(loss),
+        "perplexity": scone.perplexity(loss),
         "grad_norm": records[-1]["grad_norm"],
         "learning_rate": records[-1]["learning_rate"],
         **fgram,

@@ -77,18 +77,18 @@ def test_a_checkpoint_saved_with_the_shorthand_resumes_with_the_same_command_lin
 
 
 def test_a_stored_config_of_either_age_loads_as_the_resolved_config():
-    """serving/bundle.stored_config: an export's config from before the groups gets them from its shorthand, and
+    """saved_config.stored_config: an export's config from before the groups gets them from its shorthand, and
     today's (its groups in config.json's sorted JSON) merges each group whole. Caught: merge() recursing into a
     group ('The saved config has data.mixture.books, which this code does not know')."""
-    from scone_jax.serving import bundle
+    from scone_jax import saved_config
 
     config = _resolved(train_files=SHORTHAND, eval_files="a=/d/a.txt")
-    today = bundle.stored_config(json.loads(config_lib.to_json(config)))
+    today = saved_config.stored_config(json.loads(config_lib.to_json(config)))
     assert today.to_dict() == config.to_dict()
     old = config.to_dict()
     old["data"] = {k: v for k, v in old["data"].items() if k not in ("mixture", "eval_sets")}
     old["data"].update(train_files=SHORTHAND, eval_files="a=/d/a.txt")
-    assert bundle.stored_config(old).to_dict() == config.to_dict()
+    assert saved_config.stored_config(old).to_dict() == config.to_dict()
 
 
 def test_evaluations_eval_files_replaces_the_runs_named_sets():

@@ -9,7 +9,7 @@ import pytest
 
 from scone_jax import config as config_lib
 from scone_jax.data import documents, mixture, packing, pipeline, sources
-from tests.common import small_config
+from tests.common import REPO, small_config
 
 
 def test_a_plain_glob_list_is_no_mixture_and_weights_are_relative():
@@ -73,12 +73,11 @@ def test_the_training_job_refuses_a_bad_mixture_in_one_line_before_writing_anyth
     text = tmp_path / "a.txt"
     text.write_text("In the beginning God created the heaven and the earth.\n" * 20)
     workdir = tmp_path / "run"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(
         [sys.executable, "-m", "scone_jax.main", f"--config=tests/small_config.py:{tokenizer_path}",
          f"--workdir={workdir}", "--config.data.source=text",
          f"--config.data.train_files=a={text}{weights.format(path=text)}"],
-        cwd=repo, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Fix:" in lines[0], result.stderr[-3000:]

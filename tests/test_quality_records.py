@@ -7,10 +7,9 @@ from collections import Counter
 import pytest
 
 from scone_jax.config import load_config_file
-from tests.common import run_tool
+from tests.common import REPO, run_tool
 from scone_jax.study import records as quality_records, tables as quality_tables
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(REPO, "configs", "quality.py")
 
 

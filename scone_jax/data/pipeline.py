@@ -23,8 +23,8 @@ import grain
 import numpy as np
 from absl import logging
 
+from scone_jax.batch import Batch
 from scone_jax.data import documents, mixture, packing
-from scone_jax.data.batch import Batch
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.runtime import parent_watch
 

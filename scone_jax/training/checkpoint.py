@@ -1,7 +1,7 @@
 """Checkpoints: train state + metadata, saved together by orbax.
 
 Metadata holds the resolved config, the fingerprints of what the state depends on (tokenizer,
-f-gram vocabulary) and a checksum of every array of the state (checksums.py). Restoring against
+f-gram vocabulary) and a checksum of every array of the state (runtime/checksums.py). Restoring against
 other fingerprints or array shapes is refused (CheckpointMismatchError); a checkpoint that cannot
 be read or whose arrays do not match their checksums is reported as damaged
 (CheckpointDamagedError), so the caller can fall back to an older one instead of training on garbage.
@@ -23,9 +23,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from scone_jax import config_keys
-from scone_jax.runtime import distributed, storage
+from scone_jax.runtime import checksums, distributed, storage
 from scone_jax.runtime.errors import one_line
-from scone_jax.training import checksums
 
 _STATE, _META = "state", "meta"
 

@@ -149,7 +149,7 @@ class ExportedTrainStep:
         self._graphdef, self._mesh, self._config, self._directory = graphdef, mesh, config, directory
         self._tree_shardings = state_shardings
         self._state_shardings = jax.tree.leaves(state_shardings)
-        self._batch_sharding = steps.batch_shardings(mesh)
+        self._batch_sharding = sharding.batch_sharding(mesh)
         self._run, self._compiled = None, False
         self.loaded = False
 

@@ -7,7 +7,9 @@ leaves out, training/exported_step.py). A key's role says the last two: STATE ke
 state or the data stream, SETTING keys may change between runs but shape the compiled train step,
 LOOP keys are the loop's cadence, paths and switches, which the train step never reads. A new key
 defaults to nothing: its declaration names its role, so it cannot fall out of the exported step's key
-(a stale traced program would then be loaded silently) without saying so.
+(a stale traced program would then be loaded silently) without saying so. A key whose default is a
+Group (data.mixture, data.eval_sets) holds named entries, set whole; config.resolve parses the
+command-line shorthand of each (in data.train_files, data.eval_files) into it.
 
 Kept free of imports from the package, so every layer can read it (the checkpointer included).
 """

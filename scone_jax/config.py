@@ -77,10 +77,9 @@ def unknown_key_message(config: ml_collections.ConfigDict, dotted: str) -> str |
     return None
 
 
-def apply_override(config: ml_collections.ConfigDict, item: str, flag: str = "--override", joint: str = "=") -> None:
-    """Set one KEY=VALUE of a tool's `flag` (tools/trace_steps.py's --override=KEY=VALUE; `joint` "." for
-    --config.KEY=VALUE) on the unlocked `config`, VALUE read as the key's current type; a bad item is a
-    ValueError naming the flag as written and the fix."""
+def apply_override(config: ml_collections.ConfigDict, item: str, flag: str = "--config", joint: str = ".") -> None:
+    """Set one KEY=VALUE of a tool's --config.KEY=VALUE on the unlocked `config`, VALUE read as the key's current
+    type; a bad item is a ValueError naming the flag as written and the fix (override_flag_error's one line)."""
     key, sep, value = item.partition("=")
     if not sep:
         raise ValueError(f"{flag}{joint}{item} has no '='. Fix: write KEY=VALUE, e.g. {flag}{joint}train.seed=1.")
@@ -119,10 +118,40 @@ def override_flag_error(argv, config: ml_collections.ConfigDict) -> str | None:
         for arg in argv:
             if arg.startswith("--config."):
                 try:
-                    apply_override(trial, arg[len("--config."):], flag="--config", joint=".")
+                    apply_override(trial, arg[len("--config."):])
                 except ValueError as e:
                     return str(e)
     return None
+
+
+def define_override_flag(program: str, config: ml_collections.ConfigDict, help_text: str):
+    """A tool's `--config.KEY=VALUE` flags over the fixed `config`'s keys (tools/bench_quality.py: configs/quality.py's
+    arm; tools/trace_steps.py: base_config(), applied to a run's saved config). config_flags reads the command
+    line's --config.* while it defines the flag, so an unknown key fails here (a traceback of its own): refused in
+    one line, exit 2, as a bad value is. Read the settings with config_flags.get_override_values."""
+    import sys
+
+    from ml_collections import config_flags
+
+    from scone_jax.runtime import tool_main
+    from scone_jax.runtime.errors import one_line
+
+    try:
+        return config_flags.DEFINE_config_dict("config", config, help_text, lock_config=True)
+    except (AttributeError, KeyError) as e:
+        print(f"{program}: error: {override_flag_error(sys.argv, config) or one_line(e)}", file=sys.stderr)
+        sys.exit(tool_main.EXIT_BAD_INPUT)
+
+
+def set_overrides(config: ml_collections.ConfigDict, overrides: dict) -> None:
+    """Set each dotted key of `overrides` (config_flags.get_override_values of define_override_flag's flag) on
+    the unlocked `config`."""
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
 
 
 def config_flag_error(argv) -> str | None:

@@ -1,16 +1,16 @@
 """Replay the first steps of a training run and trace what the f-gram model does, step by step.
 
   python tools/trace_steps.py --run=/data/quality/scone/lr0.002 --steps=200 --output=trace.jsonl
-  python tools/trace_steps.py --run=... --override=scone.output_norm=false --override=train.seed=1
+  python tools/trace_steps.py --run=... --config.scone.output_norm=false --config.train.seed=1
 
 A run's first steps are deterministic on one CPU (the same config, init seed and batch order), so this
 trains them again from scratch with the run's config.json, tokenizer and f-gram vocabulary (built as training
 builds a run, scone_jax.training.run, with a fresh state), through the production train step, and before
 each step reads, on the same batch and state: the loss at matched and at unmatched positions, and how much
-the f-gram rows of the batch share one direction (tools/embedding_scale.py's alignment: near 1 when they
+the f-gram rows of the batch share one direction (scone_jax/study/geometry.py's alignment: near 1 when they
 have collapsed onto one vector, docs/quality.md). Each step's record (also the step's loss, gradient norms
 and learning rate) goes to --output as JSONL; every --print_every steps a line is printed.
---override=KEY=VALUE replays the same batches under another setting (another seed, learning rate or
+--config.KEY=VALUE replays the same batches under another setting (another seed, learning rate or
 scone.output_norm); --positions_from=VOCAB splits the losses by that f-gram vocabulary's matches instead of
 the run's own, so that two runs (a baseline and a SCONE arm, or two values of S) compare their losses at the
 same positions.
@@ -24,29 +24,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from ml_collections import config_flags
 from flax import nnx
 
-from embedding_scale import alignment
 from scone_jax import sharding
-from scone_jax.config import apply_override, validate
+from scone_jax.config import base_config, define_override_flag, override_flag_error, set_overrides, validate
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
 from scone_jax.model.scone import SconeModel, token_losses
 from scone_jax.runtime import tool_main, workdir as workdir_layout
 from scone_jax.saved_config import stored_config
+from scone_jax.study.geometry import alignment, mean_norm
 from scone_jax.training import run as run_lib
 
 _RUN = flags.DEFINE_string("run", None, "A training run's workdir (it holds config.json).")
 _STEPS = flags.DEFINE_integer("steps", 200, "Steps to replay from the start.")
-_OVERRIDES = flags.DEFINE_multi_string("override", [], "KEY=VALUE config setting to replay under (repeatable).")
+_CONFIG = define_override_flag("trace_steps", base_config(), "--config.KEY=VALUE: a config setting to replay "
+                               "under, on top of the run's config.json (repeat it for several).")
 _OUTPUT = flags.DEFINE_string("output", "", "JSONL file for every step's record ('' = print only).")
 _PRINT_EVERY = flags.DEFINE_integer("print_every", 10, "Print a line every this many steps.")
 _POSITIONS_FROM = flags.DEFINE_string("positions_from", "", "An f-gram vocabulary whose matches decide which "
                                       "positions count as matched ('' = the run's own f-gram slots).")
 
 
-def run_config(run: str, overrides: list[str]):
-    """The run's resolved config (config.json) with the --override settings."""
+def run_config(run: str, overrides: dict):
+    """The run's resolved config (config.json) with the --config.KEY=VALUE settings (dotted key -> value)."""
     path = workdir_layout.path(run, workdir_layout.CONFIG)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist: --run must be a training run's workdir (scone_jax.main "
@@ -54,8 +56,7 @@ def run_config(run: str, overrides: list[str]):
     with open(path) as f:
         config = stored_config(json.load(f))
     with config.unlocked():
-        for item in overrides:
-            apply_override(config, item)
+        set_overrides(config, overrides)
     validate(config)
     return config
 
@@ -87,7 +88,7 @@ def record(step: int, metrics: dict, probed: dict) -> dict:
     if "rows" in probed:
         rows = np.asarray(probed["rows"])[np.asarray(probed["row_used"])]
         out["fgram_row_alignment"] = alignment(rows)
-        out["fgram_row_norm"] = float(np.linalg.norm(rows, axis=1).mean())
+        out["fgram_row_norm"] = mean_norm(rows)
     return out
 
 
@@ -96,7 +97,7 @@ def main():
         raise ValueError("Name a training run's workdir: --run=DIR.")
     if _STEPS.value < 1:
         raise ValueError(f"--steps={_STEPS.value}: replay at least one step.")
-    config = run_config(_RUN.value, _OVERRIDES.value)
+    config = run_config(_RUN.value, config_flags.get_override_values(flags.FLAGS["config"]))
     run = run_lib.build(config, _RUN.value, sharding.make_mesh(config.mesh), start=run_lib.FRESH)
     other = (Matcher(load_vocab(_POSITIONS_FROM.value, expected_tokenizer_fingerprint=run.tokenizer.fingerprint))
              if _POSITIONS_FROM.value else None)
@@ -131,4 +132,4 @@ def main():
 
 
 if __name__ == "__main__":
-    tool_main.run(main, "trace_steps")
+    tool_main.run(main, "trace_steps", flag_error=lambda argv: override_flag_error(argv, base_config()))

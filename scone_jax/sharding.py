@@ -125,9 +125,10 @@ def under_mesh(mesh: Mesh, jitted):
     return call
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over (data, fsdp); other dimensions replicated."""
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows over (data, fsdp), other dimensions replicated, for an array of any rank: one sharding serves
+    every array of a batch (and a jitted step's in_shardings for the whole Batch)."""
+    return NamedSharding(mesh, P(BATCH_AXES))
 
 
 def num_batch_shards(mesh: Mesh) -> int:
@@ -136,7 +137,7 @@ def num_batch_shards(mesh: Mesh) -> int:
 
 
 def global_batch(local_batch, mesh: Mesh):
-    """This process's numpy batch (a data/batch.py Batch, or any tree of arrays) as global jax.Arrays sharded
+    """This process's numpy batch (a scone_jax/batch.py Batch, or any tree of arrays) as global jax.Arrays sharded
     by rows over the mesh; the transfers start now (asynchronously)."""
-    return jax.tree.map(lambda v: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v),
+    return jax.tree.map(lambda v: jax.make_array_from_process_local_data(batch_sharding(mesh), v),
                         local_batch)

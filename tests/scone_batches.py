@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from test_fgram_matcher import closure, make_vocab, planted_batch
 
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.common import REPO
+
 
 # configs/tiny.py shrunk to a 1-layer, 64-wide SCONE model: compiles in ~20 s.
 SMALL = ["--config=configs/tiny.py", "--config.model.num_layers=1", "--config.model.d_model=64",
@@ -18,8 +19,8 @@ SMALL = ["--config=configs/tiny.py", "--config.model.num_layers=1", "--config.mo
 
 
 def aot(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "aot_compile.py"), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "aot_compile.py"), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def results(stdout: str) -> dict:
@@ -38,6 +39,7 @@ def test_compiles_the_train_step_for_a_v5e_slice():
     assert run.stdout.rstrip().splitlines()[-1].startswith("FITS: ")
 
 
+@pytest.mark.slow
 def test_the_flop_formula_agrees_with_xla_on_the_unscanned_step():
     """XLA counts a scan's body once, so the formula behind MFU is checked on the Python loop."""
     run = aot(*SMALL, "--topology=v5e-4", "--config.model.scan_layers=False")
@@ -47,6 +49,7 @@ def test_the_flop_formula_agrees_with_xla_on_the_unscanned_step():
     assert results(run.stdout)["step_flops"] == pytest.approx(float(flops[1]), rel=1e-3)
 
 
+@pytest.mark.slow
 def test_a_batch_too_big_for_hbm_does_not_fit():
     # 4096 x 128 tokens of fp32 logits over 8,064 pieces alone are 15.8 GiB: over a v5e's 16 GiB.
     run = aot("--config=configs/tiny.py:baseline", "--topology=v5e-1", "--config.data.global_batch_size=4096")
@@ -75,7 +78,7 @@ def test_slice_names_map_to_libtpu_topologies():
     names = ["v4-8", "v4-128", "v5p-128", "v5p-1024", "v5e-1", "v5litepod-16", "v5e-256", "v6e-8", "V6E-64"]
     code = ("import tools.aot_compile as a; "
             f"print([(s.topology_name, s.chips, s.chip_config, s.hbm_bytes >> 30) for s in map(a.parse_slice, {names})])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert ast.literal_eval(out) == [
         ("v4:2x2x1", 4, "megacore", 32), ("v4:4x4x4", 64, "megacore", 32), ("v5p:4x4x4", 64, "default", 95),
         ("v5p:8x8x8", 512, "default", 95), ("v5e:1x1", 1, "default", 16), ("v5e:4x4", 16, "default", 16),

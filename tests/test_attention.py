@@ -46,6 +46,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from scone_jax.model import attention as A
+from tests.common import REPO
 
 B, T, N, H = 3, 300, 2, 32
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -226,13 +227,13 @@ def tpu_compiled():
     own, so that libtpu never loads into this test session (see that module's docstring)."""
     if not HAVE_LIBTPU:
         pytest.skip("libtpu not installed (pip install -e '.[aot]')")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "tests.tpu_attention_probe"], cwd=root, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "tests.tpu_attention_probe"], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # compiles a train step for TPU in a process of its own
 @pytest.mark.parametrize("case", ["auto-1024-bf16", "auto-300-fp32"])
 def test_splash_train_step_compiles_for_tpu_without_square_buffers(tpu_compiled, case):
     """'auto' under a TPU mesh (on this CPU host) picks splash: the compiled program calls the

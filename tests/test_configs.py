@@ -14,10 +14,10 @@ from ml_collections.config_flags import config_flags
 from scone_jax import config as config_lib
 from scone_jax.model.accounting import param_counts
 from scone_jax.training.state import build_model
+from tests.common import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # configs/common.py holds the helpers the paper configs share; it is not a config.
-CONFIG_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+CONFIG_FILES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "configs", "*.py"))
                       if os.path.basename(p) != "common.py")
 
 # Parameter counts the paper gives, in millions. For the OLMo 0.7B / 1.3B / 1.9B baselines it
@@ -39,7 +39,7 @@ PAPER_FFW = {"configs/gpt2_paper.py": None, "configs/olmo_paper.py": 8192}  # No
 
 def variants_of(path):
     """The module's VARIANTS; a config without them has the single variant None."""
-    spec = importlib.util.spec_from_file_location("_config_under_test", os.path.join(ROOT, path))
+    spec = importlib.util.spec_from_file_location("_config_under_test", os.path.join(REPO, path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return getattr(module, "VARIANTS", (None,))
@@ -49,7 +49,7 @@ CASES = [(path, v) for path in CONFIG_FILES for v in variants_of(path)]
 
 
 def load(path, variant):
-    return config_lib.load_config_file(os.path.join(ROOT, path) + (f":{variant}" if variant else ""))
+    return config_lib.load_config_file(os.path.join(REPO, path) + (f":{variant}" if variant else ""))
 
 
 def paper_formula(model_cfg, ffw):
@@ -100,7 +100,7 @@ def test_unknown_variant_lists_the_valid_ones(path):
 @pytest.mark.parametrize("path", ["configs/gpt2_paper.py", "configs/olmo_paper.py"])
 def test_paper_configs_need_a_size(path):
     with pytest.raises(ValueError, match="valid variants"):
-        config_lib.load_config_file(os.path.join(ROOT, path))
+        config_lib.load_config_file(os.path.join(REPO, path))
 
 
 # (config, main model M, f-gram model M without embeddings): the paper's SCONE settings.
@@ -114,7 +114,7 @@ PAPER_SCONE = [
 
 @pytest.mark.parametrize("spec,main_m,fgram_m", PAPER_SCONE)
 def test_scone_variants_have_the_papers_sizes(spec, main_m, fgram_m):
-    config = config_lib.load_config_file(os.path.join(ROOT, spec))
+    config = config_lib.load_config_file(os.path.join(REPO, spec))
     assert config.scone.enabled
     abstract = nnx.state(nnx.eval_shape(lambda: build_model(config)), nnx.Param)
     main, fgram = param_counts(abstract["decoder"]), param_counts(abstract["fgram_model"])
@@ -133,12 +133,12 @@ def test_scone_variants_have_the_papers_sizes(spec, main_m, fgram_m):
 ])
 def test_bad_options_are_clear_errors(spec, match):
     with pytest.raises(ValueError, match=match):
-        config_lib.load_config_file(os.path.join(ROOT, spec))
+        config_lib.load_config_file(os.path.join(REPO, spec))
 
 
 def load_common():
     """configs/common.py, loaded by path as the configs load it."""
-    spec = importlib.util.spec_from_file_location("_configs_common_under_test", os.path.join(ROOT, "configs", "common.py"))
+    spec = importlib.util.spec_from_file_location("_configs_common_under_test", os.path.join(REPO, "configs", "common.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -156,9 +156,9 @@ def test_parse_count():
 def test_paper_configs_load_from_any_directory(how, tmp_path, monkeypatch):
     """Configs find configs/common.py next to themselves (ml_collections sets __file__), whatever the
     current directory and sys.path: users pass relative or absolute paths from anywhere."""
-    monkeypatch.chdir(tmp_path if how != "config_flags relative" else os.path.join(ROOT, "configs"))
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "configs")])
-    path = "gpt2_paper.py" if how == "config_flags relative" else os.path.join(ROOT, "configs", "gpt2_paper.py")
+    monkeypatch.chdir(tmp_path if how != "config_flags relative" else os.path.join(REPO, "configs"))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(REPO, "configs")])
+    path = "gpt2_paper.py" if how == "config_flags relative" else os.path.join(REPO, "configs", "gpt2_paper.py")
     if how == "load_config_file":
         config = config_lib.load_config_file(f"{path}:419m,fgram=1x,fgrams=512k")
     else:
@@ -170,7 +170,7 @@ def test_paper_configs_load_from_any_directory(how, tmp_path, monkeypatch):
 
 
 def test_option_values():
-    config = config_lib.load_config_file(os.path.join(ROOT, "configs/olmo_paper.py:1b,fgram=1.8b,fgrams=1b,capacity=2k"))
+    config = config_lib.load_config_file(os.path.join(REPO, "configs/olmo_paper.py:1b,fgram=1.8b,fgrams=1b,capacity=2k"))
     assert (config.scone.num_layers, config.scone.num_fgrams, config.scone.fgram_capacity) == (36, 10**9, 2000)
 
 

@@ -3,8 +3,8 @@ position by position; the batch layout's properties on hand-checked values."""
 import numpy as np
 import pytest
 
+from scone_jax.batch import BASE_DTYPES
 from scone_jax.data import packing, pipeline
-from scone_jax.data.batch import BASE_DTYPES
 from scone_jax.data.documents import InMemoryDocuments
 
 BOS, EOS, PAD = 2, 3, 0

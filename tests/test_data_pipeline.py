@@ -7,8 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
+from scone_jax.batch import BASE_DTYPES as KEYS, Batch
 from scone_jax.data import corpus, documents, pipeline, sources
-from scone_jax.data.batch import BASE_DTYPES as KEYS, Batch
 
 
 def _data_cfg(**overrides):
@@ -200,6 +200,7 @@ def _add_row_sums(batch):
     return batch.replace(fgram_unique=batch.inputs.sum(axis=1))
 
 
+@pytest.mark.slow  # starts 1 and 2 grain worker processes
 def test_batches_do_not_depend_on_the_number_of_worker_processes(tok):
     """0 (a thread), 1 and 2 worker processes give the same batches, transform included, also
     when started mid-stream. Catches a pipeline that packs per worker (grain's mp_prefetch

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from test_fgram_matcher import closure, make_vocab, planted_batch
 
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher

@@ -12,16 +12,14 @@ from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.vocab import load_vocab
 from scone_jax.training import assets
-from tests.common import small_config
+from tests.common import REPO, small_config
 
 pytestmark = pytest.mark.slow  # every test here starts processes or runs whole jobs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def run_tool(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "extract_fgrams.py"), *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "extract_fgrams.py"), *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
 def test_arrayrecord_corpus(tmp_path):

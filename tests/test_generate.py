@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.model import layers, scone, transformer
 from scone_jax.model.transformer import Decoder
 from scone_jax.serving import generate, inference

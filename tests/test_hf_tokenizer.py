@@ -29,9 +29,8 @@ from scone_jax.data import corpus, eval_sets, sources, tokenize
 from scone_jax.data.tokenizer import Tokenizer, in_worker_process
 from scone_jax.serving import evaluate, export, generate, inference
 from scone_jax.training import assets, train
-from tests.common import small_config
+from tests.common import REPO, small_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_DOCS = 2000  # KJV verses the test tokenizers learn from (~0.6 s each)
 
 AWKWARD_TEXTS = [
@@ -304,7 +303,7 @@ def test_scone_run_with_a_tokenizer_json_trains_exports_and_serves_with_the_runs
     tok = served.tokenizer
     assert (tok.kind, tok.special_ids, tok.fingerprint) == ("huggingface", {"bos": 2, "eos": 2, "pad": 0},
                                                             run_tok.fingerprint)
-    assert served.meta["tokenizer_fingerprint"] == run_tok.fingerprint != Tokenizer.load(llama_json).fingerprint
+    assert served.bundle.meta["tokenizer_fingerprint"] == run_tok.fingerprint != Tokenizer.load(llama_json).fingerprint
     # Bits per byte on a small held-out text file, decoded generation.
     held_out = tmp_path / "held_out.txt"
     held_out.write_text("\n".join(list(corpus.kjv_documents("eval", 0.02)[:30]) + [AWKWARD_TEXTS[3]]) + "\n")

@@ -15,13 +15,13 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance
 
+from scone_jax.batch import Batch
 from scone_jax.data import corpus
-from scone_jax.data.batch import Batch
 from scone_jax.model import scone
 from scone_jax.serving import evaluate, generate, inference, lm_eval as harness
 from tests import serving_run
+from tests.common import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAM = "scone_jax.serving.lm_eval"
 
 

@@ -12,11 +12,10 @@ import numpy as np
 
 from scone_jax import sharding
 from scone_jax.training import checkpoint, state as state_lib, train
-from tests.common import free_port, main_process_argv as cli, small_config, step_records
+from tests.common import REPO, free_port, main_process_argv as cli, small_config, step_records
 
 pytestmark = pytest.mark.slow  # every test here starts processes or runs whole jobs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_STEPS = 8
 SIGNAL_AT = 3  # the gated run waits after this step for its SIGTERM
 OVERRIDES = {"num_steps": NUM_STEPS, "log_every": 1, "checkpoint_every": 100}

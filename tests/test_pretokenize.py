@@ -12,9 +12,7 @@ import pytest
 from scone_jax.data import corpus, sources
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.training.assets import ensure_tokenizer
-from tests.common import small_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.common import REPO, small_config
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +46,7 @@ def text_corpus(tmp_path):
     return f"{tmp_path}/a.txt,{tmp_path}/b.*", kjv + odd
 
 
+@pytest.mark.slow  # worker processes
 def test_text_corpus_shards_equal_encode_in_order_for_1_and_2_workers(tok_path, text_corpus, tmp_path):
     """Catches shard ranges computed as i * (N // S) instead of N * i // S, which drop the last N mod S
     documents (74 documents in 3 shards), and any shard layout that depends on the worker count."""
@@ -83,6 +82,7 @@ def test_text_corpus_shards_equal_encode_in_order_for_1_and_2_workers(tok_path, 
     assert outputs[1] == outputs[2]  # byte for byte
 
 
+@pytest.mark.slow  # the CLI three times, with 2 worker processes
 def test_jsonl_corpus_trains_from_a_glob_over_the_directory_and_reruns_overwrite(tok_path, tmp_path):
     rows = [{"id": i, "text": text} for i, text in enumerate(
         ["first\nparagraph", "ünïcödé ☃", "x", "In the beginning God created the heaven and the earth."] * 5)]

@@ -16,16 +16,9 @@ import pytest
 
 from scone_jax import config as config_lib, sharding
 from scone_jax.training import checkpoint, state as state_lib, train
-from tests.common import record_list, run_main, small_config
+from tests.common import config_with, record_list, run_main, small_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def config_with(tokenizer_path, **train_overrides):
-    config = small_config(num_layers=1)
-    config.data.tokenizer_path = tokenizer_path
-    config.train.update(train_overrides)
-    return config
+ONE_LAYER = dict(num_layers=1)  # the model of config_with's configs here: fast to compile
 
 
 def run_cli(tokenizer_path, workdir, *args, file_size_limit_kb=None):
@@ -103,7 +96,7 @@ def test_resume_with_changed_state_or_data_keys_is_refused_and_changes_nothing(t
     through. Tried: comparing only parameter shapes (num_heads passes); writing config.json
     before the check (the digest differs)."""
     workdir = str(tmp_path / "w")
-    train.run(config_with(tokenizer_path, max_steps_per_run=3), workdir)
+    train.run(config_with(tokenizer_path, ONE_LAYER, max_steps_per_run=3), workdir)
     before = tree_digest(workdir)
 
     result = run_cli(tokenizer_path, workdir, "--config.model.num_heads=8", "--config.data.shuffle_seed=4")
@@ -125,7 +118,8 @@ def test_resume_with_changed_state_or_data_keys_is_refused_and_changes_nothing(t
 def test_an_override_of_an_unchecked_key_is_refused(tokenizer_path, tmp_path):
     with pytest.raises(ValueError, match=r"--allow_config_change names \['train.learning_rate'\], which are not "
                                          r"checked on resume; the keys it accepts: model.vocab_size, "):
-        train.run(config_with(tokenizer_path), str(tmp_path / "w"), allow_config_changes=["train.learning_rate"])
+        train.run(config_with(tokenizer_path, ONE_LAYER), str(tmp_path / "w"),
+                  allow_config_changes=["train.learning_rate"])
     assert not (tmp_path / "w" / "checkpoints").exists()
 
 
@@ -138,7 +132,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tokenizer_pa
     replays the same losses, and metrics.jsonl keeps one record per step. Tried: skipping the
     checksum check (flip_bytes then resumes from step 6 with different losses)."""
     workdir = str(tmp_path / "w")
-    train.run(config_with(tokenizer_path), workdir)  # checkpoints at steps 3 and 6
+    train.run(config_with(tokenizer_path, ONE_LAYER), workdir)  # checkpoints at steps 3 and 6
     original = {r["step"]: r["loss"] for r in record_list(workdir)}
     damage(biggest_state_file(workdir, 6))
 
@@ -160,7 +154,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tokenizer_pa
 @pytest.mark.slow
 def test_when_every_checkpoint_is_damaged_nothing_is_renamed_and_the_error_says_what_to_do(tokenizer_path, tmp_path):
     workdir = str(tmp_path / "w")
-    train.run(config_with(tokenizer_path), workdir)
+    train.run(config_with(tokenizer_path, ONE_LAYER), workdir)
     for step in (3, 6):
         truncate(biggest_state_file(workdir, step))
     before = tree_digest(workdir)
@@ -186,7 +180,7 @@ def test_a_failed_checkpoint_write_stops_the_run_in_one_line_and_keeps_the_last_
     CI-like run (the save at step 4 succeeded and step 8's failed); one array's bytes never split."""
     workdir = str(tmp_path / "w")
     wide = "--config.model.d_model=128"
-    first = config_with(tokenizer_path, max_steps_per_run=3)
+    first = config_with(tokenizer_path, ONE_LAYER, max_steps_per_run=3)
     first.model.d_model = 128
     train.run(first, workdir)
     result = run_cli(tokenizer_path, workdir, wide, "--config.train.checkpoint_every=4", "--config.train.num_steps=12",
@@ -199,7 +193,7 @@ def test_a_failed_checkpoint_write_stops_the_run_in_one_line_and_keeps_the_last_
     assert not [line for line in result.stderr.splitlines() if re.match(r"E\d{4} ", line)]  # no library errors
     assert max(r["step"] for r in record_list(workdir)) <= 8  # not past the next save
 
-    config = config_with(tokenizer_path)
+    config = config_with(tokenizer_path, ONE_LAYER)
     config.model.d_model = 128
     spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
@@ -245,7 +239,7 @@ def test_a_non_finite_loss_right_after_a_restore_points_at_the_checkpoint(tokeni
     to end with advice to lower the learning rate; the message now names the checkpoint and how
     to fall back from it."""
     workdir = str(tmp_path / "w")
-    config = config_with(tokenizer_path, max_steps_per_run=3)
+    config = config_with(tokenizer_path, ONE_LAYER, max_steps_per_run=3)
     train.run(config, workdir)
     spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
     directory = os.path.join(workdir, "checkpoints")

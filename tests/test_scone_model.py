@@ -17,7 +17,7 @@ from tests.scone_batches import K, device_arrays, production_batch
 
 
 def scone_config(**scone_overrides):
-    config = small_config()
+    config = small_config(num_layers=1)  # one block: what is compared is independent of depth
     config.scone.update(dict(enabled=True, max_len=K, fgram_capacity=48, num_layers=1, **scone_overrides))
     return config
 
@@ -142,7 +142,7 @@ def compiled_hlo(mesh_shape):
     batch, _ = production_batch(sharding.num_batch_shards(mesh), 48)
     batch = device_arrays(batch)
     abstract_batch = jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(mesh, v.ndim)), batch)
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(mesh)), batch)
     return step.lower(state_lib.abstract_with_shardings(spec), abstract_batch).compile().as_text()
 
 

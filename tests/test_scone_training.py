@@ -15,7 +15,7 @@ NUM_STEPS = 3
 
 
 def scone_config(mesh_shape=(1, 1, 1), accum=1):
-    config = small_config()
+    config = small_config(num_layers=1)  # one block: what is compared is independent of depth
     config.scone.update(dict(enabled=True, max_len=K, fgram_capacity=CAPACITY, num_layers=1))
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
     config.train.grad_accum_steps = accum

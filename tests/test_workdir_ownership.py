@@ -13,9 +13,8 @@ import time
 import pytest
 
 from scone_jax.runtime import ownership, storage
-from tests.common import free_port, main_process_argv as cli, record_list, run_processes
+from tests.common import REPO, free_port, main_process_argv as cli, record_list, run_processes
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_STEPS, GATE_STEP = 4, 2
 
 # `python -c GATED_MAIN ARGS` = `python -m scone_jax.main ARGS`, except that the loop, at step

@@ -28,7 +28,7 @@ from absl import app, flags
 from bench_bundles import make_run, write_table_bundle
 from scone_jax import sharding
 from scone_jax.data import pipeline
-from scone_jax.serving import evaluate, export, generate, inference, table as table_lib
+from scone_jax.serving import bundle, evaluate, export, generate, inference, table as table_lib
 from scone_jax.training import run as run_lib
 
 _QUICK = flags.DEFINE_bool("quick", False, "A tiny model and few batches (under a minute).")
@@ -87,7 +87,7 @@ def crc_seconds_per_gb(root: str, rows: int = 1 << 20, width: int = 128) -> floa
     path = os.path.join(root, "crc_table")
     write_table_bundle(path, lambda lo, hi: np.random.default_rng(lo).standard_normal(
         (hi - lo, width), np.float32).astype(jnp.bfloat16), rows, width, "bfloat16", 65536)
-    tables = [table_lib.open_table(path, table="ram") for _ in range(3)]
+    tables = [table_lib.open_table(bundle.Bundle.open(path), table="ram") for _ in range(3)]
     seconds = min(t.verify_seconds for t in tables)
     return seconds / (tables[0].nbytes / 1e9)
 

@@ -18,8 +18,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from scone_jax import sharding
+from scone_jax.batch import Batch
 from scone_jax.data import pipeline
-from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.model import accounting

@@ -20,8 +20,8 @@ import ml_collections
 import numpy as np
 from absl import flags
 
+from scone_jax.batch import Batch
 from scone_jax.data import sources, tokenize, tokenizer_flags
-from scone_jax.data.batch import Batch
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams

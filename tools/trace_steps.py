@@ -33,7 +33,7 @@ from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
 from scone_jax.model.scone import SconeModel, token_losses
 from scone_jax.runtime import tool_main, workdir as workdir_layout
-from scone_jax.serving import bundle
+from scone_jax.saved_config import stored_config
 from scone_jax.training import run as run_lib
 
 _RUN = flags.DEFINE_string("run", None, "A training run's workdir (it holds config.json).")
@@ -52,7 +52,7 @@ def run_config(run: str, overrides: list[str]):
         raise FileNotFoundError(f"{path} does not exist: --run must be a training run's workdir (scone_jax.main "
                                 "writes config.json there when it starts).")
     with open(path) as f:
-        config = bundle.stored_config(json.load(f))
+        config = stored_config(json.load(f))
     with config.unlocked():
         for item in overrides:
             apply_override(config, item)

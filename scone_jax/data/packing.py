@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.numba_loops import compiled
 from scone_jax.fgram.vocab import PAD, FgramVocab
@@ -36,7 +36,7 @@ CAPACITY_KEY = "scone.fgram_capacity"
 
 
 class FgramBatcher:
-    """Adds the trained provider's f-gram arrays to a host Batch (data/batch.py): fgram_ids, fgram_tokens
+    """Adds the trained provider's f-gram arrays to a host Batch (scone_jax/batch.py): fgram_ids, fgram_tokens
     (group g's maximal unique f-grams in ascending id; unused rows all PAD), fgram_lengths, fgram_slot (the
     slot row*K + (length-1) inside the position's own group whose f-gram model output is this position's
     f-gram's) and fgram_unique. G = num_shards * micro_batches groups, C = capacity // micro_batches rows

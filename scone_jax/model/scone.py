@@ -1,9 +1,10 @@
 """The SCONE input seam: one code path from a Batch to input embeddings, hidden states, logits and token
-losses, for every caller (train and eval steps, serving's evaluation, harness scoring, generation).
+losses (and the perplexity of their mean), for every caller (train and eval steps, serving's evaluation,
+harness scoring, generation).
 
 The decoder's input is T(token) everywhere, replaced where an f-gram ends by that f-gram's embedding
 (docs/method.md §3; with scone.gate, by its mix with T(token), SconeModel.matched_inputs). The
-embeddings come from one of two providers, chosen by the batch's arrays (data/batch.py):
+embeddings come from one of two providers, chosen by the batch's arrays (scone_jax/batch.py):
   trained  the f-gram model of a SconeModel, run once per row of each group's maximal unique f-grams
            (fgram_tokens [G, C, K], fgram_lengths [G, C]) and read back per position through its slot
            (fgram_slot, row*K + j, -1 = no match), inside the group: the arrays of group g sit on the
@@ -13,6 +14,8 @@ embeddings come from one of two providers, chosen by the batch's arrays (data/ba
 A batch without f-gram arrays is a plain decoder's. `model` is a SconeModel or a Decoder.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -117,3 +120,12 @@ def token_losses(model, batch) -> jax.Array:
     """Per-token next-token loss [B, T]: the one definition behind training's loss, held-out evaluation,
     serving's perplexity and harness scores."""
     return cross_entropy(batch_logits(model, batch), batch)
+
+
+# A diverged run's loss is reported as a finite perplexity (e^50) rather than as an overflow.
+_MAX_LOG_PERPLEXITY = 50.0
+
+
+def perplexity(mean_loss: float) -> float:
+    """exp of a mean token loss (nats), capped at e^50."""
+    return math.exp(min(mean_loss, _MAX_LOG_PERPLEXITY))

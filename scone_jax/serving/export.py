@@ -43,8 +43,9 @@ from scone_jax.runtime import (compile_cache, distributed, job_flags, logs, owne
                                write_probe)
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
+from scone_jax.runtime.prefetch import DispatchWindow
+from scone_jax.saved_config import stored_config
 from scone_jax.serving import bundle, table_layout
-from scone_jax.serving.prefetch import DispatchWindow
 from scone_jax.training import checkpoint, run as run_lib
 
 _MAX_PENDING_WRITES = 3
@@ -57,7 +58,7 @@ def open_run(workdir: str, config: ml_collections.ConfigDict | None = None,
     and vocabulary it was trained with, as they are) over its config's mesh. `config`: the checkpoint's own
     by default."""
     latest = latest or run_lib.Latest.open(workdir)
-    config = config or bundle.stored_config(latest.meta["config"])
+    config = config or stored_config(latest.meta["config"])
     try:
         return run_lib.build(config, workdir, sharding.make_mesh(config.mesh), start=latest)
     except checkpoint.CheckpointDamagedError as e:
@@ -100,7 +101,7 @@ def rows_inputs(vocab: FgramVocab, rows: np.ndarray, mesh):
     lengths = np.full(len(rows), 2, np.int32)
     lengths[real] = vocab.lengths[rows[real]]
     put = lambda a: jax.make_array_from_callback(  # noqa: E731
-        a.shape, sharding.batch_sharding(mesh, a.ndim), lambda index: a[index])
+        a.shape, sharding.batch_sharding(mesh), lambda index: a[index])
     return put(tokens), put(lengths)
 
 
@@ -240,7 +241,7 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             raise ValueError(f"--{name}={value} must be at least 1 (table rows per file / f-grams per step).")
     write_probe.check_writable(output, 120, flag="--output")
     latest = run_lib.Latest.open(workdir)
-    config = config or bundle.stored_config(latest.meta["config"])
+    config = config or stored_config(latest.meta["config"])
     cache = CompileCache(compile_cache.resolve(config.train.compilation_cache_dir, workdir))
     run = None
     try:

@@ -23,7 +23,7 @@ from absl import flags
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.model import scone, transformer
 from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import inference

@@ -59,7 +59,7 @@ def existing_tokenizer(data_cfg, workdir: str) -> tokenizer_lib.Tokenizer:
 def _components(data_cfg) -> list:
     """[(data config, weight)] of the training data: the mixture's components (data/mixture.py), or the data
     config itself with weight 1."""
-    components = mixture.parse(data_cfg.train_files)
+    components = mixture.components(data_cfg)
     if components is None:
         return [(data_cfg, 1.0)]
     return [(mixture.component_config(data_cfg, c), c.weight) for c in components]

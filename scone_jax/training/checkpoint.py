@@ -1,7 +1,7 @@
 """Checkpoints: train state + metadata, saved together by orbax.
 
 Metadata holds the resolved config, the fingerprints of what the state depends on (tokenizer,
-f-gram vocabulary) and a checksum of every array of the state (checksums.py). Restoring against
+f-gram vocabulary) and a checksum of every array of the state (runtime/checksums.py). Restoring against
 other fingerprints or array shapes is refused (CheckpointMismatchError); a checkpoint that cannot
 be read or whose arrays do not match their checksums is reported as damaged
 (CheckpointDamagedError), so the caller can fall back to an older one instead of training on garbage.
@@ -22,9 +22,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from scone_jax.runtime import distributed, storage
+from scone_jax import config_keys
+from scone_jax.runtime import checksums, distributed, storage
 from scone_jax.runtime.errors import one_line
-from scone_jax.training import checksums
 
 _STATE, _META = "state", "meta"
 
@@ -140,9 +140,7 @@ class Checkpointer:
         for path in sorted(set(want) | set(have)):
             if want.get(path) != have.get(path):
                 optimizer = path[:1] == ("1",)  # the state is (model, optimizer): training/state.py
-                fix = ("the optimizer settings the checkpoint was saved with (train.fgram_model_delay_steps "
-                       "or train.fgram_model_delay_steps_per_layer switched between 0 and > 0 changes the "
-                       "optimizer's state)" if optimizer
+                fix = (config_keys.optimizer_state_fix() if optimizer  # the keys that reshape it: their declarations
                        else "the model config the checkpoint was saved with")
                 raise CheckpointMismatchError(
                     f"Checkpoint {self.directory}/{step} does not fit the {'optimizer' if optimizer else 'model'} "

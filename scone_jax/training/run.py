@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.data import eval_sets, identity, mixture, pipeline
-from scone_jax.data.batch import Batch
+from scone_jax.data import identity, mixture, pipeline
+from scone_jax.batch import Batch
 from scone_jax.runtime import distributed, storage, workdir as workdir_layout
-from scone_jax.training import assets, checkpoint, exported_step, state as state_lib, steps
+from scone_jax.training import assets, checkpoint, evaluation, exported_step, state as state_lib, steps
 
 RESUME, FRESH = "resume", "fresh"
 
@@ -45,28 +45,6 @@ class Latest:
             raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints. Fix: train first "
                                     f"(python -m scone_jax.main --workdir={workdir}).")
         return cls(ckpt, step, ckpt.read_checkpoint_meta(step))
-
-
-@dataclasses.dataclass(frozen=True)
-class HeldOutSets:
-    """The held-out sets of data.eval_files (data/eval_sets.py), read and checked: {set name: EvalBatches}, the
-    UTF-8 bytes of each (0 where train.eval_batches leaves documents out: no bits per byte then), and how many
-    batches of each an evaluation reads (0 = all)."""
-
-    sets: dict
-    bytes: dict
-    max_batches: int
-
-
-def read_held_out(data_cfg, tokenizer, max_batches: int) -> HeldOutSets:
-    configs = eval_sets.configs(data_cfg)
-    sets = {name: pipeline.make_eval_batches(cfg, tokenizer, process_index=jax.process_index(),
-                                             process_count=jax.process_count())
-            for name, cfg in configs.items()}
-    # Bits per byte needs every document once: not with train.eval_batches limiting the batches.
-    counted = {name: 0 if max_batches and max_batches < len(sets[name]) else eval_sets.held_out_bytes(cfg, tokenizer)
-               for name, cfg in configs.items()}
-    return HeldOutSets(sets, counted, max_batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +78,7 @@ def abstract_batch(config, mesh) -> Batch:
         shapes.update(fgram_tokens=(*groups, config.scone.max_len), fgram_lengths=groups, fgram_slot=rows)
     return Batch(**{
         k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                sharding=sharding.batch_sharding(mesh, len(shape)))
+                                sharding=sharding.batch_sharding(mesh))
         for k, shape in shapes.items()
     })
 
@@ -159,13 +137,13 @@ class Run:
     @property
     def sources(self) -> tuple[str, ...]:
         """The training mixture's component names, in order (data/mixture.py); () without a mixture."""
-        return tuple(c.name for c in mixture.parse(self.config.data.train_files) or ())
+        return tuple(c.name for c in mixture.components(self.config.data) or ())
 
     @functools.cached_property
-    def held_out(self) -> HeldOutSets | None:
+    def held_out(self) -> evaluation.HeldOut | None:
         """The held-out sets the loop evaluates on (None with train.eval_every=0)."""
         t = self.config.train
-        return read_held_out(self.config.data, self.tokenizer, t.eval_batches) if t.eval_every else None
+        return evaluation.HeldOut(self.config.data, self.tokenizer, t.eval_batches) if t.eval_every else None
 
     @property
     def abstract(self) -> Abstract:
@@ -183,7 +161,9 @@ class Run:
 def build(config, workdir: str, mesh, *, start=RESUME, allow_config_changes=()) -> Run:
     """The run of `config` in `workdir` over `mesh`, its state started as `start` says (module docstring).
     Sizes model.vocab_size 0 from the tokenizer (assets.resolve_vocab_size). Refused resumes stop before
-    anything in the workdir changes (f-grams, config.json)."""
+    anything in the workdir changes (f-grams, config.json). The data shorthand, if any, is resolved into its
+    groups first (config.resolve: idempotent), so every tool's run reads data.mixture and data.eval_sets."""
+    config_lib.resolve(config)
     latest = start if isinstance(start, Latest) else None
     if start == FRESH:
         tokenizer = _tokenizer(config, workdir, None)

@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
 from scone_jax.model.scone import token_losses
 from scone_jax.training.optimizer import learning_rate_schedule
 
@@ -59,7 +59,7 @@ def make_train_step(graphdef, state_shardings, mesh, config):
     """Return step(state, batch) -> (state, metrics), jitted and donating the old state."""
     return sharding.under_mesh(mesh, jax.jit(
         train_step_fn(graphdef, mesh, config),
-        in_shardings=(state_shardings, batch_shardings(mesh)),
+        in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     ))
@@ -100,9 +100,5 @@ def make_eval_step(model_graphdef, model_shardings, mesh):
     def step(model_state, batch):
         return token_losses(nnx.merge(model_graphdef, model_state), batch).sum(), batch.loss_mask.sum()
 
-    return sharding.under_mesh(mesh, jax.jit(step, in_shardings=(model_shardings, batch_shardings(mesh))))
+    return sharding.under_mesh(mesh, jax.jit(step, in_shardings=(model_shardings, sharding.batch_sharding(mesh))))
 
-
-def batch_shardings(mesh):
-    """One sharding for every batch array: P(BATCH_AXES) shards dimension 0 whatever the rank."""
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.BATCH_AXES))

@@ -7,6 +7,7 @@ finishes the current step, saves a checkpoint there and raises preemption.Preemp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -17,10 +18,10 @@ import numpy as np
 from absl import logging
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.data import eval_sets, pipeline
-from scone_jax.data.batch import Batch
+from scone_jax.batch import Batch
+from scone_jax.data import pipeline
 from scone_jax.fgram import stats as fgram_stats
-from scone_jax.model import accounting, losses
+from scone_jax.model import accounting, scone
 from scone_jax.runtime import compile_cache, distributed, storage, workdir as workdir_layout
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
@@ -47,42 +48,6 @@ def batch_fingerprint(batch: Batch) -> int:
         crc = zlib.crc32(key.encode(), crc)
         crc = zlib.crc32(np.ascontiguousarray(array).tobytes(), crc)
     return crc
-
-
-def held_out_loss(eval_step, model_state, batches, mesh, batch_transform=None, max_batches: int = 0) -> dict:
-    """Held-out loss and perplexity of the training graph over `batches` (pipeline.EvalBatches; at most
-    `max_batches` of them, 0 = all), each through `batch_transform` (the f-gram batcher) first.
-    serving.evaluate is the exported model's evaluation: the same eval step, table rows in the batch."""
-    loss_sum, count = 0.0, 0.0
-    for i, batch in enumerate(batches):
-        if max_batches and i >= max_batches:
-            break
-        if batch_transform is not None:
-            batch = batch_transform(batch)
-        l, n = eval_step(model_state, sharding.global_batch(batch.for_device(), mesh))
-        loss_sum, count = loss_sum + float(l), count + float(n)
-    loss = loss_sum / max(count, 1.0)
-    return {"loss": loss, "perplexity": losses.perplexity(loss), "tokens": count}
-
-
-class _HeldOut:
-    """The held-out sets of data.eval_files (run.HeldOutSets: read and checked when the run starts), and
-    their evaluation: {set name: loss, perplexity, bits_per_byte, tokens}, plus the unweighted average of
-    named sets as `average` (an unnamed value's one set is named '')."""
-
-    def __init__(self, held_out):
-        self.sets, self.bytes, self.max_batches = held_out.sets, held_out.bytes, held_out.max_batches
-
-    def evaluate(self, eval_step, model_state, mesh, batcher) -> dict:
-        results = {}
-        for name, batches in self.sets.items():
-            ev = held_out_loss(eval_step, model_state, batches, mesh, batcher, self.max_batches)
-            bpb = eval_sets.bits_per_byte(ev["loss"], ev["tokens"], self.bytes[name])
-            results[name] = {**ev, **({"bits_per_byte": bpb} if bpb is not None else {})}
-        if eval_sets.SINGLE not in results:
-            mean = {k: v for k, v in eval_sets.average(results).items() if v is not None}
-            results[eval_sets.AVERAGE] = {**mean, "tokens": sum(r["tokens"] for r in results.values())}
-        return results
 
 
 class EvaluationError(ValueError):
@@ -159,7 +124,7 @@ def _train(run: run_lib.Run, owner) -> dict:
         logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(run.spec.abstract[0]).items()})
         # The held-out data is read (tokenized) and checked now, before step 1: a missing or empty eval file must
         # stop the run before it has done work that the error would lose.
-        held_out = _HeldOut(run.held_out) if run.held_out is not None else None
+        held_out = run.held_out
         # One batch per step: the batch numbers continue where the checkpoint stopped (packing.py).
         inputs = _Inputs(run.train_data, run.mesh, run.batcher, pipeline.worker_count(config.data), run.sources)
         loop = _Loop(run, owner, held_out, inputs)
@@ -251,7 +216,8 @@ class _Loop:
 
     def _evaluate(self, step: int) -> None:
         try:
-            results = self.held_out.evaluate(self.run.eval_step, self.state[0], self.run.mesh, self.run.batcher)
+            results = self.held_out.evaluate(functools.partial(self.run.eval_step, self.state[0]), self.run.mesh,
+                                             rows=self.run.batcher)
         except Exception as e:  # the held-out data was checked at start; whatever fails now, keep the work
             self._save_now()
             raise EvaluationError(
@@ -259,6 +225,7 @@ class _Loop:
                 f"checkpoint was saved at step {step}: rerun the same command after the fix to resume there "
                 "(or set train.eval_every=0 to train without evaluating).") from e
         for name, ev in results.items():
+            ev = {k: v for k, v in ev.items() if v is not None}
             self.writer.write(step, ev, prefix=f"eval/{name}" if name else "eval")
             logging.info("eval%s step %d: loss %.4f ppl %.2f bits/byte %s over %d tokens",
                          f" {name}" if name else "", step, ev["loss"], ev["perplexity"],
@@ -392,7 +359,7 @@ def _summarize(records: list[dict], rates: dict) -> dict:
     return {
         **mix,
         "loss": loss,
-        "perplexity": losses.perplexity(loss),
+        "perplexity": scone.perplexity(loss),
         "grad_norm": records[-1]["grad_norm"],
         "learning_rate": records[-1]["learning_rate"],
         **fgram,

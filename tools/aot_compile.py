@@ -9,8 +9,8 @@ The slice is named as Cloud TPU names it: v4-N and v5p-N count TensorCores (two 
 v5e-N (or v5litepod-N) and v6e-N count chips. The step is the one training runs
 (scone_jax.training.steps.make_train_step over the config's mesh, lowered for the shapes of the state and
 the [global_batch, seq_len] batch that scone_jax.training.run.build_abstract gives), so the figures hold
-for `scone_jax.main` with the same config and flags. Prints, per chip: HBM use as XLA plans it (arguments, outputs, temporaries,
-generated code) against the chip's HBM; FLOPs per step from the model formula of
+for `scone_jax.main` with the same config and flags. Prints, per chip: HBM use as XLA plans it (arguments,
+outputs, temporaries, generated code) against the chip's HBM; FLOPs per step from the model formula of
 scone_jax.model.accounting (next to XLA's own count with --config.model.scan_layers=False:
 XLA counts a scanned loop's body once); the step time if the chip ran at its bf16 peak (a
 lower bound: real steps reach maybe 40-60% of it); and the compile time, which a pod pays at

@@ -248,7 +248,8 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
         run = open_run(workdir, config, latest)
         mesh, model, scone = run.mesh, run.model(), config.scone.enabled
         decoder_params = nnx.state(model.decoder if scone else model, nnx.Param)
-        vocab = run.vocab or FgramVocab.empty(config.model.vocab_size, run.tokenizer.fingerprint)
+        vocab = run.vocab if run.vocab is not None else FgramVocab.empty(config.model.vocab_size,
+                                                                         run.tokenizer.fingerprint)
         meta = {
             "format": bundle.FORMAT, "version": bundle.VERSION, "num_fgrams": vocab.num_fgrams,
             "d_model": config.model.d_model, "max_len": vocab.max_len, "dtype": dtype, "chunk_rows": chunk_rows,

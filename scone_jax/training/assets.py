@@ -52,8 +52,8 @@ def ensure_tokenizer(data_cfg, workdir: str,
 def existing_tokenizer(data_cfg, workdir: str) -> tokenizer_lib.Tokenizer:
     """The tokenizer a run was trained with, as it is (data.tokenizer_path, else <workdir>/tokenizer.model), with
     the run's special-id policy: the fingerprint (and the ids an export stores) must be the run's."""
-    return tokenizer_lib.Tokenizer.load(data_cfg.tokenizer_path or workdir_layout.path(workdir, workdir_layout.TOKENIZER),
-                                        tokenizer_lib.special_tokens_of(data_cfg))
+    path = data_cfg.tokenizer_path or workdir_layout.path(workdir, workdir_layout.TOKENIZER)
+    return tokenizer_lib.Tokenizer.load(path, tokenizer_lib.special_tokens_of(data_cfg))
 
 
 def _components(data_cfg) -> list:

@@ -115,8 +115,7 @@ class Run:
     @property
     def expect(self) -> dict:
         """The fingerprints a checkpoint of this run must carry."""
-        return {"tokenizer_fingerprint": self.tokenizer.fingerprint,
-                "fgram_vocab_fingerprint": self.vocab.fingerprint if self.vocab else None}
+        return _expect(self.tokenizer, self.vocab)
 
     @property
     def meta(self) -> dict:
@@ -126,7 +125,7 @@ class Run:
     @functools.cached_property
     def batcher(self):
         """The batch transform that adds each shard's f-grams (fgram/dedup.py), or None without SCONE."""
-        return assets.make_batcher(self.config, self.vocab, self.mesh) if self.vocab else None
+        return assets.make_batcher(self.config, self.vocab, self.mesh) if self.vocab is not None else None
 
     @functools.cached_property
     def train_data(self):
@@ -183,8 +182,7 @@ def build(config, workdir: str, mesh, *, start=RESUME, allow_config_changes=()) 
             check_resume(ckpt, newest, config, allow_config_changes, identity_)
         vocab = _vocab(config, tokenizer, workdir, latest)
         spec = state_lib.state_spec(config, mesh)
-        expect = {"tokenizer_fingerprint": tokenizer.fingerprint,
-                  "fgram_vocab_fingerprint": vocab.fingerprint if vocab else None}
+        expect = _expect(tokenizer, vocab)
         if latest:
             state, saved = state_lib.restore(ckpt, latest.step, config, spec, mesh, expect=expect, meta=latest.meta)
             step = latest.step
@@ -195,6 +193,11 @@ def build(config, workdir: str, mesh, *, start=RESUME, allow_config_changes=()) 
             ckpt.close()
         raise
     return _assemble(config, workdir, mesh, tokenizer, vocab, spec, step, state, saved, ckpt, identity_)
+
+
+def _expect(tokenizer, vocab) -> dict:
+    return {"tokenizer_fingerprint": tokenizer.fingerprint,
+            "fgram_vocab_fingerprint": vocab.fingerprint if vocab is not None else None}
 
 
 def _assemble(config, workdir, mesh, tokenizer, vocab, spec, step, state, saved, ckpt, identity_) -> Run:

@@ -132,7 +132,7 @@ def _train(run: run_lib.Run, owner) -> dict:
         run.close()
         raise
     step, summary = loop.train()
-    if step == config.train.num_steps and is_chief:  # finished (its last checkpoint is written): what launchers wait for
+    if step == config.train.num_steps and is_chief:  # finished, its last checkpoint written: what launchers wait for
         storage.write_bytes(workdir, workdir_layout.DONE,
                             json.dumps({"step": step, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
                             .encode())

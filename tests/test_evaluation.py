@@ -49,7 +49,7 @@ def test_sums_are_float64_in_batch_order_and_stop_at_max_batches(mesh):
     result = evaluation.evaluate(step, batches, mesh, max_batches=2)
     assert (result["batches"], result["tokens"]) == (2, ROWS * 4 + ROWS * 2)
     assert result["loss"] == (2 ** 25 + 1) / 48
-    assert result["perplexity"] == math.exp(50)  # capped (model/losses.py)
+    assert result["perplexity"] == math.exp(50)  # capped (model/scone.py: perplexity)
     assert result["hit_rate"] is None and result["bytes"] == 0 and result["bits_per_byte"] is None
     assert result["tokens_per_s"] > 0  # timed from the second batch
     everything = evaluation.evaluate(step, batches, mesh)

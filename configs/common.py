@@ -1,5 +1,5 @@
 """Helpers the paper configs share: parsing `SIZE[,fgram=..][,fgrams=..][,capacity=..]` variants and
-counts such as '10m', and turning a config into its SCONE variant. Kept here, not in scone_jax/config.py
+counts such as '10m', and turning a config into its SCONE variant. Kept here, not in scone_jax/config_keys.py
 (the schema), since only configs use them. Not a config itself: config files load it by its path (see
 `load_beside` in scone_jax/config.py, as gpt2_paper.py does), as --config loads them by path, not as a package."""
 

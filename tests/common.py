@@ -77,18 +77,20 @@ def run_tool(script: str, args, timeout: float = 600):
 
 
 def training_graph_eval(config, tokenizer, state, mesh, batcher=None) -> dict:
-    """The training loop's held-out loss of `state` (a train state) over config.data's eval split: the eval
-    step training uses, the f-gram model (if any) run on the fly through `batcher`'s rows."""
+    """The training loop's held-out evaluation of `state` (a train state) over config.data's eval split as one
+    set: the eval step training uses, the f-gram model (if any) run on the fly through `batcher`'s rows."""
+    import functools
+
     import jax
 
     from scone_jax.data import pipeline
-    from scone_jax.training import state as state_lib, steps, train
+    from scone_jax.training import evaluation, state as state_lib, steps
 
     spec = state_lib.state_spec(config, mesh)
     batches = pipeline.make_eval_batches(config.data, tokenizer, process_index=jax.process_index(),
                                          process_count=jax.process_count())
-    return train.held_out_loss(steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh), state[0],
-                               batches, mesh, batcher, config.train.eval_batches)
+    step = functools.partial(steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh), state[0])
+    return evaluation.evaluate(step, batches, mesh, rows=batcher, max_batches=config.train.eval_batches)
 
 
 def record_list(workdir: str, split: str = "step") -> list:

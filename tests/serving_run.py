@@ -5,11 +5,16 @@ import os
 
 from scone_jax import sharding
 from scone_jax.data import corpus
-from scone_jax.serving import bundle, export
+from scone_jax.serving import bundle, export, table as table_lib
 from scone_jax.training import assets, checkpoint, state as state_lib
 from tests.common import small_config
 
 _CACHE = {}
+
+
+def ram_table(path: str, expect: dict | None = None) -> table_lib.HostTable:
+    """The table of the finished export at `path`, whole in RAM."""
+    return table_lib.open_table(bundle.Bundle.open(path, expect), table="ram")
 
 
 def scone_config(tokenizer_path):

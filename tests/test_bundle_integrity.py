@@ -15,7 +15,6 @@ import tensorstore as ts
 
 from scone_jax.runtime import storage
 from scone_jax.serving import bundle, export, inference, table as table_lib
-from scone_jax.serving.table import HostTable
 from tests import serving_run
 from tests.common import REPO
 
@@ -80,8 +79,8 @@ def test_deleted_table_file_is_named_and_rerunning_the_export_repairs_it(run, or
     os.remove(os.path.join(bundle_copy, "done", "000000005"))  # the repair the message names
     figures = export.export(run["workdir"], bundle_copy, dtype="float32", chunk_rows=64, batch_rows=512)
     assert figures["rows_computed"] == 512  # the one round holding file 5
-    np.testing.assert_array_equal(HostTable.open(bundle_copy).gather(np.arange(ROWS)),
-                                  HostTable.open(original).gather(np.arange(ROWS)))
+    np.testing.assert_array_equal(serving_run.ram_table(bundle_copy).gather(np.arange(ROWS)),
+                                  serving_run.ram_table(original).gather(np.arange(ROWS)))
     with open(os.path.join(bundle_copy, "COMPLETE")) as a, open(os.path.join(original, "COMPLETE")) as b:
         assert json.load(a)["table"] == json.load(b)["table"]
 
@@ -101,11 +100,11 @@ def test_corrupted_table_file_is_named_with_its_rows_from_disk_and_at_load(bundl
     with pytest.raises(bundle.BundleError, match=r"table/000000000 \(table rows 0\.\.63\) is damaged: table rows "
                                                  r"0\.\.15 hash to [0-9a-f]{8}, its block index records [0-9a-f]{8} "
                                                  r"\(1 more damaged blocks in this file\)"):
-        HostTable.open(bundle_copy)
+        serving_run.ram_table(bundle_copy)
 
 
 def test_deleted_table_directory_stops_generate(bundle_copy, text):
-    """Every table file gone: generate (table in RAM) refuses, counting the files (tried: HostTable.open not
+    """Every table file gone: generate (table in RAM) refuses, counting the files (tried: open_table not
     looking for the files; a bare FileNotFoundError)."""
     shutil.rmtree(os.path.join(bundle_copy, "table"))
     line = one_line_error(cli("generate", bundle_copy, text), "generate")
@@ -140,7 +139,7 @@ def test_deleted_decoder_array_file_is_named_and_repaired(run, bundle_copy, text
     assert export.export(run["workdir"], bundle_copy, dtype="float32", chunk_rows=64, batch_rows=512)[
         "rows_computed"] == 0
     served = inference.load(bundle_copy)
-    assert bundle.params_fingerprint(served.params) == served.meta["model_fingerprint"]
+    assert bundle.params_fingerprint(served.params) == served.bundle.meta["model_fingerprint"]
 
 
 def test_a_missing_decoder_file_behind_a_forged_seal_is_one_line(bundle_copy):
@@ -199,21 +198,21 @@ def test_damaged_file_on_gcs_is_named_and_repaired(run, tmp_path_factory):
     with gcs_emulator.running() as bucket:
         output = f"{bucket}/exports/damaged"
         export.export(run["workdir"], output, dtype="float32", chunk_rows=64, batch_rows=512)
-        want = HostTable.open(output).gather(np.arange(ROWS))
+        want = serving_run.ram_table(output).gather(np.arange(ROWS))
         store = storage.open_store(output)
         good = bytes(store.read(bundle.chunk_key(7)).result().value)
         store.write(bundle.chunk_key(7), b"\0" * (64 * 64 * 4) + good[64 * 64 * 4:]).result()  # rows zeroed
         with pytest.raises(bundle.BundleError, match=f"{output}/table/000000007 .* is damaged: table rows 448..463"):
-            HostTable.open(output)
+            serving_run.ram_table(output)
         with pytest.raises(bundle.BundleError, match=f"{output}/table/000000007 .* is damaged: table rows 464..479"):
-            table_lib.open_table(output, table="disk").gather(np.arange(464, 470))
+            table_lib.open_table(bundle.Bundle.open(output), table="disk").gather(np.arange(464, 470))
         store.delete_range(_key_range(bundle.chunk_key(7))).result()
         with pytest.raises(bundle.BundleError, match=f"{output}/table/000000007 .* is missing"):
-            table_lib.open_table(output, table="disk")
+            table_lib.open_table(bundle.Bundle.open(output), table="disk")
         store.delete_range(_key_range(bundle.done_key(7))).result()
         assert export.export(run["workdir"], output, dtype="float32", chunk_rows=64, batch_rows=512)[
             "rows_computed"] == 512
-        np.testing.assert_array_equal(HostTable.open(output).gather(np.arange(ROWS)), want)
+        np.testing.assert_array_equal(serving_run.ram_table(output).gather(np.arange(ROWS)), want)
 
 
 def _key_range(key):

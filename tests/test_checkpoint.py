@@ -5,7 +5,8 @@ import pytest
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.training import checkpoint, checksums, state as state_lib
+from scone_jax.runtime import checksums
+from scone_jax.training import checkpoint, state as state_lib
 from tests.common import small_config
 
 

@@ -59,8 +59,8 @@ def test_rows_from_disk_equal_the_rows_in_ram_bit_for_bit(bf16_export, stored, h
     Caught: a row's place in its block dropped (`rows % block_rows` -> 0: the block's first row everywhere);
     blocks matched to the wrong rows (np.unique's inverse unused); the head off by one (`flat >= head_rows` as
     `>`: row head_rows looked up in the head, an IndexError); the head's rows never copied out (garbage rows)."""
-    ram = table_lib.open_table(bf16_export, table="ram")
-    disk = table_lib.open_table(bf16_export, table="disk", max_bytes=index_bytes(bf16_export) + head)
+    ram = serving_run.ram_table(bf16_export)
+    disk = table_lib.open_table(bundle.Bundle.open(bf16_export), table="disk", max_bytes=index_bytes(bf16_export) + head)
     assert not disk.in_ram and disk.direct and disk.head_rows == head // 128
     rng = np.random.default_rng(0)
     batches = [np.array([[0]]), np.array([[1999]]), np.array([-1, 5, 5, 1998]), rng.integers(-1, 2000, (3, 5000)),
@@ -89,7 +89,7 @@ def test_rows_that_do_not_tile_a_page_are_read_whole(tmp_path):
     path = str(tmp_path / "odd")
     meta = write_table_bundle(path, lambda lo, hi: rows[lo:hi], 5000, 48, "float32", 96)
     assert (meta["block_rows"], meta["chunk_rows"]) == (16, 96)
-    disk = table_lib.open_table(path, table="disk")
+    disk = table_lib.open_table(bundle.Bundle.open(path), table="disk")
     assert disk.direct
     ids = np.random.default_rng(2).permutation(5000)
     np.testing.assert_array_equal(bits(disk.gather(ids)), bits(rows[ids]))
@@ -112,7 +112,7 @@ def test_a_flipped_byte_names_its_rows_and_no_wrong_row_is_served(bf16_export, s
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
-    disk = table_lib.open_table(path, table="disk")
+    disk = table_lib.open_table(bundle.Bundle.open(path), table="disk")
     where = rf"{name} \(table rows 640\.\.703\) is damaged: table rows 672\.\.703 hash to [0-9a-f]{{8}}, its block " \
             r"index records [0-9a-f]{8}\. Fix: delete the done marker of each bad file \(" + f"{path}/done/000000010"
     with pytest.raises(bundle.BundleError, match=where):
@@ -124,7 +124,7 @@ def test_a_flipped_byte_names_its_rows_and_no_wrong_row_is_served(bf16_export, s
     disk.close()
     with pytest.raises(bundle.BundleError, match=rf"{name} \(table rows 640\.\.703\) is damaged: table rows 672\.\.703 "
                                                  r"hash to [0-9a-f]{8}, its block index records"):
-        table_lib.open_table(path, table="ram")
+        serving_run.ram_table(path)
 
     with open(name, "r+b") as f:  # restore the row; damage the block index (after the 64 rows of 128 bytes)
         f.seek((700 - 640) * 128 + 17)
@@ -135,8 +135,8 @@ def test_a_flipped_byte_names_its_rows_and_no_wrong_row_is_served(bf16_export, s
         f.write(bytes([index_byte[0] ^ 0x01]))
     with pytest.raises(bundle.BundleError, match=rf"{name} \(table rows 640\.\.703\) has a damaged block index: it "
                                                  r"hashes to [0-9a-f]{8}, COMPLETE records"):
-        table_lib.open_table(path, table="disk")
-    assert table_lib.open_table(path, table="ram").gather(np.array([700])).shape == (1, 64)  # rows intact
+        table_lib.open_table(bundle.Bundle.open(path), table="disk")
+    assert serving_run.ram_table(path).gather(np.array([700])).shape == (1, 64)  # rows intact
 
 
 def test_missing_or_short_file_is_one_line_and_a_reader_writes_nothing(bf16_export, tmp_path):
@@ -151,7 +151,7 @@ def test_missing_or_short_file_is_one_line_and_a_reader_writes_nothing(bf16_expo
     before = snapshot(path)
     for mode in ("disk", "ram"):
         with pytest.raises(bundle.BundleError) as error:
-            table_lib.open_table(path, table=mode)
+            table_lib.open_table(bundle.Bundle.open(path), table=mode)
         assert str(error.value).startswith(
             f"{path}/table/000000005 (table rows 320..383) is missing; 1 more table files are bad. Fix: delete the done "
             f"marker of each bad file ({path}/done/000000005, {path}/done/000000007), then re-run `python -m "
@@ -162,7 +162,7 @@ def test_missing_or_short_file_is_one_line_and_a_reader_writes_nothing(bf16_expo
     before = snapshot(path)
     with pytest.raises(bundle.BundleError, match=r"table/000000007 \(table rows 448\.\.511\) is 1000 bytes, not the "
                                                  r"8200 its rows and block index take \(truncated or replaced\)"):
-        table_lib.open_table(path, table="disk")
+        table_lib.open_table(bundle.Bundle.open(path), table="disk")
     assert snapshot(path) == before
 
 
@@ -177,7 +177,7 @@ def test_bad_input_is_one_line_or_a_note(bf16_export, tmp_path, monkeypatch, cap
     with pytest.raises(ValueError, match=f"--max_table_bytes={need - 1:,} is less than the {need:,} bytes the block "
                                          f"index of {bf16_export}'s table \\(63 blocks\\) must keep in RAM to serve "
                                          f"rows from disk. Fix: raise --max_table_bytes to at least {need:,}"):
-        table_lib.open_table(bf16_export, table="disk", max_bytes=need - 1)
+        table_lib.open_table(bundle.Bundle.open(bf16_export), table="disk", max_bytes=need - 1)
 
     old = str(tmp_path / "old")
     shutil.copytree(bf16_export, old)
@@ -189,12 +189,12 @@ def test_bad_input_is_one_line_or_a_note(bf16_export, tmp_path, monkeypatch, cap
                                                  r"be read a row at a time; this code reads 'scone_export' v2\. Fix: "
                                                  r"export the run again with this version: `python -m "
                                                  r"scone_jax\.serving\.export --workdir=RUN --output=NEW_PATH`"):
-        table_lib.open_table(old, table="disk")
+        table_lib.open_table(bundle.Bundle.open(old), table="disk")
 
     empty = str(tmp_path / "decoder_only")
     write_table_bundle(empty, lambda lo, hi: np.zeros((hi - lo, 64), np.float32), 0, 64, "float32", 64)
     caplog.set_level("WARNING")
-    served = table_lib.open_table(empty, table="disk")
+    served = table_lib.open_table(bundle.Bundle.open(empty), table="disk")
     assert "Note: --table=disk, but the export at" in caplog.text and "no f-gram table" in caplog.text
     assert served.gather(np.full((2, 3), -1)).shape == (2, 3, 64)
 
@@ -207,12 +207,12 @@ def test_bad_input_is_one_line_or_a_note(bf16_export, tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(table_files.os, "open", no_direct)
     caplog.clear()
-    disk = table_lib.open_table(bf16_export, table="disk")
+    disk = table_lib.open_table(bundle.Bundle.open(bf16_export), table="disk")
     assert not disk.direct
     assert "cannot be read with O_DIRECT and kernel AIO (Invalid argument); table rows are read through the page " \
            "cache instead" in caplog.text
     ids = np.random.default_rng(3).integers(-1, 2000, (4, 700))
-    np.testing.assert_array_equal(bits(disk.gather(ids)), bits(table_lib.open_table(bf16_export).gather(ids)))
+    np.testing.assert_array_equal(bits(disk.gather(ids)), bits(table_lib.open_table(bundle.Bundle.open(bf16_export)).gather(ids)))
     disk.close()
     assert snapshot(bf16_export) == before
 
@@ -272,9 +272,9 @@ def test_more_files_than_the_process_may_open_is_one_line(tmp_path, monkeypatch)
     with pytest.raises(OSError, match=f"the table at {path} needs 856 open files, more than this process may open "
                                       r"\(hard limit 800\)\. Fix: raise the limit"):
         limits["hard"] = 800
-        table_lib.open_table(path, table="disk")
+        table_lib.open_table(bundle.Bundle.open(path), table="disk")
     limits["hard"] = 4096
-    disk = table_lib.open_table(path, table="disk")
+    disk = table_lib.open_table(bundle.Bundle.open(path), table="disk")
     assert disk.direct and (disk.files.fds < 0).all()  # one descriptor a file once reading with O_DIRECT
     disk.close()
     assert raised == [(856, 4096)]

@@ -13,11 +13,22 @@ from scone_jax.data import eval_sets
 from tests.common import small_config
 
 
-def test_unnamed_values_are_one_set_and_named_ones_keep_their_order():
-    assert eval_sets.parse("") == {"": ""}
-    assert eval_sets.parse("/d/a/*.txt,/d/b.txt") == {"": "/d/a/*.txt,/d/b.txt"}
+def test_unnamed_values_are_one_set_and_named_ones_are_the_sets():
+    assert eval_sets.parse("") is None and eval_sets.parse("/d/a/*.txt,/d/b.txt") is None
     assert eval_sets.parse("web=/d/web/*.jsonl,/d/w2.jsonl; books = /d/books/*.jsonl.gz;") == {
         "web": "/d/web/*.jsonl,/d/w2.jsonl", "books": "/d/books/*.jsonl.gz"}
+    config = small_config()
+    config.data.eval_files = "/d/a/*.txt,/d/b.txt"
+    config_lib.validate(config)
+    assert eval_sets.configs(config.data) == {"": config.data} and config.data.eval_files == "/d/a/*.txt,/d/b.txt"
+    config.data.eval_files = "web=/d/web/*.jsonl,/d/w2.jsonl; books = /d/books/*.jsonl.gz;"
+    config_lib.validate(config)
+    assert config.data.eval_files == "" and config.data.eval_sets.to_dict() == {
+        "web": "/d/web/*.jsonl,/d/w2.jsonl", "books": "/d/books/*.jsonl.gz"}
+    per_set = eval_sets.configs(config.data)
+    assert list(per_set) == ["books", "web"]  # name order
+    assert [(c.eval_files, dict(c.eval_sets)) for c in per_set.values()] == [
+        ("/d/books/*.jsonl.gz", {}), ("/d/web/*.jsonl,/d/w2.jsonl", {})]
 
 
 @pytest.mark.parametrize("value,message", [
@@ -64,7 +75,7 @@ def test_training_evaluates_each_named_set_as_alone_and_logs_the_average(tmp_pat
     for name in ("first", "second"):
         alone_config = config.copy_and_resolve_references()
         with alone_config.unlocked():
-            alone_config.data.eval_files = str(tmp_path / f"{name}.txt")
+            alone_config.data.eval_files, alone_config.data.eval_sets = str(tmp_path / f"{name}.txt"), {}
         alone = training_graph_eval(alone_config, tokenizer, state, mesh)
         got = records[name][0]
         assert got["tokens"] == alone["tokens"] > 500

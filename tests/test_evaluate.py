@@ -68,6 +68,11 @@ def test_offloaded_perplexity_equals_the_training_graph(tmp_path_factory, text, 
     served = inference.load(serving_run.exported(tmp_path_factory, "float32"))
     data = evaluate.data_config(served, overrides(text)).data
     result = evaluate.evaluate(served, data)
+    # One loop (training/evaluation.py): the training graph's figures come in the same shape, and its f-gram
+    # batcher's matches hit where the table's do. Catches (tried): serving.evaluate passing the table's rows
+    # only when use_table is False (a hit rate of None against the training graph's 0.3..1).
+    assert set(result) - {"use_table"} == set(training_graph_eval)
+    assert result["hit_rate"] == training_graph_eval["hit_rate"]
     check_counts(result, training_graph_eval, text)
     np.testing.assert_allclose(result["perplexity"], training_graph_eval["perplexity"], rtol=1e-5)
     baseline = evaluate.evaluate(served, data, use_table=False)  # the table matters: T(token) alone scores differently

@@ -12,7 +12,6 @@ from flax import nnx
 
 from scone_jax import sharding
 from scone_jax.serving import bundle, export
-from scone_jax.serving.table import HostTable
 from scone_jax.training import state as state_lib
 from tests import serving_run
 from tests.common import REPO, small_config, training_graph_eval
@@ -36,9 +35,8 @@ def reference_rows(run, rows):
     like: each row inside the same 512-row batch, sharded over the same devices as the export computes it.
     A 6-row batch on one device reduces in another order: 1 of 384 fp32 elements then differs by ~1e-6 on
     some CPUs, so anything short of this comparison needs a tolerance that would hide a row off by a little."""
-    r = export.Run(run["workdir"])
-    mesh = sharding.make_mesh(r.config.mesh)
-    model = r.restore_model(mesh)
+    r = export.open_run(run["workdir"])
+    mesh, model = r.mesh, r.model()
     r.close()
     graphdef, params = nnx.split(model)
     embed = sharding.under_mesh(mesh, jax.jit(lambda p, t, n: nnx.merge(graphdef, p).fgram_embeddings(t, n)))
@@ -51,12 +49,12 @@ def reference_rows(run, rows):
 
 
 def test_export_writes_the_fgram_model_outputs_and_a_complete_bundle(run, fp32_export):
-    meta = bundle.open_complete(fp32_export)
+    meta = bundle.Bundle.open(fp32_export).meta
     vocab = run["vocab"]
     assert (meta["num_fgrams"], meta["d_model"], meta["max_len"], meta["dtype"]) == (vocab.num_fgrams, 64, 4, "float32")
     assert meta["fgram_vocab_fingerprint"] == vocab.fingerprint
     assert meta["tokenizer_fingerprint"] == run["tokenizer"].fingerprint
-    table = HostTable.open(fp32_export)
+    table = serving_run.ram_table(fp32_export)
     rows = np.array([0, 1, 63, 64, 999, vocab.num_fgrams - 1])
     np.testing.assert_array_equal(table.gather(rows), reference_rows(run, rows))
     assert np.abs(table.gather(np.arange(vocab.num_fgrams))).sum(1).min() > 0  # no row left unwritten
@@ -73,12 +71,12 @@ def test_interrupted_export_is_refused_by_readers_and_resumes_only_missing_chunk
         with open(os.path.join(path, "table", f"{chunk:09d}"), "wb") as f:
             f.write(b"\0" * 1000)  # what an interrupted write might leave
     with pytest.raises(bundle.BundleError, match="unfinished export"):
-        HostTable.open(path)
+        serving_run.ram_table(path)
 
     figures = export.export(run["workdir"], path, dtype="float32", chunk_rows=64, batch_rows=512)
     assert figures["rows_computed"] == 512  # one batch recomputed, the other three skipped
-    np.testing.assert_array_equal(HostTable.open(path).gather(np.arange(2000)),
-                                  HostTable.open(fp32_export).gather(np.arange(2000)))
+    np.testing.assert_array_equal(serving_run.ram_table(path).gather(np.arange(2000)),
+                                  serving_run.ram_table(fp32_export).gather(np.arange(2000)))
     assert export.export(run["workdir"], path, dtype="float32", chunk_rows=64, batch_rows=512)["rows_computed"] == 0
 
 
@@ -92,8 +90,8 @@ def test_files_filled_over_several_steps_hold_the_same_rows(run, fp32_export, tm
     assert sorted(os.listdir(os.path.join(path, "table"))) == [f"{c:09d}" for c in range(8)]
     assert os.path.getsize(os.path.join(path, "table", "000000007")) == 208 * 256 + 13 * 4  # rows, 13 block CRCs
     rows = np.arange(2000)
-    np.testing.assert_array_equal(HostTable.open(path).gather(rows).view(np.uint32),
-                                  HostTable.open(fp32_export).gather(rows).view(np.uint32))
+    np.testing.assert_array_equal(serving_run.ram_table(path).gather(rows).view(np.uint32),
+                                  serving_run.ram_table(fp32_export).gather(rows).view(np.uint32))
 
 
 def test_export_never_overwrites_a_different_export(run, fp32_export, tmp_path):
@@ -134,7 +132,7 @@ def test_a_run_without_scone_exports_a_decoder_only_bundle_served_like_any_other
     assert result.returncode == 0, result.stderr[-2000:]
     assert "exported 0 f-grams" in result.stdout
     served = inference.load(str(tmp_path / "out"))
-    assert served.meta["num_fgrams"] == 0 and served.meta["fgram_model_fingerprint"] is None
+    assert served.bundle.meta["num_fgrams"] == 0 and served.bundle.meta["fgram_model_fingerprint"] is None
     config.train.eval_batches = 0
     served_eval = evaluate.evaluate(served, config.data)
     assert served_eval["hit_rate"] == 0.0

@@ -168,7 +168,9 @@ def _other_value(value, dotted=""):
         return not value
     if isinstance(value, (int, float)):
         return value + 7
-    return {"train.profile_steps": "1:2", "model.dtype": "bfloat16", "model.param_dtype": "bfloat16"}.get(
+    return {"train.profile_steps": "1:2", "model.dtype": "bfloat16", "model.param_dtype": "bfloat16",
+            "data.eval_sets": {"web": "/d/web/*.jsonl"},
+            "data.mixture": {"web": {"files": "/d/web/*.jsonl", "weight": 1.0, "order": 0}}}.get(
         dotted, f"{value}-changed")
 
 

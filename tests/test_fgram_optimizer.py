@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from scone_jax import config as config_lib, sharding
-from scone_jax.training import checkpoint, optimizer, state as state_lib, steps, train
+from scone_jax.training import checkpoint, optimizer, run as run_lib, state as state_lib, steps
 from tests.common import random_batch, run_main, small_config
 from tests.scone_batches import K, production_batch
 
@@ -171,12 +171,12 @@ def test_a_resume_that_changes_the_gate_or_the_multiplier_is_refused_naming_the_
     ckpt.save(3, {"x": jnp.zeros(2)}, {"config": saved.to_dict(), "train_data": {}})
     config = small_config()
     config.scone.enabled = True
-    train._check_resume_config(ckpt, config, set(), {})  # unchanged: resumes
+    run_lib.check_resume(ckpt, (3, ckpt.read_checkpoint_meta(3)), config, set(), {})  # unchanged: resumes
     config.scone[key] = value
     with pytest.raises(checkpoint.CheckpointMismatchError,
                        match=rf"/3 with a config that changes .*: scone\.{key}: {saved.scone[key]!r} -> {value!r}\. "
                              rf".*--allow_config_change=scone\.{key}\.$"):
-        train._check_resume_config(ckpt, config, set(), {})
+        run_lib.check_resume(ckpt, (3, ckpt.read_checkpoint_meta(3)), config, set(), {})
     ckpt.close()
 
 

@@ -32,7 +32,7 @@ def test_export_to_gcs_evaluates_like_the_local_export(tmp_path_factory, bucket)
     remote = inference.load(output)
     ids = np.arange(2000)
     np.testing.assert_array_equal(remote.table.gather(ids), local.table.gather(ids))
-    on_demand = table_lib.open_table(output, table="disk", max_bytes=2 * 64 * 64 * 4)  # ranged reads from GCS
+    on_demand = table_lib.open_table(bundle.Bundle.open(output), table="disk", max_bytes=2 * 64 * 64 * 4)  # ranged reads from GCS
     assert not on_demand.in_ram and on_demand.head_rows == 112  # what the budget leaves after the 500-byte index
     mixed = np.concatenate([ids[::7], [-1, 0, 1999, 1999]])  # the head's rows and ranged reads of 16-row blocks
     np.testing.assert_array_equal(on_demand.gather(mixed), local.table.gather(mixed))

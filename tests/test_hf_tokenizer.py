@@ -6,7 +6,7 @@ with a tokenizer.json.
 Deliberate bugs these tests were run against once (each made the named test fail):
   - the fingerprint hashing only the file, not the resolved ids
     (test_fingerprint_changes_with_the_file_and_with_the_policy_not_with_the_path);
-  - export.Run loading the tokenizer without the run's data.*_token overrides
+  - the export's run (then export.Run) loading the tokenizer without the run's data.*_token overrides
     (test_scone_run_with_a_tokenizer_json_trains_exports_and_serves_with_the_runs_ids: the export refused
     the run's own f-gram vocabulary, whose fingerprint has the overridden ids);
   - encode leaving the library's default of matching special tokens inside text
@@ -303,7 +303,7 @@ def test_scone_run_with_a_tokenizer_json_trains_exports_and_serves_with_the_runs
     tok = served.tokenizer
     assert (tok.kind, tok.special_ids, tok.fingerprint) == ("huggingface", {"bos": 2, "eos": 2, "pad": 0},
                                                             run_tok.fingerprint)
-    assert served.meta["tokenizer_fingerprint"] == run_tok.fingerprint != Tokenizer.load(llama_json).fingerprint
+    assert served.bundle.meta["tokenizer_fingerprint"] == run_tok.fingerprint != Tokenizer.load(llama_json).fingerprint
     # Bits per byte on a small held-out text file, decoded generation.
     held_out = tmp_path / "held_out.txt"
     held_out.write_text("\n".join(list(corpus.kjv_documents("eval", 0.02)[:30]) + [AWKWARD_TEXTS[3]]) + "\n")

@@ -14,10 +14,17 @@ from tests.common import REPO, small_config
 
 def test_a_plain_glob_list_is_no_mixture_and_weights_are_relative():
     assert mixture.parse("/d/a/*.txt,/d/b.txt") is None and mixture.parse("") is None
-    got = mixture.parse("web=/d/web/*.jsonl,/d/w2.jsonl@3; books=/d/books/*.jsonl.gz@1")
+    assert mixture.parse("web=/d/web/*.jsonl,/d/w2.jsonl@3; books=/d/books/*.jsonl.gz@1") == {
+        "web": {"files": "/d/web/*.jsonl,/d/w2.jsonl", "weight": 3.0, "order": 0},
+        "books": {"files": "/d/books/*.jsonl.gz", "weight": 1.0, "order": 1}}
+    data = config_lib.resolve_data({"train_files": "web=/d/web/*.jsonl,/d/w2.jsonl@3; books=/d/books/*.jsonl.gz@1"})
+    got = mixture.components(ml_collections.ConfigDict(data))
     assert [(c.name, c.files, c.weight) for c in got] == [("web", "/d/web/*.jsonl,/d/w2.jsonl", 0.75),
                                                            ("books", "/d/books/*.jsonl.gz", 0.25)]
-    assert mixture.all_files("web=/a@1;books=/b,/c@1") == "/a,/b,/c"
+    assert data["train_files"] == "" and mixture.all_files(ml_collections.ConfigDict(data)) == (
+        "/d/web/*.jsonl,/d/w2.jsonl,/d/books/*.jsonl.gz")
+    plain = ml_collections.ConfigDict(config_lib.resolve_data({"train_files": "/d/a/*.txt"}))
+    assert mixture.components(plain) is None and mixture.all_files(plain) == "/d/a/*.txt"
 
 
 @pytest.mark.parametrize("value,message", [
@@ -43,7 +50,7 @@ def test_bad_mixtures_are_refused_before_anything_runs(value, message):
 
 def test_a_component_of_exactly_one_row_per_period_is_accepted_and_gets_it():
     """The refusal's threshold is the schedule's own: 1/4096 of the weight is one row per period, not zero."""
-    components = mixture.parse(f"web=/a@{mixture.PERIOD - 1};books=/b@1")
+    components = mixture.components(_resolved(f"web=/a@{mixture.PERIOD - 1};books=/b@1"))
     assert components[1].weight == 1 / mixture.PERIOD
     owner, _ = mixture.Schedule([c.weight for c in components], seed=0).rows(0, 3 * mixture.PERIOD)
     assert [int((owner[p * mixture.PERIOD:(p + 1) * mixture.PERIOD] == 1).sum()) for p in range(3)] == [1, 1, 1]
@@ -75,6 +82,10 @@ def test_the_training_job_refuses_a_bad_mixture_in_one_line_before_writing_anyth
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Fix:" in lines[0], result.stderr[-3000:]
     assert not workdir.exists() or not os.listdir(workdir)
+
+
+def _resolved(train_files):
+    return ml_collections.ConfigDict(config_lib.resolve_data({"train_files": train_files}))
 
 
 def test_periods_are_dealt_in_different_orders_fixed_by_seed_and_period():
@@ -126,11 +137,12 @@ def two_corpora(tmp_path):
 
 
 def _cfg(tmp_path, **overrides):
+    """The data config of `--config.data.train_files='a=...@3;b=...@1'`, resolved (data.mixture) as a run's is."""
     cfg = dict(source="arrayrecord", train_files=f"a={tmp_path}/a.arrayrecord@3;b={tmp_path}/b.arrayrecord@1",
                eval_files="", text_field="text", document_unit="line", eval_fraction=0.02, tokenizer_path="",
                vocab_size=500, seq_len=16, global_batch_size=4, shuffle_seed=3, worker_count=0, prefetch_buffer=2)
     cfg.update(overrides)
-    return ml_collections.ConfigDict(cfg)
+    return ml_collections.ConfigDict(config_lib.resolve_data(cfg))
 
 
 def test_each_row_is_its_components_next_stretch_of_its_own_stream(two_corpora, tok):
@@ -138,7 +150,7 @@ def test_each_row_is_its_components_next_stretch_of_its_own_stream(two_corpora, 
     of a batch interleave (the stream: c's documents alone, its own shuffle, its own epochs)."""
     cfg = _cfg(two_corpora)
     build = pipeline.batch_builder(cfg, tok)
-    components = mixture.parse(cfg.train_files)
+    components = mixture.components(cfg)
     streams = []
     for i, c in enumerate(components):
         part = mixture.component_config(cfg, c)
@@ -225,3 +237,47 @@ def test_training_on_a_mixture_records_each_components_tokens(two_corpora, token
         assert (r["mix/tokens_a"], r["mix/tokens_b"]) == (16.0 * (owner == 0).sum(), 16.0 * (owner == 1).sum())
     logged = record_list(str(tmp_path / "run"), "train")
     assert logged[-1]["mix/tokens_a"] + logged[-1]["mix/tokens_b"] == 2 * 16 * 16  # the window's two steps
+
+
+def test_a_config_file_mixture_gives_the_shorthands_rows_in_its_written_order(two_corpora, tok):
+    """data.mixture set as a config file does (a dict, its names out of alphabetical order) is resolved to what
+    the shorthand gives, and both build the same batches, byte for byte; the component dealt first is the one of
+    order 0 ('zeta': b's tokens, weight 3), not the first by name. Caught: mixture.components ordering the
+    components by name (`sorted(group.items())`: 'alpha' dealt first, with weight 1/4)."""
+    short = _cfg(two_corpora, train_files=f"zeta={two_corpora}/b.arrayrecord@3;alpha={two_corpora}/a.arrayrecord@1")
+    config = small_config()
+    config.data.update(dict(source="arrayrecord", seq_len=16, global_batch_size=4, shuffle_seed=3))
+    config.data.mixture = {"alpha": {"files": f"{two_corpora}/a.arrayrecord", "weight": 1, "order": 1},
+                           "zeta": {"files": f"{two_corpora}/b.arrayrecord", "weight": 3.0, "order": 0}}
+    config_lib.validate(config)
+    assert config.data.mixture.to_dict() == short.mixture.to_dict() and config.data.train_files == ""
+    assert [c.name for c in mixture.components(config.data)] == ["zeta", "alpha"]
+    by_group, by_shorthand = pipeline.batch_builder(config.data, tok), pipeline.batch_builder(short, tok)
+    owners = []
+    for b in range(12):
+        got, want = by_group(b), by_shorthand(b)
+        for key, array in want.arrays().items():
+            assert array.tobytes() == getattr(got, key).tobytes(), (b, key)
+        zeta_rows = got.inputs[got.row_source == 0]
+        assert ((zeta_rows == tok.bos_id) | ((zeta_rows >= 300) & (zeta_rows < 350))).all()  # b's tokens
+        owners.append(got.row_source)
+    np.testing.assert_array_equal(np.concatenate(owners), mixture.Schedule([0.75, 0.25], 3).rows(0, 48)[0])
+
+
+@pytest.mark.parametrize("group,message", [
+    ({"web": {"files": "/a", "weight": 1.0, "order": 0}, "books": {"files": "/b", "weight": 1.0, "order": 0}},
+     "the components' orders are [0, 0], not 0, 1, ... once each"),
+    ({"web": {"files": "/a", "weight": -2.0, "order": 0}}, "component 'web' has files '/a' and weight -2.0"),
+    ({"web": {"files": "", "weight": 1.0, "order": 0}}, "component 'web' has files '' and weight 1.0"),
+    ({"web": {"files": "/a", "weight": 1.0}}, "component 'web' is"),
+    ({"web": {"files": "/a", "weight": 1.0, "order": 0}, "books": {"files": "/b", "weight": 1e-4, "order": 1}},
+     "data.mixture: component 'books' has 0.0001 of the total weight, below 1/4096"),
+])
+def test_a_bad_config_file_mixture_is_refused_naming_the_component(group, message):
+    """The group's own checks, in the words of data.mixture. Caught: the orders left unchecked (two components
+    of order 0 resolved, and dealt in whichever order the ConfigDict's sorted names gave)."""
+    config = small_config()
+    config.data.mixture = group
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        config_lib.validate(config)
+    assert "Fix:" in str(e.value) and "\n" not in str(e.value)

@@ -18,7 +18,6 @@ import pytest
 
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
 from scone_jax.serving import bundle, inference
-from scone_jax.serving.table import HostTable
 from tests import multihost_worker as worker, serving_run
 from tests.common import free_port, main_process_argv as cli, run_processes
 
@@ -174,10 +173,10 @@ def test_export_from_two_processes_equals_the_one_process_export(tmp_path_factor
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     assert "exported 2,000 f-grams" in results[0].stdout and "exported" not in results[1].stdout
-    got, want = bundle.open_complete(output), bundle.open_complete(reference)
+    got, want = bundle.Bundle.open(output).meta, bundle.Bundle.open(reference).meta
     assert got == want  # same fingerprints of model, vocabulary and tokenizer; same shape and dtype
     rows = np.arange(run["vocab"].num_fgrams)
-    np.testing.assert_array_equal(HostTable.open(output).gather(rows), HostTable.open(reference).gather(rows))
+    np.testing.assert_array_equal(serving_run.ram_table(output).gather(rows), serving_run.ram_table(reference).gather(rows))
     assert sorted(os.listdir(os.path.join(output, "done"))) == sorted(os.listdir(os.path.join(reference, "done")))
     # The decoder both processes saved hashes to the fingerprint the table was exported with.
-    assert inference.load(output).meta["model_fingerprint"] == want["model_fingerprint"]
+    assert inference.load(output).bundle.meta["model_fingerprint"] == want["model_fingerprint"]

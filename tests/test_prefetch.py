@@ -1,11 +1,11 @@
-"""serving/prefetch.py's DispatchWindow, counted: how many programs are in flight at each dispatch. (That the
+"""runtime/prefetch.py's DispatchWindow, counted: how many programs are in flight at each dispatch. (That the
 window keeps XLA:CPU from deadlocking under load is tests/test_table.py's process test.)"""
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from scone_jax.serving.prefetch import DispatchWindow
+from scone_jax.runtime.prefetch import DispatchWindow
 
 
 class _Outputs:

@@ -171,7 +171,7 @@ def test_plot_quality_rebuilds_the_tables_from_records_and_refuses_bad_input_in_
     page.write_text("prose\n<!-- records:all -->\n<!-- /records -->\n")
     result = run_tool("tools/plot_quality.py", [f"--records={path}", f"--markdown={page}", "--png="])
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "| `baseline` | 10.0M | 0.002 |  | 1 | 50.98 (40.98) | cpu | abc1234 |  |" in page.read_text()
+    assert "| `baseline` | linux_doc | 10.0M | 0.002 |  | 1 | 50.98 (40.98) | cpu | abc1234 |  |" in page.read_text()
     page.write_text("<!-- records:10m -->\n<!-- /records -->\n")
     refused = run_tool("tools/plot_quality.py", [f"--records={path}", f"--markdown={page}", "--png="])
     assert refused.returncode == 2 and "Traceback" not in refused.stderr

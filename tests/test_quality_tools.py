@@ -13,6 +13,7 @@ import pytest
 
 from scone_jax.study import protocol as quality_protocol, records as quality_records, runs as quality_runs
 from tests.common import REPO, run_tool
+from scone_jax.study import geometry
 from tools import embedding_scale, split_corpus
 
 
@@ -329,7 +330,7 @@ def test_embedding_scale_reads_final_norm_rows_against_the_token_rows(tmp_path_f
 
     path = serving_run.exported(tmp_path_factory, "float32")
     fgram_rows, token_rows = embedding_scale.rows(path)
-    fgram, token = embedding_scale.mean_norm(fgram_rows), embedding_scale.mean_norm(token_rows)
+    fgram, token = geometry.mean_norm(fgram_rows), geometry.mean_norm(token_rows)
     d, init_std = 64, 0.5  # tests/serving_run.py's model
     assert abs(fgram - d ** 0.5) < 0.01 * d ** 0.5
     assert abs(token - init_std * d ** 0.5) < 0.05 * init_std * d ** 0.5
@@ -337,10 +338,10 @@ def test_embedding_scale_reads_final_norm_rows_against_the_token_rows(tmp_path_f
     assert result.returncode == 0, result.stderr[-2000:]
     name = embedding_scale.export_name(path)
     assert f"RESULT fgram_over_token_{name} {fgram / token:.4f}" in result.stdout
-    assert f"RESULT token_row_alignment_{name} {embedding_scale.alignment(token_rows):.4f}" in result.stdout
+    assert f"RESULT token_row_alignment_{name} {geometry.alignment(token_rows):.4f}" in result.stdout
     # model.embedding_multiplier travels with the export and scales the token rows the decoder reads
     scaled = serving_run.exported_variant(tmp_path_factory, "multiplier3", embedding_multiplier=3.0)
-    fgram_scaled, token_scaled = (embedding_scale.mean_norm(x) for x in embedding_scale.rows(scaled))
+    fgram_scaled, token_scaled = (geometry.mean_norm(x) for x in embedding_scale.rows(scaled))
     assert abs(token_scaled - 3 * init_std * d ** 0.5) < 0.05 * 3 * init_std * d ** 0.5
     assert abs(fgram_scaled - d ** 0.5) < 0.01 * d ** 0.5
 
@@ -352,13 +353,13 @@ def test_alignment_is_one_for_collapsed_rows_and_small_for_unrelated_ones():
     rng = np.random.default_rng(0)
     direction = rng.normal(size=64)
     collapsed = np.outer(rng.uniform(1, 5, 100), direction)
-    assert abs(embedding_scale.alignment(np.vstack([collapsed, np.zeros((3, 64))])) - 1) < 1e-6
+    assert abs(geometry.alignment(np.vstack([collapsed, np.zeros((3, 64))])) - 1) < 1e-6
     unrelated = rng.normal(size=(10_000, 64))
-    assert abs(embedding_scale.alignment(unrelated) - 0.01) < 0.005
+    assert abs(geometry.alignment(unrelated) - 0.01) < 0.005
     offset = 3 * np.sqrt(64) * direction / np.linalg.norm(direction)
     own = rng.normal(size=(10_000, 64)) * 100  # long rows, offset relative to each row's own scale below
     own = own / np.linalg.norm(own, axis=1, keepdims=True) * np.sqrt(64)
-    assert abs(embedding_scale.alignment(own + offset) - 3 / np.sqrt(10)) < 0.02
+    assert abs(geometry.alignment(own + offset) - 3 / np.sqrt(10)) < 0.02
 
 
 @pytest.mark.slow
@@ -411,5 +412,11 @@ def test_trace_steps_replays_a_run_through_the_production_step(tmp_path_factory)
 
     missing = run_tool("tools/trace_steps.py", [f"--run={tmp_path_factory.mktemp('empty')}"])
     assert missing.returncode == 2 and "config.json" in missing.stderr and "Traceback" not in missing.stderr
-    unknown = run_tool("tools/trace_steps.py", [f"--run={replay}", "--override=train.sed=1"])
+    # --config.KEY=VALUE replays under another setting: another init seed, another first loss (caught: the
+    # overrides read but never set on the run's config, which replayed the run's own seed).
+    reseeded = run_tool("tools/trace_steps.py", [f"--run={replay}", "--steps=1", f"--output={output}",
+                                                 "--config.train.seed=7"])
+    assert reseeded.returncode == 0, reseeded.stderr[-2000:]
+    assert json.loads(open(output).readline())["loss"] != records[0]["loss"]
+    unknown = run_tool("tools/trace_steps.py", [f"--run={replay}", "--config.train.sed=1"])
     assert unknown.returncode == 2 and "train.sed" in unknown.stderr and "Traceback" not in unknown.stderr

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from scone_jax.serving import bundle, export
-from scone_jax.serving.table import HostTable
 from tests import serving_run
 from tests.common import REPO
 
@@ -78,7 +77,7 @@ def test_a_signal_during_evaluate_is_one_line_and_writes_nothing(tmp_path_factor
     text = serving_run.eval_text(tmp_path_factory)
     result = tmp_path / "result.json"
     code, stdout, stderr = run_until_signalled(
-        tmp_path, sig, "scone_jax.serving.evaluate", ("scone_jax.serving.prefetch", "DispatchWindow.add", "2"),
+        tmp_path, sig, "scone_jax.serving.evaluate", ("scone_jax.runtime.prefetch", "DispatchWindow.add", "2"),
         [f"--export={path}", "--config.data.source=text", f"--config.data.eval_files={text}", f"--result={result}"])
     name = signal.Signals(sig).name
     assert code == status, stderr[-3000:]
@@ -105,11 +104,11 @@ def test_sigterm_during_export_is_one_line_and_the_rerun_resumes_to_the_same_bun
                     "to resume: it computes only the rest."), stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     with pytest.raises(bundle.BundleError, match="unfinished export"):
-        HostTable.open(str(output))
+        serving_run.ram_table(str(output))
 
     figures = export.export(run["workdir"], str(output), dtype="float32", chunk_rows=64, batch_rows=512)
     assert figures["rows_computed"] == 2000 - 512
-    np.testing.assert_array_equal(HostTable.open(str(output)).gather(np.arange(2000)),
-                                  HostTable.open(reference).gather(np.arange(2000)))
-    assert bundle.open_complete(str(output))["num_fgrams"] == 2000
+    np.testing.assert_array_equal(serving_run.ram_table(str(output)).gather(np.arange(2000)),
+                                  serving_run.ram_table(reference).gather(np.arange(2000)))
+    assert bundle.Bundle.open(str(output)).meta["num_fgrams"] == 2000
     assert sorted(os.listdir(output)) == sorted(os.listdir(reference))  # nothing left over from the stop

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from scone_jax.runtime.prefetch import DispatchWindow, Prefetcher
 from scone_jax.serving import bundle, table as table_lib
-from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
-from scone_jax.serving.table import HostTable
 from tests import serving_run
 from tests.common import REPO
 
@@ -45,7 +44,7 @@ def stored(bf16_export):
 
 @pytest.mark.parametrize("shape", [(3, 50_000), (2, 300), (4, 1), (1, 1), (0,)])  # threaded, single take, few ids
 def test_in_ram_gather_equals_numpy_and_zeroes_unmatched(bf16_export, stored, shape):
-    table = HostTable.open(bf16_export)
+    table = serving_run.ram_table(bf16_export)
     assert table.in_ram and str(table.dtype) == "bfloat16"
     ids = np.random.default_rng(0).integers(-1, 2000, shape)
     if ids.size > 1:
@@ -63,22 +62,22 @@ def test_a_table_over_the_budget_is_served_from_disk_or_refused_in_ram(bf16_expo
     """auto: RAM when the table fits --max_table_bytes, disk when not; --table=ram over the budget is one line
     naming both sizes and the fix (caught: auto ignoring the budget, a table loaded whole past it)."""
     nbytes = stored.nbytes  # 2000 x 64 bf16
-    assert table_lib.open_table(bf16_export, max_bytes=nbytes).in_ram
-    assert table_lib.open_table(bf16_export, max_bytes=0).in_ram  # 0: no limit
-    over = table_lib.open_table(bf16_export, max_bytes=nbytes - 1)
+    assert table_lib.open_table(bundle.Bundle.open(bf16_export), max_bytes=nbytes).in_ram
+    assert table_lib.open_table(bundle.Bundle.open(bf16_export), max_bytes=0).in_ram  # 0: no limit
+    over = table_lib.open_table(bundle.Bundle.open(bf16_export), max_bytes=nbytes - 1)
     assert not over.in_ram
     np.testing.assert_array_equal(over.gather(np.arange(2000)), stored)
     over.close()
     with pytest.raises(ValueError, match=f"--table=ram: the table of {bf16_export} is {nbytes:,} bytes, more than "
                                          f"--max_table_bytes={nbytes - 1:,}. Fix: --table=disk"):
-        table_lib.open_table(bf16_export, table="ram", max_bytes=nbytes - 1)
+        table_lib.open_table(bundle.Bundle.open(bf16_export), table="ram", max_bytes=nbytes - 1)
 
 
 def test_table_of_the_wrong_fingerprint_or_file_count_is_refused(bf16_export, tmp_path):
     """A COMPLETE that records one table file fewer than the table has is a BundleError saying so (caught: the count
     not compared, an IndexError reading the 32nd file's CRC)."""
     with pytest.raises(bundle.BundleError, match="tokenizer_fingerprint"):
-        HostTable.open(bf16_export, expect={"tokenizer_fingerprint": "0123456789abcdef"})
+        serving_run.ram_table(bf16_export, {"tokenizer_fingerprint": "0123456789abcdef"})
     path = str(tmp_path / "altered")
     shutil.copytree(bf16_export, path)
     with open(os.path.join(path, "COMPLETE")) as f:
@@ -87,7 +86,7 @@ def test_table_of_the_wrong_fingerprint_or_file_count_is_refused(bf16_export, tm
     with open(os.path.join(path, "COMPLETE"), "w") as f:
         json.dump(record, f)
     with pytest.raises(bundle.BundleError, match="COMPLETE records 31 table files, the table has 32"):
-        HostTable.open(path)
+        serving_run.ram_table(path)
 
 
 def test_prefetcher_prepares_ahead_on_its_thread_while_the_consumer_holds_an_item():
@@ -146,7 +145,7 @@ _MANY_PROGRAMS = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from scone_jax.serving.prefetch import DispatchWindow
+from scone_jax.runtime.prefetch import DispatchWindow
 mesh = Mesh(np.array(jax.devices()), ("data",))
 w = jax.device_put(jnp.ones((256, 256)), NamedSharding(mesh, P()))
 xs = [jax.device_put(np.full((64, 256), i / 8, np.float32), NamedSharding(mesh, P("data"))) for i in range(8)]

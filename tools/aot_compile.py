@@ -7,9 +7,9 @@
 
 The slice is named as Cloud TPU names it: v4-N and v5p-N count TensorCores (two per chip),
 v5e-N (or v5litepod-N) and v6e-N count chips. The step is the one training runs
-(scone_jax.training.steps.make_train_step over the config's mesh, with the state's shardings and a
-[global_batch, seq_len] batch), so the figures hold for `scone_jax.main` with the same config
-and flags. Prints, per chip: HBM use as XLA plans it (arguments, outputs, temporaries,
+(scone_jax.training.steps.make_train_step over the config's mesh, lowered for the shapes of the state and
+the [global_batch, seq_len] batch that scone_jax.training.run.build_abstract gives), so the figures hold
+for `scone_jax.main` with the same config and flags. Prints, per chip: HBM use as XLA plans it (arguments, outputs, temporaries,
 generated code) against the chip's HBM; FLOPs per step from the model formula of
 scone_jax.model.accounting (next to XLA's own count with --config.model.scan_layers=False:
 XLA counts a scanned loop's body once); the step time if the chip ran at its bf16 peak (a
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import os
 import re
 import sys
@@ -120,50 +119,21 @@ def tpu_devices(tpu: Slice) -> list:
     return topology.devices
 
 
-def abstract_batch(config, mesh):
-    """The device Batch as train.py sends it, as ShapeDtypeStructs sharded over (data, fsdp):
-    tokens [B, T], and with SCONE each batch shard's U unique f-grams of up to K tokens."""
-    import jax
-    import jax.numpy as jnp
-
-    from scone_jax import sharding
-    from scone_jax.batch import Batch
-
-    rows = (config.data.global_batch_size, config.data.seq_len)
-    shapes = dict(inputs=rows, targets=rows, segment_ids=rows, positions=rows, loss_mask=rows)
-    if config.scone.enabled:  # FgramBatcher's layout: one group per data shard and micro-batch
-        accum = config.train.grad_accum_steps
-        groups = (sharding.num_batch_shards(mesh) * accum, config.scone.fgram_capacity // accum)
-        shapes.update(fgram_tokens=(*groups, config.scone.max_len), fgram_lengths=groups, fgram_slot=rows)
-    return Batch(**{
-        k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                sharding=sharding.batch_sharding(mesh))
-        for k, shape in shapes.items()
-    })
-
-
 def compile_train_step(config, devices):
-    """Lower and compile scone_jax's train step over `devices`: (compiled, mesh, spec, timings)."""
+    """Lower and compile scone_jax's train step over `devices` for the run's shapes without data
+    (training/run.py's build_abstract): (compiled, mesh, spec, timings)."""
     from scone_jax import sharding
-    from scone_jax.training import state as state_lib, steps
+    from scone_jax.training import run as run_lib
 
     mesh = sharding.make_mesh(config.mesh, devices=devices)
     config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
-    spec = state_lib.state_spec(config, mesh)
-    step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    abstract = run_lib.build_abstract(config, mesh)
     start = time.perf_counter()
-    lowered = step.lower(state_lib.abstract_with_shardings(spec), abstract_batch(config, mesh))
+    lowered = abstract.lower_train_step()
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     timings = {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
-    return compiled, mesh, spec, timings
-
-
-def resolve_vocab_size(config) -> None:
-    """model.vocab_size 0 means "from the tokenizer" at run time (scone_jax.training.train); here there
-    is no tokenizer, so size it as train.py would for one of data.vocab_size pieces."""
-    if not config.model.vocab_size:
-        config.model.vocab_size = math.ceil(config.data.vocab_size / 128) * 128
+    return compiled, mesh, abstract.spec, timings
 
 
 def report(config, tpu: Slice, devices, compiled, mesh, spec, timings) -> bool:
@@ -248,7 +218,6 @@ def main(argv):
             raise ValueError("pass --config=configs/<name>.py[:variant] and --topology=<slice>, e.g. v5p-128")
         tpu = parse_slice(_TOPOLOGY.value)
         config = _CONFIG.value
-        resolve_vocab_size(config)
         config_lib.validate(config)
         devices = tpu_devices(tpu)
         compiled, mesh, spec, timings = compile_train_step(config, devices)

@@ -48,14 +48,12 @@ anything trains.
 from __future__ import annotations
 
 import os
-import sys
 
 from absl import flags
 from ml_collections import config_flags
 
-from scone_jax.config import load_config_file, override_flag_error
+from scone_jax.config import define_override_flag, load_config_file, override_flag_error
 from scone_jax.runtime import tool_main
-from scone_jax.runtime.errors import one_line
 from scone_jax.study import checks, figure, records, runs as study_runs
 from scone_jax.study.protocol import best_rate, family, sweep_stopped, without_short_arms
 from scone_jax.study.study import (ARMS, CONFIG, SWEPT, Study, fgram_capacity, markdown,
@@ -86,22 +84,11 @@ _QUICK = flags.DEFINE_bool("quick", False, "Smoke run: baseline and scone, one l
 # Every key of configs/quality.py's arms (the scone arm has them all), typed as the config holds it.
 _QUALITY = load_config_file(f"{CONFIG}:scone")
 
-
-def _define_config_flag():
-    """--config.KEY=VALUE for every key. config_flags reads the command line's --config.* while it defines the
-    flag, so an unknown key fails here (a traceback of its own): refused in one line, exit 2, as a bad value is."""
-    try:
-        return config_flags.DEFINE_config_dict(
-            "config", _QUALITY, "--config.KEY=VALUE: a config setting for every run on top of configs/quality.py's "
-            "arm (e.g. --config.data.worker_count=1, or --config.model.embedding_multiplier=1 "
-            "--config.scone.input_multiplier=1 for the method's plain inputs, the first comparison of "
-            "docs/quality.md); repeat it for several; use a workdir of its own.", lock_config=True)
-    except (AttributeError, KeyError) as e:
-        print(f"bench_quality: error: {override_flag_error(sys.argv, _QUALITY) or one_line(e)}", file=sys.stderr)
-        sys.exit(tool_main.EXIT_BAD_INPUT)
-
-
-_CONFIG = _define_config_flag()
+_CONFIG = define_override_flag(
+    "bench_quality", _QUALITY, "--config.KEY=VALUE: a config setting for every run on top of configs/quality.py's "
+    "arm (e.g. --config.data.worker_count=1, or --config.model.embedding_multiplier=1 "
+    "--config.scone.input_multiplier=1 for the method's plain inputs, the first comparison of "
+    "docs/quality.md); repeat it for several; use a workdir of its own.")
 
 
 def main():

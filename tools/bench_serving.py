@@ -28,17 +28,17 @@ from absl import app, flags
 from bench_bundles import make_run, write_table_bundle
 from scone_jax import sharding
 from scone_jax.data import pipeline
-from scone_jax.serving import evaluate, export, generate, inference, table as table_lib
-from scone_jax.training import assets, checkpoint, state as state_lib, steps
+from scone_jax.serving import bundle, evaluate, export, generate, inference, table as table_lib
+from scone_jax.training import run as run_lib
 
 _QUICK = flags.DEFINE_bool("quick", False, "A tiny model and few batches (under a minute).")
 
 
 def forward_rows_per_s(workdir: str, vocab, batch_rows: int) -> float:
     """The f-gram model over every f-gram in export-sized batches, results fetched, nothing written."""
-    run = export.Run(workdir)
-    mesh = sharding.make_mesh(run.config.mesh)
-    embed = export.embed_fn(run.restore_model(mesh), mesh, "bfloat16")
+    run = export.open_run(workdir)
+    mesh = run.mesh
+    embed = export.embed_fn(run.model(), mesh, "bfloat16")
     run.close()
     np.asarray(embed(*export.batch_inputs(vocab, 0, batch_rows, mesh)))
     start = time.perf_counter()
@@ -52,17 +52,14 @@ def forward_rows_per_s(workdir: str, vocab, batch_rows: int) -> float:
     return vocab.num_fgrams / (time.perf_counter() - start)
 
 
-def onthefly_tokens_per_s(config, workdir, tokenizer, max_batches: int) -> float:
-    """The training graph's eval step (f-gram model run per batch), batches prepared beforehand."""
-    mesh = sharding.make_mesh(config.mesh)
-    _, batcher = assets.fgram_batcher(config, tokenizer, workdir, mesh)
-    spec = state_lib.state_spec(config, mesh)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    state, _ = ckpt.restore(1, state_lib.abstract_with_shardings(spec))
-    ckpt.close()
-    step = steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh)
-    batches = [sharding.global_batch(batcher(b).for_device(), mesh)
-               for _, b in zip(range(max_batches), pipeline.make_eval_batches(config.data, tokenizer))]
+def onthefly_tokens_per_s(config, workdir, max_batches: int) -> float:
+    """The training graph's eval step (f-gram model run per batch) on the run's checkpoint, batches prepared
+    beforehand."""
+    run = run_lib.build(config, workdir, sharding.make_mesh(config.mesh), start=run_lib.Latest.open(workdir))
+    run.close()
+    step, state = run.eval_step, run.state
+    batches = [sharding.global_batch(run.batcher(b).for_device(), run.mesh)
+               for _, b in zip(range(max_batches), pipeline.make_eval_batches(config.data, run.tokenizer))]
     jax.block_until_ready(step(state[0], batches[0]))
     start = time.perf_counter()
     sums = [step(state[0], b) for b in batches[1:]]
@@ -90,7 +87,7 @@ def crc_seconds_per_gb(root: str, rows: int = 1 << 20, width: int = 128) -> floa
     path = os.path.join(root, "crc_table")
     write_table_bundle(path, lambda lo, hi: np.random.default_rng(lo).standard_normal(
         (hi - lo, width), np.float32).astype(jnp.bfloat16), rows, width, "bfloat16", 65536)
-    tables = [table_lib.open_table(path, table="ram") for _ in range(3)]
+    tables = [table_lib.open_table(bundle.Bundle.open(path), table="ram") for _ in range(3)]
     seconds = min(t.verify_seconds for t in tables)
     return seconds / (tables[0].nbytes / 1e9)
 
@@ -111,7 +108,7 @@ def main(argv):
     batches = 12 if quick else 60
     with_table = evaluate.evaluate(served, config.data, max_batches=batches)
     baseline = evaluate.evaluate(served, config.data, use_table=False, max_batches=batches)
-    onthefly = onthefly_tokens_per_s(config, workdir, tokenizer, batches)
+    onthefly = onthefly_tokens_per_s(config, workdir, batches)
     print(f"evaluate tokens/s: table {with_table['tokens_per_s']:,.0f} (hit rate {with_table['hit_rate']:.2f}), "
           f"T only {baseline['tokens_per_s']:,.0f}, f-gram model on the fly {onthefly:,.0f}")
     print(f"RESULT eval_table_vs_baseline_ratio {with_table['tokens_per_s'] / baseline['tokens_per_s']:.3f}")

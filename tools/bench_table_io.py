@@ -164,7 +164,7 @@ def fio_iops(path: str, depth: int) -> float | None:
 def table_rows_per_s(path: str, batch: int, batches: int, seed: int = 0) -> tuple[float, bool, float]:
     """DiskTable (no head: the budget holds only its index) gathering random distinct rows: (rows/s, whether
     through O_DIRECT, CPU microseconds a row)."""
-    table = table_lib.open_table(path, table="disk", max_bytes=None)
+    table = table_lib.open_table(bundle.Bundle.open(path), table="disk", max_bytes=None)
     ids = np.random.default_rng([batch, seed]).permutation(table.num_rows)[:batch * batches].reshape(batches, batch)
     table.gather(ids[0][:64])  # threads started, buffers mapped
     start, cpu = time.perf_counter(), time.process_time()
@@ -306,14 +306,14 @@ def random_rows(width: int):
 def load_and_decode(path: str, files, ram: int, quick: bool, root: str) -> dict:
     """Whole-table load speed (a table of `ram` bytes: this one's first rows) and batch-1 lookups."""
     small = os.path.join(root, "table_ram")
-    whole = table_lib.open_table(path, table="disk", max_bytes=None)
+    whole = table_lib.open_table(bundle.Bundle.open(path), table="disk", max_bytes=None)
     write_table_bundle(small, random_rows(whole.width), ram // whole.layout.row_bytes, whole.width, "bfloat16", 65536)
     speed = {}
     for state in ("cold", "warm", "warm", "warm"):  # cold: the page cache dropped first
         if state == "cold":
             drop_cache(table_files(small))
         start = time.perf_counter()
-        loaded, cache = measured(table_files(small), lambda: table_lib.open_table(small, table="ram"))
+        loaded, cache = measured(table_files(small), lambda: table_lib.open_table(bundle.Bundle.open(small), table="ram"))
         seconds = (time.perf_counter() - start) / (loaded.nbytes / 1e9)
         if seconds <= speed.get(state, (seconds,))[0]:
             speed[state] = seconds, cache
@@ -323,7 +323,7 @@ def load_and_decode(path: str, files, ram: int, quick: bool, root: str) -> dict:
     best = speed["warm"][0]
     ids = np.random.default_rng(7).permutation(whole.num_rows)[:300 if quick else 2000]
     disk, cache = measured(files, lambda: decode_ms(whole, ids))
-    ram_table = table_lib.open_table(small, table="ram")
+    ram_table = table_lib.open_table(bundle.Bundle.open(small), table="ram")
     in_ram = decode_ms(ram_table, ids % ram_table.num_rows)
     print(f"batch-1 row lookup: {disk:.3f} ms from disk ({cache}), {in_ram:.4f} ms from RAM")
     whole.close()

@@ -23,33 +23,30 @@ from scone_jax.data import pipeline
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.model import accounting
-from scone_jax.training import assets, state as state_lib, steps
+from scone_jax.training import run as run_lib
 from scone_jax.training.throughput import peak_flops_per_device
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "SCONE config (its baseline = scone off).")
 _QUICK = flags.DEFINE_bool("quick", False, "Few steps (under a minute here).")
 
 
-def step_runner(config, batches, warmup: int = 2):
-    """A function timing one pass of train steps over `batches` (seconds per step), compiled and
-    warmed up by `warmup` steps first."""
-    mesh = sharding.make_mesh(config.mesh)
-    spec = state_lib.state_spec(config, mesh)
-    state = [state_lib.init_state(config, spec)]
-    step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    device_batches = [sharding.global_batch(b.for_device(), mesh) for b in batches]
+def step_runner(run, batches, warmup: int = 2):
+    """A function timing one pass of `run`'s train steps over `batches` (seconds per step), from its fresh
+    state, compiled and warmed up by `warmup` steps first."""
+    state = [run.state]
+    device_batches = [sharding.global_batch(b.for_device(), run.mesh) for b in batches]
 
-    def run(batches_to_run):
+    def go(batches_to_run):
         metrics = None
         for b in batches_to_run:
-            state[0], metrics = step(state[0], b)
+            state[0], metrics = run.train_step(state[0], b)
         jax.block_until_ready(metrics)
 
-    run(device_batches[:warmup])
+    go(device_batches[:warmup])
 
     def timed() -> float:
         start = time.perf_counter()
-        run(device_batches)
+        go(device_batches)
         return (time.perf_counter() - start) / len(device_batches)
 
     return timed
@@ -65,10 +62,8 @@ def time_alternating(runners: dict, rounds: int) -> dict:
     return best
 
 
-def step_flops(config) -> float:
-    mesh = sharding.make_mesh(config.mesh)
-    abstract = state_lib.state_spec(config, mesh).abstract[0]
-    return accounting.train_step_flops(config, abstract, sharding.num_batch_shards(mesh))["total"]
+def step_flops(run) -> float:
+    return accounting.train_step_flops(run.config, run.spec.abstract[0], sharding.num_batch_shards(run.mesh))["total"]
 
 
 def dedup_reduction(config, tokenizer, batcher, rows: int, seq_len: int, num_batches: int) -> float:
@@ -86,19 +81,20 @@ def main(_):
     baseline = scone.copy_and_resolve_references()
     baseline.scone.enabled = False
     steps_per_round, rounds = (3, 3) if _QUICK.value else (5, 6)
-    with tempfile.TemporaryDirectory() as workdir:
-        tokenizer = assets.ensure_tokenizer(scone.data, workdir)
-        for config in (scone, baseline):
-            assets.resolve_vocab_size(config, tokenizer)
-        vocab, batcher = assets.fgram_batcher(scone, tokenizer, workdir, sharding.make_mesh(scone.mesh))
-    batches = pipeline.first_batches(pipeline.make_train_dataset(scone.data, tokenizer, batch_transform=batcher),
-                                     steps_per_round)
+    with tempfile.TemporaryDirectory() as workdir:  # the tokenizer and f-grams, made once (by the SCONE run)
+        mesh = sharding.make_mesh(scone.mesh)
+        runs = {name: run_lib.build(config, workdir, mesh, start=run_lib.FRESH)
+                for name, config in (("scone", scone), ("baseline", baseline))}
+    run = runs["scone"]
+    tokenizer, vocab, batcher = run.tokenizer, run.vocab, run.batcher
+    batches = pipeline.first_batches(run.train_data, steps_per_round)
     plain = [Batch(inputs=b.inputs, targets=b.targets, segment_ids=b.segment_ids, positions=b.positions,
                    loss_mask=b.loss_mask) for b in batches]  # the same tokens, without f-gram arrays
-    best = time_alternating({"baseline": step_runner(baseline, plain), "scone": step_runner(scone, batches)}, rounds)
+    best = time_alternating({"baseline": step_runner(runs["baseline"], plain), "scone": step_runner(run, batches)},
+                            rounds)
     base_s, scone_s = best["baseline"], best["scone"]
     tokens = scone.data.global_batch_size * scone.data.seq_len
-    base_flops, scone_flops = step_flops(baseline), step_flops(scone)
+    base_flops, scone_flops = step_flops(runs["baseline"]), step_flops(run)
     peak = peak_flops_per_device(scone.train.peak_flops_per_device) * jax.device_count()
     figures = [stats.batch_stats(b) for b in batches]
     print(f"devices {jax.device_count()} ({jax.devices()[0].device_kind}); {vocab.num_fgrams:,} f-grams, K={vocab.max_len}")

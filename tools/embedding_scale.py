@@ -21,6 +21,7 @@ import numpy as np
 from absl import flags
 
 from scone_jax.runtime import tool_main
+from scone_jax.study.geometry import alignment, mean_norm
 
 _EXPORTS = flags.DEFINE_multi_string("export", [], "An export directory (scone_jax.serving.export); repeatable.")
 
@@ -40,17 +41,6 @@ def rows(path: str) -> tuple[np.ndarray | None, np.ndarray]:
     if served.table.num_rows == 0:
         return None, token
     return np.asarray(served.table.gather(np.arange(served.table.num_rows)), np.float32), token
-
-
-def mean_norm(x: np.ndarray) -> float:
-    return float(np.linalg.norm(x, axis=1).mean())
-
-
-def alignment(x: np.ndarray) -> float:
-    """Norm of the mean unit row: 1 when all rows point the same way; rows of zero norm are left out."""
-    norms = np.linalg.norm(x, axis=1)
-    unit = x[norms > 0] / norms[norms > 0, None]
-    return float(np.linalg.norm(unit.mean(axis=0)))
 
 
 def main():

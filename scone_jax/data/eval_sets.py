@@ -1,8 +1,10 @@
-"""Named held-out sets: `data.eval_files='web=/d/web/*.jsonl;books=/d/books/*.txt.gz'`.
+"""Named held-out sets: data.eval_sets, set name -> globs, set in a config file or by the command line's
+shorthand `--config.data.eval_files='web=/d/web/*.jsonl;books=/d/books/*.txt.gz'` (`parse`, called by
+config.resolve alone).
 
 The paper reports perplexity on several evaluation domains and their unweighted average. Each named
 set is evaluated on its own (training's periodic evaluation and serving.evaluate), and the average of
-the sets' figures is reported as the set `average`. A value without names (a comma-separated glob
+the sets' figures is reported as the set `average`. Without sets, data.eval_files (a comma-separated glob
 list, or '' for the embedded corpus's held-out split) is one set, reported as before.
 """
 from __future__ import annotations
@@ -15,15 +17,17 @@ import ml_collections
 SINGLE = ""  # the name of the one set of an unnamed data.eval_files
 AVERAGE = "average"
 _NAMED = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*=(.*)$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def parse(eval_files: str) -> dict[str, str]:
-    """{name: comma-separated globs}; {SINGLE: eval_files} for an unnamed value. ValueError naming the
-    problem and the fix for a set without files, a name used twice or the reserved name."""
+def parse(eval_files: str) -> dict[str, str] | None:
+    """The data.eval_sets group the shorthand `eval_files` spells ({name: comma-separated globs}), None for an
+    unnamed value. ValueError naming the problem and the fix for a set without files, a name used twice or the
+    reserved name. Only config.resolve calls it: the one place the shorthand is read."""
     parts = [p for p in eval_files.split(";") if p.strip()]
     named = [_NAMED.match(p) for p in parts]
     if not parts or not any(named):
-        return {SINGLE: eval_files}
+        return None
     if not all(named):
         bad = next(p for p, m in zip(parts, named) if not m)
         raise ValueError(f"data.eval_files: {bad.strip()!r} has no name, but other sets do. Fix: name every set, "
@@ -42,18 +46,39 @@ def parse(eval_files: str) -> dict[str, str]:
     return sets
 
 
+def check(group) -> dict[str, str]:
+    """`group` (data.eval_sets's value, set in a config file) checked and in its plain form; ValueError naming
+    the set and the fix for a bad name, the reserved name or a set without files."""
+    for name, files in group.items():
+        if name == AVERAGE:
+            raise ValueError(f"data.eval_sets: the set name {AVERAGE!r} is reserved for the average of the sets. "
+                             "Fix: rename that set.")
+        if not _NAME.match(name) or not isinstance(files, str) or not files.strip(", "):
+            raise ValueError(f"data.eval_sets: the set {name!r} is {files!r}. Fix: a name of letters, digits, _ . - "
+                             "and its comma-separated globs, e.g. config.data.eval_sets = {'web': '/d/web/*.jsonl'}.")
+    return {name: files.strip() for name, files in group.items()}
+
+
 def configs(data_cfg) -> dict[str, ml_collections.ConfigDict]:
-    """A copy of `data_cfg` per set, its eval_files that set's globs (SINGLE: `data_cfg` itself)."""
-    sets = parse(data_cfg.eval_files)
-    if SINGLE in sets:
+    """A copy of `data_cfg` per set of data.eval_sets (name order), its eval_files that set's globs; without
+    sets (a data config without the key included), {SINGLE: `data_cfg` itself}."""
+    sets = data_cfg.get("eval_sets") or {}
+    if not sets:
         return {SINGLE: data_cfg}
     out = {}
-    for name, files in sets.items():
+    for name in sorted(sets):
         cfg = data_cfg.copy_and_resolve_references()
         with cfg.unlocked():
-            cfg.eval_files = files
+            cfg.eval_files = sets[name]
+            cfg.eval_sets = {}
         out[name] = cfg
     return out
+
+
+def all_files(data_cfg) -> str:
+    """Every set's globs as one comma-separated list (data.eval_files itself without sets)."""
+    sets = data_cfg.get("eval_sets") or {}
+    return ",".join(sets[name] for name in sorted(sets)) if sets else data_cfg.eval_files
 
 
 def average(results: dict[str, dict], keys=("loss", "perplexity", "bits_per_byte")) -> dict:

@@ -15,7 +15,7 @@ def train_data_identity(data_cfg) -> dict:
     if data_cfg.source == "kjv":
         return {}
     return {os.path.abspath(path): list(local_cache.file_id(path))
-            for path in sources.expand_files(mixture.all_files(data_cfg.train_files))}
+            for path in sources.expand_files(mixture.all_files(data_cfg))}
 
 
 def identity_changes(saved: dict, now: dict) -> list[str]:

@@ -1,4 +1,6 @@
-"""Named training mixtures: `data.train_files='web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3'`.
+"""Named training mixtures: data.mixture, component name -> {files, weight, order}, set in a config file or by
+the command line's shorthand `--config.data.train_files='web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3'`
+(`parse`, called by config.resolve alone; the shorthand's order is the components' order).
 
 Each component is a corpus of its own (the same data.source kind), with its own documents, process
 shares and epochs (packing.Stream). Rows of data.seq_len tokens are dealt to the components by weight
@@ -8,7 +10,7 @@ from its component's stream where that component's previous row ended, so the k-
 is stream positions [k * T, (k + 1) * T) of c. The schedule is closed-form: the component and the
 rank of any row follow from its number alone, so batch b stays a pure function of b (any worker
 count, resume at any step), and each component contributes its weight's share of tokens to within
-one row per PERIOD rows. A plain glob list is one component, as before: no schedule at all.
+one row per PERIOD rows. Without a mixture, data.train_files is one plain glob list: no schedule at all.
 
 F-gram extraction counts the mixture with the same weights (assets.ensure_vocab), and the tokenizer,
 when trained, samples the components the same way.
@@ -32,15 +34,15 @@ class Component:
     weight: float  # normalised: the components' weights sum to 1
 
 
-def parse(train_files: str) -> list[Component] | None:
-    """The components of a mixture, None for a plain glob list. ValueError naming the component and the fix
-    for a component without files, a weight that is not a positive number, a name used twice, weights whose
-    sum overflows, or a weight too small to get a row of every PERIOD (config.validate calls this, so each is
-    refused before a run takes its workdir)."""
+def parse(train_files: str) -> dict | None:
+    """The data.mixture group the shorthand `train_files` spells ({name: {files, weight, order}}, the weights as
+    written), None for a plain glob list. ValueError naming the component and the fix for a component without
+    files, a weight that is not a positive number or a name used twice. Only config.resolve calls it: the one
+    place the shorthand is read."""
     parts = [p.strip() for p in train_files.split(";") if p.strip()]
     if not any("=" in p and "@" in p for p in parts):
         return None
-    components, seen = [], set()
+    group: dict[str, dict] = {}
     for part in parts:
         name, eq, rest = part.partition("=")
         name = name.strip()
@@ -49,9 +51,8 @@ def parse(train_files: str) -> list[Component] | None:
             raise ValueError(f"data.train_files: {part!r} is not NAME=GLOBS@WEIGHT. Fix: write every component "
                              "that way, e.g. 'web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3' (names: letters, "
                              "digits, _ . -), or give one plain glob list.")
-        if name in seen:
+        if name in group:
             raise ValueError(f"data.train_files: the component name {name!r} is used twice. Fix: give each its own name.")
-        seen.add(name)
         try:
             weight = float(weight_text)
         except ValueError:
@@ -61,31 +62,72 @@ def parse(train_files: str) -> list[Component] | None:
                              "number. Fix: e.g. @0.3 (weights are relative: they need not sum to 1).")
         if not files.strip(" ,"):
             raise ValueError(f"data.train_files: component {name!r} names no files. Fix: {name}=<globs>@{weight_text}.")
-        components.append(Component(name, files.strip(), weight))
-    total = sum(c.weight for c in components)
+        group[name] = {"files": files.strip(), "weight": weight, "order": len(group)}
+    return group
+
+
+def check(group, where: str) -> dict:
+    """`group` (data.mixture's value, a mapping) checked and in its plain form, {name: {files: str, weight: float,
+    order: int}}; ValueError naming the component and the fix for an entry that is not files, weight and order,
+    a bad name, files or weight, orders that are not 0, 1, ..., weights whose sum overflows, or a weight too small
+    to get a row of every PERIOD. `where` names the key the group came from (data.train_files for the shorthand),
+    so each is refused, before a run takes its workdir, in the words the user wrote."""
+    plain = {}
+    for name, entry in group.items():
+        fields = dict(entry) if hasattr(entry, "keys") else None
+        if fields is None or set(fields) != {"files", "weight", "order"}:
+            raise ValueError(f"data.mixture: component {name!r} is {entry!r}, not files, weight and order. Fix: e.g. "
+                             f"config.data.mixture = {{{name!r}: {{'files': '/d/{name}/*.jsonl', 'weight': 0.7, "
+                             "'order': 0}, ...}, or the shorthand --config.data.train_files='NAME=GLOBS@WEIGHT;...'.")
+        files, weight, order = fields["files"], fields["weight"], fields["order"]
+        number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+        if not _NAME.match(name) or not isinstance(files, str) or not files.strip(" ,") or not number \
+                or not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"data.mixture: component {name!r} has files {files!r} and weight {weight!r}. Fix: a name "
+                             "of letters, digits, _ . -, comma-separated globs, and a positive weight (weights are "
+                             "relative: they need not sum to 1).")
+        plain[name] = {"files": files.strip(), "weight": float(weight), "order": order}
+    orders = [entry["order"] for entry in plain.values()]
+    if any(type(o) is not int for o in orders) or sorted(orders) != list(range(len(plain))):
+        raise ValueError(f"data.mixture: the components' orders are {orders}, not 0, 1, ... once each. Fix: number "
+                         "them 0, 1, ... in the order they are dealt (it is part of the data stream).")
+    plain = dict(sorted(plain.items(), key=lambda item: item[1]["order"]))
+    total = sum(entry["weight"] for entry in plain.values())
     if not math.isfinite(total):  # finite weights whose sum overflows: every share would be 0
-        raise ValueError(f"data.train_files: the components' weights sum to {total}, not a finite number. Fix: scale "
+        raise ValueError(f"{where}: the components' weights sum to {total}, not a finite number. Fix: scale "
                          "them down, e.g. @0.7 and @0.3 (weights are relative: only their ratios count).")
-    components = [dataclasses.replace(c, weight=c.weight / total) for c in components]
-    for c, rows in zip(components, quotas([c.weight for c in components], PERIOD)):
+    for (name, entry), rows in zip(plain.items(), quotas([e["weight"] / total for e in plain.values()], PERIOD)):
         if rows == 0:
-            raise ValueError(f"data.train_files: component {c.name!r} has {c.weight:.3g} of the total weight, below "
+            raise ValueError(f"{where}: component {name!r} has {entry['weight'] / total:.3g} of the total weight, below "
                              f"1/{PERIOD}, so the schedule would deal it no rows. Fix: raise its weight to at least "
                              f"1/{PERIOD} of the total, or leave it out.")
-    return components
+    return plain
 
 
-def all_files(train_files: str) -> str:
-    """Every component's globs as one comma-separated list (the value itself without a mixture)."""
-    components = parse(train_files)
-    return train_files if components is None else ",".join(c.files for c in components)
+def components(data_cfg) -> list[Component] | None:
+    """The components of `data_cfg`'s mixture (data.mixture, checked by config.resolve) in their order, weights
+    normalised to sum to 1; None without a mixture (a data config without the key included)."""
+    group = data_cfg.get("mixture") or {}
+    if not group:
+        return None
+    entries = sorted(group.items(), key=lambda item: item[1]["order"])
+    total = sum(entry["weight"] for _, entry in entries)
+    return [Component(name, entry["files"], entry["weight"] / total) for name, entry in entries]
+
+
+def all_files(data_cfg) -> str:
+    """Every component's globs as one comma-separated list (data.train_files itself without a mixture)."""
+    parts = components(data_cfg)
+    return data_cfg.train_files if parts is None else ",".join(c.files for c in parts)
 
 
 def component_config(data_cfg, component: Component):
-    """A copy of `data_cfg` whose train_files are the component's globs alone."""
+    """A copy of `data_cfg` whose train_files are the component's globs alone (no mixture)."""
     cfg = data_cfg.copy_and_resolve_references()
     with cfg.unlocked():
         cfg.train_files = component.files
+        if "mixture" in cfg:
+            cfg.mixture = {}
     return cfg
 
 

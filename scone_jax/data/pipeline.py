@@ -130,7 +130,7 @@ def batch_builder(data_cfg, tokenizer: Tokenizer, *, process_index: int = 0, pro
                               lambda n: documents.process_share(n, cfg.shuffle_seed, process_index, process_count))
         return docs, packing.Stream(docs.lengths + 1, seed=seed)
 
-    components = mixture.parse(data_cfg.train_files)
+    components = mixture.components(data_cfg)
     if components is None:
         docs, stream = load(data_cfg, data_cfg.shuffle_seed)
         return _BuildBatch(docs, stream, batch_size, data_cfg.seq_len, tokenizer, batch_transform)

@@ -19,6 +19,10 @@
                      CRC-32 of every table file's rows and of its block index, and of every file of
                      decoder/ and tokenizer.model
 
+Readers open a bundle once with Bundle.open, which reads export.json and COMPLETE and refuses an unfinished
+or altered bundle; the table (serving/table.py), tokenizer, vocabulary and decoder (serving/inference.py)
+are read from the opened Bundle, never from export.json again.
+
 Integrity: each done/<chunk> marker holds the CRC-32s of that file's rows and block index, computed
 from the rows in memory before they were written; done/decoder holds the CRC-32 of each decoder
 file, read back once saved. COMPLETE gathers them. Readers check every row they use: a table loaded
@@ -43,10 +47,10 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
-from scone_jax import config as config_lib
 from scone_jax.fgram.vocab import array_checksum
-from scone_jax.runtime import storage
-from scone_jax.training import checksums
+from scone_jax.runtime import checksums, storage
+from scone_jax.saved_config import stored_config
+from scone_jax.serving.table_layout import Layout
 
 FORMAT, VERSION = "scone_export", 2  # CHANGELOG.md: a change bumps VERSION
 META, COMPLETE, TOKENIZER = "export.json", "COMPLETE", "tokenizer.model"
@@ -56,25 +60,6 @@ DTYPES = ("bfloat16", "float32")
 
 class BundleError(ValueError):
     """A bundle that is missing, unfinished, or does not match what it is used with."""
-
-
-def stored_config(saved: dict) -> ml_collections.ConfigDict:
-    """A config saved with a checkpoint or an export, over today's defaults: keys added to the code
-    since it was saved take their defaults."""
-    config = config_lib.base_config()
-
-    def merge(node, values, where):
-        for key, value in values.items():
-            if key not in node:
-                raise BundleError(f"The saved config has {where}{key}, which this code does not know; "
-                                  "use the scone_jax version that wrote it.")
-            if isinstance(value, dict):
-                merge(node[key], value, f"{where}{key}.")
-            else:
-                node[key] = value
-
-    merge(config, saved, "")
-    return config
 
 
 def decoder_checkpointer() -> ocp.AsyncCheckpointer:
@@ -89,7 +74,7 @@ def meta_fingerprint(meta: dict) -> str:
 
 def params_fingerprint(state) -> str:
     """Content fingerprint of a parameter tree, the same on any mesh and device count: each array's
-    checksum (training/checksums.py, what checkpoints record) with its path, shape and dtype, hashed."""
+    checksum (runtime/checksums.py, what checkpoints record) with its path, shape and dtype, hashed."""
     sums = checksums.tree_checksums(state)
     digest = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
@@ -171,43 +156,61 @@ def bad_table_error(path: str, layout, bad: dict[int, str]) -> BundleError:
         f"--output={path}` with the run it was exported from; it rewrites the table files that have no done marker.")
 
 
-def open_complete(path: str, expect: dict | None = None) -> dict:
-    """The metadata of a finished bundle; refuses an unfinished one or one whose fingerprints
-    differ from `expect` (keys of export.json, e.g. tokenizer_fingerprint)."""
-    return open_checked(path, expect)[0]
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+    """A finished export, opened: export.json and what COMPLETE records, each read once, at open. Everything
+    that reads the bundle (its table, tokenizer, vocabulary and decoder: serving/table.py, inference.py) reads
+    them from here."""
 
+    path: str
+    meta: dict
+    checksums: Checksums
+    layout: Layout  # the table's files (serving/table_layout.py)
 
-def open_checked(path: str, expect: dict | None = None) -> tuple[dict, Checksums]:
-    """open_complete, and the checksums COMPLETE records."""
-    meta = read_export_meta(path)
-    marker = storage.read_bytes(path, COMPLETE)
-    if meta is None or marker is None:
-        state = "no export" if meta is None else "an unfinished export (no COMPLETE marker)"
-        raise BundleError(
-            f"{path!r} holds {state}. Fix: run `python -m scone_jax.serving.export --workdir=RUN --output={path}` "
-            "(rerunning it resumes an interrupted export)."
-        )
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        old = ", its table in zarr chunks that cannot be read a row at a time" if meta.get("version") == 1 else ""
-        raise BundleError(f"{path!r} is format {meta.get('format')!r} v{meta.get('version')}{old}; this code reads "
-                          f"{FORMAT!r} v{VERSION}. Fix: export the run again with this version: `python -m "
-                          "scone_jax.serving.export --workdir=RUN --output=NEW_PATH` (a fresh --output).")
-    try:
-        record = json.loads(marker)
-    except ValueError:
-        record = {}
-    if (not isinstance(record, dict) or record.get("export_fingerprint") != meta_fingerprint(meta)
-            or "table" not in record or "table_index" not in record):
-        raise BundleError(f"{path!r}: {META} and {COMPLETE} do not match; one was changed or damaged after the export "
-                          f"finished. Fix: delete {storage.join(path, COMPLETE)} and re-run the export, which rebuilds "
-                          "it (if it says the export differs, export into a fresh --output).")
-    for key, want in (expect or {}).items():
-        if meta.get(key) != want:
+    @classmethod
+    def open(cls, path: str, expect: dict | None = None) -> "Bundle":
+        """The finished bundle at `path`; refuses an unfinished one, one whose export.json and COMPLETE disagree
+        (with each other, or on the table's files), or one whose fingerprints differ from `expect` (keys of
+        export.json, e.g. tokenizer_fingerprint)."""
+        meta = read_export_meta(path)
+        marker = storage.read_bytes(path, COMPLETE)
+        if meta is None or marker is None:
+            state = "no export" if meta is None else "an unfinished export (no COMPLETE marker)"
             raise BundleError(
-                f"The export at {path!r} has {key}={meta.get(key)!r}, but what it is used with has {want!r}. "
-                "Fix: use the export made from this run (or export this run again)."
+                f"{path!r} holds {state}. Fix: run `python -m scone_jax.serving.export --workdir=RUN --output={path}` "
+                "(rerunning it resumes an interrupted export)."
             )
-    return meta, Checksums(table=record["table"], table_index=record["table_index"], files=record["files"])
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            old = ", its table in zarr chunks that cannot be read a row at a time" if meta.get("version") == 1 else ""
+            raise BundleError(f"{path!r} is format {meta.get('format')!r} v{meta.get('version')}{old}; this code reads "
+                              f"{FORMAT!r} v{VERSION}. Fix: export the run again with this version: `python -m "
+                              "scone_jax.serving.export --workdir=RUN --output=NEW_PATH` (a fresh --output).")
+        try:
+            record = json.loads(marker)
+        except ValueError:
+            record = {}
+        if (not isinstance(record, dict) or record.get("export_fingerprint") != meta_fingerprint(meta)
+                or "table" not in record or "table_index" not in record):
+            raise BundleError(f"{path!r}: {META} and {COMPLETE} do not match; one was changed or damaged after the "
+                              f"export finished. Fix: delete {storage.join(path, COMPLETE)} and re-run the export, "
+                              "which rebuilds it (if it says the export differs, export into a fresh --output).")
+        for key, want in (expect or {}).items():
+            if meta.get(key) != want:
+                raise BundleError(
+                    f"The export at {path!r} has {key}={meta.get(key)!r}, but what it is used with has {want!r}. "
+                    "Fix: use the export made from this run (or export this run again)."
+                )
+        sums = Checksums(table=record["table"], table_index=record["table_index"], files=record["files"])
+        layout = Layout.of_meta(meta, numpy_dtype(meta["dtype"]))
+        if len(sums.table) != layout.num_chunks or len(sums.table_index) != layout.num_chunks:
+            raise BundleError(f"{path!r}: {COMPLETE} records {len(sums.table)} table files, the table has "
+                              f"{layout.num_chunks}; the bundle was altered. Fix: export again into a fresh --output.")
+        return cls(path, meta, sums, layout)
+
+    @property
+    def config(self) -> ml_collections.ConfigDict:
+        """The config of the run the bundle was exported from, over today's defaults."""
+        return stored_config(self.meta["config"])
 
 
 def numpy_dtype(name: str):

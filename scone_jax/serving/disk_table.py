@@ -7,7 +7,7 @@ block, itself checked against COMPLETE at open), so a damaged block is a BundleE
 never wrong rows. What RAM the budget leaves after the index holds the table's head: rows are in rank
 order (the most frequent f-grams first), so rows 0..H-1 answer a share of lookups far above H / S
 without a read (docs/serving.md measures it). Evaluation reads batch i+1's rows while the device runs
-batch i (serving/prefetch.py); decoding cannot know the next row ahead, so there one read's latency
+batch i (runtime/prefetch.py); decoding cannot know the next row ahead, so there one read's latency
 is what a token pays.
 """
 from __future__ import annotations
@@ -28,12 +28,13 @@ class DiskTable:
 
     in_ram = False
 
-    def __init__(self, path: str, meta: dict, sums: bundle.Checksums, layout: Layout, *, max_bytes: int | None,
+    def __init__(self, path: str, layout: Layout, index_crcs: list[str], *, max_bytes: int | None,
                  threads: int = 64, direct: bool = True):
-        self.meta, self.path, self.layout = meta, path, layout
+        """The table files of the bundle at `path`, laid out as `layout`, whose block indexes hash to
+        `index_crcs` (what COMPLETE records, one per file)."""
+        self.path, self.layout = path, layout
         self.num_rows, self.width, self.dtype = layout.num_rows, layout.width, layout.dtype
         self.nbytes = layout.nbytes
-        self.checksums: bundle.Checksums | None = None
         index_bytes = layout.num_blocks * CRC.itemsize
         if max_bytes and max_bytes < index_bytes:
             raise ValueError(f"--max_table_bytes={max_bytes:,} is less than the {index_bytes:,} bytes the block index of "
@@ -43,7 +44,7 @@ class DiskTable:
         try:
             if self.files.problems:
                 raise bundle.bad_table_error(path, layout, self.files.problems)
-            self.index = self._read_index(sums)
+            self.index = self._read_index(index_crcs)
             head = 0 if not max_bytes else (max_bytes - index_bytes) // layout.row_bytes
             self.head = self._read_head(min(layout.num_rows, head // layout.block_rows * layout.block_rows))
             if direct:
@@ -61,7 +62,7 @@ class DiskTable:
         """Whether block reads bypass the page cache (O_DIRECT, kernel AIO)."""
         return self.files.direct
 
-    def _read_index(self, sums: bundle.Checksums) -> np.ndarray:
+    def _read_index(self, index_crcs: list[str]) -> np.ndarray:
         """Every file's block index, concatenated (block b's CRC at [b]), each checked against COMPLETE."""
         layout = self.layout
         index = np.empty(layout.num_blocks, CRC)
@@ -75,8 +76,8 @@ class DiskTable:
         except OSError as e:
             raise bundle.BundleError(f"Reading the table's block index at {self.path!r} failed: {e}. Fix: try again; "
                                      "if it persists, export again into a fresh --output.") from None
-        bad = {c: f"has a damaged block index: it hashes to {have}, {bundle.COMPLETE} records {sums.table_index[c]}"
-               for c in range(layout.num_chunks) if (have := crc(slot(c))) != sums.table_index[c]}
+        bad = {c: f"has a damaged block index: it hashes to {have}, {bundle.COMPLETE} records {index_crcs[c]}"
+               for c in range(layout.num_chunks) if (have := crc(slot(c))) != index_crcs[c]}
         if bad:
             raise bundle.bad_table_error(self.path, layout, bad)
         return index

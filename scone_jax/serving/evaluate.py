@@ -15,86 +15,49 @@ the end, so rerun the same command).
 """
 from __future__ import annotations
 
-import time
 import types
 
 import jax
-import numpy as np
-from absl import flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from scone_jax import config as config_lib
 from scone_jax.data import eval_sets, pipeline
 from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
-from scone_jax.model import scone
 from scone_jax.runtime import logs, tool_main
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.serving import inference
-from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
+from scone_jax.training import evaluation
 
 
-def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_batches: int = 0,
-             log_every_s: float = 30.0, step=None) -> dict:
-    """Loss, perplexity, bits per byte, hit rate and throughput over `data_cfg`'s held-out data. `step`: an
-    inference.make_eval_step of `served` to reuse (compiled once for several sets), else made here."""
+def evaluate(served: inference.Served, data_cfg, *, use_table: bool = True, max_batches: int = 0) -> dict:
+    """Loss, perplexity, bits per byte, hit rate and throughput over `data_cfg`'s held-out data as one set
+    (training/evaluation.py's result, with `use_table`)."""
     batches = pipeline.make_eval_batches(data_cfg, served.tokenizer, process_index=jax.process_index(),
                                          process_count=jax.process_count())
-    count = min(len(batches), max_batches) if max_batches else len(batches)
-    step = step or inference.make_eval_step(served)
-
-    def prepare(batch):
-        real = batch.segment_ids > 0
-        if use_table:  # else the batch carries no f-gram arrays: the decoder reads T(token) everywhere
-            batch = inference.host_rows(served, batch)
-        hits = int((batch.fgram_ids[real] >= 0).sum()) if use_table else 0
-        return (hits, int(real.sum())), inference.device_batch(served, batch)
-
-    prefetch = Prefetcher((b for i, b in zip(range(count), batches)), prepare)
-    window = DispatchWindow(served.mesh)
-    sums, hits, positions = [], 0, 0
-    start = last_log = time.time()
-    first_tokens = 0.0
-    try:
-        for i, ((hit, real), batch) in enumerate(prefetch):
-            sums.append(window.add(step(batch)))
-            hits, positions = hits + hit, positions + real
-            if i == 0:  # the first step compiles: time the rest
-                first_tokens = float(jax.device_get(sums[0][1]))
-                start = time.time()
-            if time.time() - last_log > log_every_s:
-                last_log = time.time()
-                logging.info("evaluate: batch %d/%d", i + 1, count)
-    finally:
-        prefetch.close()
-    totals = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0) if sums else np.zeros(2)
-    seconds = time.time() - start
-    loss_sum, tokens = float(totals[0]), float(totals[1])
-    num_bytes = eval_sets.held_out_bytes(data_cfg, served.tokenizer) if not max_batches else 0
-    loss = loss_sum / max(tokens, 1.0)
-    return {
-        "tokens": int(tokens),
-        "loss": loss,
-        "perplexity": scone.perplexity(loss),
-        "bytes": num_bytes,
-        "bits_per_byte": eval_sets.bits_per_byte(loss, tokens, num_bytes),
-        "hit_rate": hits / max(positions, 1) if use_table else None,
-        "tokens_per_s": (tokens - first_tokens) / seconds if len(sums) > 1 else None,
-        "batches": len(sums),
-        "use_table": use_table,
-    }
+    num_bytes = evaluation.countable_bytes(data_cfg, served.tokenizer, batches, max_batches)
+    result = evaluation.evaluate(inference.make_eval_step(served), batches, served.mesh, rows=_rows(served, use_table),
+                                 max_batches=max_batches, num_bytes=num_bytes)
+    return {**result, "use_table": use_table}
 
 
 def evaluate_all(served: inference.Served, data_cfg, *, use_table: bool = True, max_batches: int = 0) -> dict:
-    """evaluate() of every held-out set that data.eval_files names (data/eval_sets.py): an unnamed value's one
-    set as evaluate() returns it; named sets as {"sets": {name: result}, "average": {loss, perplexity,
-    bits_per_byte}} (the unweighted mean over the sets, the paper's "Average" column)."""
-    configs = eval_sets.configs(data_cfg)
-    if eval_sets.SINGLE in configs:
-        return evaluate(served, data_cfg, use_table=use_table, max_batches=max_batches)
-    step = inference.make_eval_step(served)
-    results = {name: evaluate(served, cfg, use_table=use_table, max_batches=max_batches, step=step)
-               for name, cfg in configs.items()}
-    return {"sets": results, "average": eval_sets.average(results)}
+    """Every held-out set that data.eval_files names (data/eval_sets.py), as training evaluates them: an unnamed
+    value's one set as evaluate() returns it; named sets as {"sets": {name: result}, "average": {loss,
+    perplexity, bits_per_byte, tokens}} (the unweighted mean over the sets, the paper's "Average" column)."""
+    held_out = evaluation.HeldOut(data_cfg, served.tokenizer, max_batches)
+    results = {name: {**result, "use_table": use_table} if name != eval_sets.AVERAGE else result
+               for name, result in held_out.evaluate(inference.make_eval_step(served), served.mesh,
+                                                     rows=_rows(served, use_table)).items()}
+    if eval_sets.SINGLE in results:
+        return results[eval_sets.SINGLE]
+    average = results.pop(eval_sets.AVERAGE)
+    return {"sets": results, "average": average}
+
+
+def _rows(served: inference.Served, use_table: bool):
+    """The table's rows for a batch; None: no f-gram arrays, the decoder reads T(token) everywhere."""
+    return (lambda batch: inference.host_rows(served, batch)) if use_table else None
 
 
 def _summary(result: dict) -> str:
@@ -111,7 +74,11 @@ def data_config(served: inference.Served, overrides: dict):
         raise ValueError(f"{bad} cannot change at evaluation: the model comes from the export. Only "
                          "--config.data.* and --config.mesh.* apply.")
     with config.unlocked():
+        for key, group in (("eval_files", "eval_sets"), ("train_files", "mixture")):
+            if f"data.{key}" in overrides:  # the command line's data replaces the run's groups
+                config.data[group] = {}
         config.update_from_flattened_dict(overrides)
+    config_lib.resolve(config)
     if "data.tokenizer_path" in overrides and config.data.tokenizer_path:
         other = Tokenizer.load(config.data.tokenizer_path, special_tokens_of(config.data))
         if other.fingerprint != served.tokenizer.fingerprint:
@@ -128,7 +95,8 @@ def _define_flags():
     config = config_flags.DEFINE_config_dict("config", config_lib.base_config(), "Data overrides: --config.data.*.")
     result = flags.DEFINE_string("result", "eval_result.json", "Where to write the JSON result ('' = nowhere).")
     table, max_table_bytes = inference.define_table_flags()
-    max_batches = flags.DEFINE_integer("max_batches", 0, "Stop after this many batches (0 = all; then no bpb).")
+    max_batches = flags.DEFINE_integer("max_batches", 0, "Stop after this many batches (0 = all; bits per byte only "
+                                       "when every batch is read).")
     cache = flags.DEFINE_string("compilation_cache_dir", "", "JAX's persistent compilation cache (a local path or "
                                 "gs:// URL), so the next evaluation of the same model loads its compiled step; '' = off.")
     return types.SimpleNamespace(export=export, config=config, result=result, table=table,

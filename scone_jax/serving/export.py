@@ -38,64 +38,38 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from scone_jax import sharding
-from scone_jax.data.tokenizer import Tokenizer, special_tokens_of
-from scone_jax.fgram.vocab import PAD, FgramVocab, load_vocab, save_vocab
+from scone_jax.fgram.vocab import PAD, FgramVocab, save_vocab
 from scone_jax.runtime import (compile_cache, distributed, job_flags, logs, ownership, storage, tool_main,
-                               workdir as workdir_layout, write_probe)
+                               write_probe)
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
+from scone_jax.runtime.prefetch import DispatchWindow
+from scone_jax.saved_config import stored_config
 from scone_jax.serving import bundle, table_layout
-from scone_jax.serving.prefetch import DispatchWindow
-from scone_jax.training import checkpoint, state as state_lib
+from scone_jax.training import checkpoint, run as run_lib
 
 _MAX_PENDING_WRITES = 3
 _VOCAB_DONE, _DECODER_DONE = f"{bundle.DONE}/{bundle.FGRAMS}", f"{bundle.DONE}/{bundle.DECODER}"
 
 
-class Run:
-    """A training run's latest checkpoint with the tokenizer and vocabulary it was trained with (an empty
-    vocabulary for a run without SCONE)."""
-
-    def __init__(self, workdir: str, config: ml_collections.ConfigDict | None = None):
-        self.workdir = workdir
-        self.checkpointer = checkpoint.Checkpointer(workdir_layout.path(workdir, workdir_layout.CHECKPOINTS))
-        self.step = self.checkpointer.latest_step()
-        if self.step is None:
-            raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints. Fix: train first "
-                                    f"(python -m scone_jax.main --workdir={workdir}).")
-        meta = self.checkpointer.read_checkpoint_meta(self.step)
-        self.config = config or bundle.stored_config(meta["config"])
-        d = self.config.data
-        # The run's special-id policy too: the fingerprint (and the ids the bundle stores) must be the run's.
-        self.tokenizer = Tokenizer.load(d.tokenizer_path or workdir_layout.path(workdir, workdir_layout.TOKENIZER),
-                                        special_tokens_of(d))
-        if self.config.scone.enabled:
-            self.vocab = load_vocab(self.config.scone.vocab_path or workdir_layout.path(workdir, workdir_layout.FGRAMS),
-                                    expected_tokenizer_fingerprint=self.tokenizer.fingerprint)
-        else:
-            self.vocab = FgramVocab.empty(self.config.model.vocab_size, self.tokenizer.fingerprint)
-        self.expect = {"tokenizer_fingerprint": self.tokenizer.fingerprint,
-                       "fgram_vocab_fingerprint": self.vocab.fingerprint if self.config.scone.enabled else None}
-
-    def restore_model(self, mesh) -> nnx.Module:
-        """The model of the latest checkpoint (SconeModel, or the Decoder of a run without SCONE), its arrays
-        in the run's shardings (optimizer dropped)."""
-        spec = state_lib.state_spec(self.config, mesh)
-        try:
-            state, _ = state_lib.restore(self.checkpointer, self.step, self.config, spec, mesh, expect=self.expect)
-        except checkpoint.CheckpointDamagedError as e:
-            owner = ownership.live_owner(self.workdir)
-            if owner is None:
-                raise
-            raise ValueError(
-                f"Checkpoint {self.checkpointer.directory}/{self.step} could not be read while a live run owns "
-                f"{self.workdir} ({owner}): that run removes older checkpoints as it saves newer ones, so it may have "
-                f"deleted this one under the export ({one_line(e.__cause__ or e, 300)}). Fix: rerun the export, which takes the newest "
-                "checkpoint, or export once that run has finished.") from e
-        return state_lib.model_of(spec.graphdef, state)
-
-    def close(self):
-        self.checkpointer.close()
+def open_run(workdir: str, config: ml_collections.ConfigDict | None = None,
+             latest: run_lib.Latest | None = None) -> run_lib.Run:
+    """A training run's latest checkpoint, restored as training/run.py builds a run (start=Latest: the tokenizer
+    and vocabulary it was trained with, as they are) over its config's mesh. `config`: the checkpoint's own
+    by default."""
+    latest = latest or run_lib.Latest.open(workdir)
+    config = config or stored_config(latest.meta["config"])
+    try:
+        return run_lib.build(config, workdir, sharding.make_mesh(config.mesh), start=latest)
+    except checkpoint.CheckpointDamagedError as e:
+        owner = ownership.live_owner(workdir)
+        if owner is None:
+            raise
+        raise ValueError(
+            f"Checkpoint {latest.checkpointer.directory}/{latest.step} could not be read while a live run owns "
+            f"{workdir} ({owner}): that run removes older checkpoints as it saves newer ones, so it may have "
+            f"deleted this one under the export ({one_line(e.__cause__ or e, 300)}). Fix: rerun the export, which takes the newest "
+            "checkpoint, or export once that run has finished.") from e
 
 
 def embed_fn(model, mesh, dtype: str):
@@ -266,23 +240,24 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
         if value < 1:
             raise ValueError(f"--{name}={value} must be at least 1 (table rows per file / f-grams per step).")
     write_probe.check_writable(output, 120, flag="--output")
-    run = Run(workdir, config)
-    cache = CompileCache(compile_cache.resolve(run.config.train.compilation_cache_dir, workdir))
+    latest = run_lib.Latest.open(workdir)
+    config = config or stored_config(latest.meta["config"])
+    cache = CompileCache(compile_cache.resolve(config.train.compilation_cache_dir, workdir))
+    run = None
     try:
-        mesh = sharding.make_mesh(run.config.mesh)
-        model = run.restore_model(mesh)
-        scone = run.config.scone.enabled
+        run = open_run(workdir, config, latest)
+        mesh, model, scone = run.mesh, run.model(), config.scone.enabled
         decoder_params = nnx.state(model.decoder if scone else model, nnx.Param)
-        vocab = run.vocab
+        vocab = run.vocab or FgramVocab.empty(config.model.vocab_size, run.tokenizer.fingerprint)
         meta = {
             "format": bundle.FORMAT, "version": bundle.VERSION, "num_fgrams": vocab.num_fgrams,
-            "d_model": run.config.model.d_model, "max_len": vocab.max_len, "dtype": dtype, "chunk_rows": chunk_rows,
-            "block_rows": table_layout.block_rows_for(run.config.model.d_model * bundle.numpy_dtype(dtype).itemsize,
+            "d_model": config.model.d_model, "max_len": vocab.max_len, "dtype": dtype, "chunk_rows": chunk_rows,
+            "block_rows": table_layout.block_rows_for(config.model.d_model * bundle.numpy_dtype(dtype).itemsize,
                                                       chunk_rows),
             "model_fingerprint": bundle.params_fingerprint(decoder_params),
             "fgram_model_fingerprint": bundle.params_fingerprint(nnx.state(model.fgram_model, nnx.Param))
                                        if scone else None,
-            "step": run.step, "config": run.config.to_dict(), **run.expect,
+            "step": run.step, "config": config.to_dict(), **run.expect,
             "fgram_vocab_fingerprint": vocab.fingerprint,
         }
         if _prepare_output(output, meta, run.tokenizer.proto):
@@ -316,7 +291,8 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
         return {**figures, "meta": meta}
     finally:
         cache.close()
-        run.close()
+        if run is not None:
+            run.close()
 
 
 def _write_table(model, mesh, vocab, output, meta, batch_rows, log_every_s) -> dict:

@@ -31,9 +31,10 @@ from scone_jax.training import steps
 
 @dataclasses.dataclass
 class Served:
-    """An export loaded for inference: decoder on the devices, everything else on the host."""
+    """An export loaded for inference: decoder on the devices, everything else on the host. `bundle` holds what
+    the export records (export.json, COMPLETE's checksums), read once when it was opened."""
 
-    meta: dict
+    bundle: bundle.Bundle
     config: ml_collections.ConfigDict
     mesh: jax.sharding.Mesh
     graphdef: nnx.GraphDef
@@ -69,9 +70,19 @@ def load(path: str, *, mesh=None, table: str = "auto", max_table_bytes: int | No
     `max_table_bytes`); refuses an unfinished one, swapped pieces, or (if given) a tokenizer other than the
     one the export was trained with."""
     expect = {} if tokenizer_fingerprint is None else {"tokenizer_fingerprint": tokenizer_fingerprint}
-    table = table_lib.open_table(path, expect=expect, table=table, max_bytes=max_table_bytes)
-    meta, sums = table.meta, table.checksums
-    config = bundle.stored_config(meta["config"])
+    opened = bundle.Bundle.open(path, expect)
+    rows = table_lib.open_table(opened, table=table, max_bytes=max_table_bytes)
+    try:
+        return _load_model(opened, rows, mesh)
+    except BaseException:  # a refused bundle leaves no table open (a disk table holds every file's descriptor)
+        rows.close()
+        raise
+
+
+def _load_model(opened: bundle.Bundle, rows, mesh) -> Served:
+    """The tokenizer, vocabulary and decoder of the opened bundle, each checked against what it records."""
+    path, meta, sums = opened.path, opened.meta, opened.checksums
+    config = opened.config
     tokenizer = load_tokenizer(path, sums)
     vocab = load_vocab(storage.join(path, bundle.FGRAMS), expected_tokenizer_fingerprint=tokenizer.fingerprint,
                        fix=bundle.rerun_fix(path, f"{bundle.DONE}/{bundle.FGRAMS}"))
@@ -89,7 +100,7 @@ def load(path: str, *, mesh=None, table: str = "auto", max_table_bytes: int | No
         raise bundle.BundleError(
             f"The decoder in {path!r} hashes to {have!r} but the table was exported from model "
             f"{meta['model_fingerprint']!r}: the table belongs to another model. Fix: export again.")
-    return Served(meta, config, mesh, graphdef, params, tokenizer, Matcher(vocab), table)
+    return Served(opened, config, mesh, graphdef, params, tokenizer, Matcher(vocab), rows)
 
 
 def load_tokenizer(path: str, sums: bundle.Checksums) -> Tokenizer:

@@ -41,8 +41,8 @@ from scone_jax.batch import Batch
 from scone_jax.model import scone
 from scone_jax.runtime import logs, tool_main
 from scone_jax.runtime.errors import one_line
+from scone_jax.runtime.prefetch import DispatchWindow, Prefetcher
 from scone_jax.serving import generate, inference
-from scone_jax.serving.prefetch import DispatchWindow, Prefetcher
 
 try:  # absolute import: the top-level harness package, not this module
     from lm_eval.api.model import TemplateLM
@@ -158,7 +158,7 @@ class SconeHarnessLM(TemplateLM):
         return self.served.tokenizer.decode(ids)
 
     def get_model_info(self) -> dict:
-        meta = self.served.meta
+        meta = self.served.bundle.meta
         return {"scone_export": {k: meta.get(k) for k in ("model_fingerprint", "tokenizer_fingerprint",
                                                             "fgram_vocab_fingerprint", "d_model")},
                 "max_length": self.max_length, "rolling_eos": self.rolling_eos}

@@ -7,8 +7,10 @@ host, from one of two stores, as in the paper:
         (numpy releases the GIL in `take`).
   disk  DiskTable (serving/disk_table.py): each row read where it lies, tens of reads in flight, each
         block checked; for a table larger than host RAM, at the disk's speed.
-`open_table(table="auto")` picks RAM when the table fits `max_bytes` (0 or None: no limit), else disk.
-serving/prefetch.py gathers the rows of batch i+1 while the device computes batch i.
+`open_table(bundle, table="auto")` picks RAM when the table fits `max_bytes` (0 or None: no limit), else disk.
+The tables hold rows only: what the export records about them (layout, checksums) comes from the opened
+bundle (serving/bundle.py), which the caller keeps.
+runtime/prefetch.py gathers the rows of batch i+1 while the device computes batch i.
 """
 from __future__ import annotations
 
@@ -33,20 +35,14 @@ class HostTable:
 
     in_ram = True
 
-    def __init__(self, rows: np.ndarray, meta: dict, *, threads: int = 4):
-        self.meta, self._rows = meta, rows
+    def __init__(self, rows: np.ndarray, *, threads: int = 4):
+        self._rows = rows
         self.num_rows, self.width = rows.shape
         self.dtype = rows.dtype
         self.nbytes = rows.nbytes
         self._pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
         self._threads = threads
         self.read_seconds = self.verify_seconds = 0.0  # loading, and checking the rows' CRCs
-        self.checksums: bundle.Checksums | None = None  # set by open_table: the bundle's, files included
-
-    @classmethod
-    def open(cls, path: str, *, expect: dict | None = None, threads: int = 4) -> "HostTable":
-        """The table of a finished export, whole in RAM; `expect` holds fingerprints it must carry."""
-        return open_table(path, expect=expect, table="ram", threads=threads)
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
@@ -79,35 +75,29 @@ class HostTable:
             self._pool.shutdown()
 
 
-def open_table(path: str, *, expect: dict | None = None, table: str = "auto", max_bytes: int | None = None,
-               threads: int = 4, io_threads: int = 64) -> HostTable | DiskTable:
-    """The table of the finished export at `path`, in RAM or served from disk (module docstring). `max_bytes`:
+def open_table(source: bundle.Bundle, *, table: str = "auto", max_bytes: int | None = None, threads: int = 4,
+               io_threads: int = 64) -> HostTable | DiskTable:
+    """The table of the opened bundle `source`, in RAM or served from disk (module docstring). `max_bytes`:
     host RAM the table may take (0 or None: no limit); `io_threads`: reads in flight from disk."""
     if table not in TABLE_MODES:
         raise ValueError(f"--table={table!r} is not one of {', '.join(TABLE_MODES)}.")
-    meta, sums = bundle.open_checked(path, expect)
-    layout = Layout.of_meta(meta, bundle.numpy_dtype(meta["dtype"]))
-    if len(sums.table) != layout.num_chunks or len(sums.table_index) != layout.num_chunks:
-        raise bundle.BundleError(f"{path!r}: {bundle.COMPLETE} records {len(sums.table)} table files, the table has "
-                                 f"{layout.num_chunks}; the bundle was altered. Fix: export again into a fresh --output.")
+    layout = source.layout
     fits = not max_bytes or layout.nbytes <= max_bytes
     mode = ("ram" if fits else "disk") if table == "auto" else table
     if mode == "disk" and layout.num_rows == 0:
         logging.warning("Note: --table=disk, but the export at %s has no f-gram table (a run without SCONE); "
-                        "nothing is read from disk.", path)
+                        "nothing is read from disk.", source.path)
         mode = "ram"
     if mode == "disk":
-        result = DiskTable(path, meta, sums, layout, max_bytes=max_bytes, threads=io_threads)
-    elif not fits:
-        raise ValueError(f"--table=ram: the table of {path} is {layout.nbytes:,} bytes, more than --max_table_bytes="
-                         f"{max_bytes:,}. Fix: --table=disk (or auto) to serve it from disk, or raise --max_table_bytes.")
-    else:
-        result = _load(path, meta, sums, layout, threads)
-    result.checksums = sums
-    return result
+        return DiskTable(source.path, layout, source.checksums.table_index, max_bytes=max_bytes, threads=io_threads)
+    if not fits:
+        raise ValueError(f"--table=ram: the table of {source.path} is {layout.nbytes:,} bytes, more than "
+                         f"--max_table_bytes={max_bytes:,}. Fix: --table=disk (or auto) to serve it from disk, or "
+                         "raise --max_table_bytes.")
+    return _load(source.path, layout, source.checksums, threads)
 
 
-def _load(path: str, meta: dict, sums: bundle.Checksums, layout: Layout, threads: int) -> HostTable:
+def _load(path: str, layout: Layout, sums: bundle.Checksums, threads: int) -> HostTable:
     """Every file's rows read into one array, then each file's rows checked against COMPLETE, in parallel."""
     rows = np.empty((layout.num_rows, layout.width), layout.dtype)
     flat = rows.reshape(-1).view(np.uint8)
@@ -136,7 +126,7 @@ def _load(path: str, meta: dict, sums: bundle.Checksums, layout: Layout, threads
             raise bundle.bad_table_error(path, layout, bad)
     finally:
         files.close()
-    table = HostTable(rows, meta, threads=threads)
+    table = HostTable(rows, threads=threads)
     table.read_seconds, table.verify_seconds = read_seconds, verify_seconds
     return table
 

@@ -111,12 +111,12 @@ def _get(config, dotted: str):
 
 
 def splits_sha256(train_files: str, validation_files: str, test_files: str) -> str:
-    """SHA-256 over the bytes of the three splits' files (each split's files sorted by path; names and
-    places not hashed: a corpus moved unchanged keeps its hash)."""
-    from scone_jax.data import mixture, sources
+    """SHA-256 over the bytes of the three splits' files, each a comma-separated glob list (each split's files
+    sorted by path; names and places not hashed: a corpus moved unchanged keeps its hash)."""
+    from scone_jax.data import sources
 
     digest = hashlib.sha256()
-    for name, patterns in (("train", mixture.all_files(train_files)), ("validation", validation_files),
+    for name, patterns in (("train", train_files), ("validation", validation_files),
                            ("test", test_files)):
         digest.update(f"\0split {name}\0".encode())
         for path in sources.expand_files(patterns):
@@ -128,20 +128,24 @@ def splits_sha256(train_files: str, validation_files: str, test_files: str) -> s
 
 
 def corpus_name(train_files: str) -> str:
-    """The corpus's name: the folder of its first training file (/data/linux_doc/train.jsonl -> linux_doc)."""
-    from scone_jax.data import mixture
-
-    first = mixture.all_files(train_files).split(",")[0]
+    """The corpus's name: the folder of its first training file (/data/linux_doc/train.jsonl -> linux_doc), of a
+    comma-separated glob list."""
+    first = train_files.split(",")[0]
     return os.path.basename(os.path.dirname(os.path.abspath(first))) or first
 
 
 def from_run(result: dict, config, keys, test_files: str) -> dict:
     """The record of a run tools/bench_quality.py finished: its results-file entry `result`, the run's
     `config` and the keys the study set on top of configs/quality.py (its --config.KEY=VALUE flags)."""
+    from scone_jax.config import resolve
+    from scone_jax.data import eval_sets, mixture
+
     record = {k: result.get(k) for k in FIELDS}
+    data = resolve(config.copy_and_resolve_references()).data  # the shorthand, if given, into its groups
+    train_files = mixture.all_files(data)
     record.update(overrides=overrides_of(config, keys), seed=int(config.train.seed), defaults_version=DEFAULTS_VERSION,
-                  corpus=corpus_name(config.data.train_files),
-                  splits_sha256=splits_sha256(config.data.train_files, config.data.eval_files, test_files),
+                  corpus=corpus_name(train_files),
+                  splits_sha256=splits_sha256(train_files, eval_sets.all_files(data), test_files),
                   source=None, platform=_device_kind())
     return record
 

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from scone_jax.config import apply_override, load_config_file
+from scone_jax.config import load_config_file, set_overrides
 from scone_jax.data import pipeline
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
@@ -75,8 +75,7 @@ class Study:
     def config(self, arm: str, rate: str | None = None, extra: dict | None = None, tokenizer=None):
         config = load_config_file(f"{CONFIG}:{variant(arm)}")
         with config.unlocked():
-            for key, value in self.overrides.items():
-                _set(config, key, value)
+            set_overrides(config, self.overrides)
             config.data.update(self.data)
             rows = config.data.global_batch_size * config.data.seq_len
             t = config.train
@@ -87,8 +86,7 @@ class Study:
             t.checkpoint_every = max(1, min(200, t.num_steps))
             if rate is not None:
                 t.learning_rate = float(rate)
-            for key, value in (extra or {}).items():
-                apply_override(config, f"{key}={value}")
+            set_overrides(config, extra or {})
         if tokenizer is not None:
             assets.resolve_vocab_size(config, tokenizer)
         return config
@@ -117,15 +115,6 @@ class Study:
         write_json(self.results_path, self.results)
         if record:
             write_json(record, self.results)
-
-
-def _set(config, dotted: str, value) -> None:
-    """Set a key the command line's --config.KEY=VALUE already parsed and typed (tools/bench_quality.py)."""
-    *parents, leaf = dotted.split(".")
-    node = config
-    for part in parents:
-        node = node[part]
-    node[leaf] = value
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -78,6 +78,9 @@ TABLES = {
          {**GPT2_128M_SCONE, "scone.num_layers": 6}),
         ("SCONE 128m, f-gram model 2x (12 blocks), delayed 10 steps, at 1e-3", "scone", 1e-3,
          {**GPT2_128M_SCONE, "scone.num_layers": 12}))],
+    "gcide": [row(label, arm, "10m", 2e-3, overrides, corpus="gcide") for label, arm, overrides in (
+        ("`baseline` (2 blocks)", "baseline", {}), ("`baseline_2x` (4 blocks)", "baseline_2x", {}),
+        ("`scone` (1x), delayed 80 steps", "scone", {"train.fgram_model_delay_steps": 80}))],
     "collapse": [
         row("3M at 2e-3: `baseline_short`", "baseline_short", "3m", 2e-3),
         row("3M at 2e-3: `scone_short`", "scone_short", "3m", 2e-3),
@@ -142,12 +145,12 @@ def table(name: str, records: list[dict]) -> str:
 def every_run(records: list[dict]) -> str:
     """Every record's effective settings (beyond the method's defaults) and figures, one line per seed, in the
     order appended."""
-    lines = ["| arm | tokens | learning rate | settings | seed | test (validation) | platform | commit | migrated from |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | corpus | tokens | learning rate | settings | seed | test (validation) | platform | commit | migrated from |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         given = ", ".join(f"{k}={v}" for k, v in effective(r).items())
         source = os.path.basename(r["source"]) if r["source"] else ""
-        lines.append(f"| `{r['arm']}` | {r['tokens'] / 1e6:.1f}M | {r['learning_rate']:g} | {given} | {r['seed']} "
+        lines.append(f"| `{r['arm']}` | {r['corpus']} | {r['tokens'] / 1e6:.1f}M | {r['learning_rate']:g} | {given} | {r['seed']} "
                      f"| {r['test_ppl']:.2f} ({r['validation_ppl']:.2f}) | {r['platform']} | {r['commit']} | {source} |")
     return "\n".join(lines)
 

@@ -49,10 +49,17 @@ def ensure_tokenizer(data_cfg, workdir: str,
     return tokenizer_lib.Tokenizer.load(path, special_tokens)
 
 
+def existing_tokenizer(data_cfg, workdir: str) -> tokenizer_lib.Tokenizer:
+    """The tokenizer a run was trained with, as it is (data.tokenizer_path, else <workdir>/tokenizer.model), with
+    the run's special-id policy: the fingerprint (and the ids an export stores) must be the run's."""
+    return tokenizer_lib.Tokenizer.load(data_cfg.tokenizer_path or workdir_layout.path(workdir, workdir_layout.TOKENIZER),
+                                        tokenizer_lib.special_tokens_of(data_cfg))
+
+
 def _components(data_cfg) -> list:
     """[(data config, weight)] of the training data: the mixture's components (data/mixture.py), or the data
     config itself with weight 1."""
-    components = mixture.parse(data_cfg.train_files)
+    components = mixture.components(data_cfg)
     if components is None:
         return [(data_cfg, 1.0)]
     return [(mixture.component_config(data_cfg, c), c.weight) for c in components]
@@ -72,12 +79,17 @@ def resolve_vocab_size(config, tokenizer) -> None:
     have = config.model.vocab_size
     if have == 0:
         with config.unlocked():
-            config.model.vocab_size = int(math.ceil(tokenizer.vocab_size / 128) * 128)
+            config.model.vocab_size = model_vocab_size(tokenizer.vocab_size)
     elif have < tokenizer.vocab_size:
         raise ValueError(
             f"model.vocab_size={have} is smaller than the {tokenizer.vocab_size} tokens of {name}. Fix: set "
             f"model.vocab_size=0 to size it from the tokenizer, or to at least {tokenizer.vocab_size}."
         )
+
+
+def model_vocab_size(pieces: int) -> int:
+    """The model's vocabulary for a tokenizer of `pieces` tokens: rounded up to a multiple of 128."""
+    return int(math.ceil(pieces / 128) * 128)
 
 
 def ensure_vocab(scone_cfg, data_cfg, tokenizer, workdir: str, is_chief: bool = True) -> FgramVocab:
@@ -108,13 +120,28 @@ def ensure_vocab(scone_cfg, data_cfg, tokenizer, workdir: str, is_chief: bool = 
     return vocab
 
 
+def existing_vocab(scone_cfg, tokenizer, workdir: str) -> FgramVocab:
+    """The f-gram vocabulary a run was trained with, as it is (scone.vocab_path, else <workdir>/fgrams)."""
+    return load_vocab(scone_cfg.vocab_path or workdir_layout.path(workdir, workdir_layout.FGRAMS),
+                      expected_tokenizer_fingerprint=tokenizer.fingerprint)
+
+
+def fgram_vocab(config, tokenizer, workdir: str) -> FgramVocab:
+    """ensure_vocab on process 0 first, then on the others (which read what it extracted)."""
+    return distributed.chief_first("fgram_vocab", lambda: ensure_vocab(
+        config.scone, config.data, tokenizer, workdir, jax.process_index() == 0))
+
+
+def make_batcher(config, vocab: FgramVocab, mesh) -> FgramBatcher:
+    """The grain batch transform that adds each of this process's batch shards its f-grams."""
+    local_shards = sharding.num_batch_shards(mesh) // jax.process_count()
+    return FgramBatcher(Matcher(vocab), vocab, num_shards=local_shards, capacity=config.scone.fgram_capacity,
+                        micro_batches=config.train.grad_accum_steps)
+
+
 def fgram_batcher(config, tokenizer, workdir: str, mesh):
     """(vocab, the grain batch transform that adds per-shard f-grams), or (None, None) without SCONE."""
     if not config.scone.enabled:
         return None, None
-    vocab = distributed.chief_first("fgram_vocab", lambda: ensure_vocab(
-        config.scone, config.data, tokenizer, workdir, jax.process_index() == 0))
-    local_shards = sharding.num_batch_shards(mesh) // jax.process_count()
-    batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=local_shards, capacity=config.scone.fgram_capacity,
-                           micro_batches=config.train.grad_accum_steps)
-    return vocab, batcher
+    vocab = fgram_vocab(config, tokenizer, workdir)
+    return vocab, make_batcher(config, vocab, mesh)

@@ -1,7 +1,7 @@
 """Checkpoints: train state + metadata, saved together by orbax.
 
 Metadata holds the resolved config, the fingerprints of what the state depends on (tokenizer,
-f-gram vocabulary) and a checksum of every array of the state (checksums.py). Restoring against
+f-gram vocabulary) and a checksum of every array of the state (runtime/checksums.py). Restoring against
 other fingerprints or array shapes is refused (CheckpointMismatchError); a checkpoint that cannot
 be read or whose arrays do not match their checksums is reported as damaged
 (CheckpointDamagedError), so the caller can fall back to an older one instead of training on garbage.
@@ -22,9 +22,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from scone_jax.runtime import distributed, storage
+from scone_jax import config_keys
+from scone_jax.runtime import checksums, distributed, storage
 from scone_jax.runtime.errors import one_line
-from scone_jax.training import checksums
 
 _STATE, _META = "state", "meta"
 
@@ -101,12 +101,12 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore(self, step: int, abstract_state, expect: dict | None = None):
+    def restore(self, step: int, abstract_state, expect: dict | None = None, *, meta: dict | None = None):
         """Restore onto `abstract_state` (ShapeDtypeStructs with the *current* shardings, so a
         different mesh or device count works) and verify every array against its saved checksum.
-        Every process calls it (a collective)."""
+        `meta`: the step's metadata if the caller has read it already. Every process calls it (a collective)."""
         try:
-            meta = self.read_checkpoint_meta(step)
+            meta = self.read_checkpoint_meta(step) if meta is None else meta
         except Exception as e:  # noqa: BLE001 - unreadable metadata: the step is damaged
             raise CheckpointDamagedError(self.directory, step, f"its metadata cannot be read ({one_line(e)})") from e
         check_compatible(meta, expect or {}, f"{self.directory}/{step}")
@@ -140,9 +140,7 @@ class Checkpointer:
         for path in sorted(set(want) | set(have)):
             if want.get(path) != have.get(path):
                 optimizer = path[:1] == ("1",)  # the state is (model, optimizer): training/state.py
-                fix = ("the optimizer settings the checkpoint was saved with (train.fgram_model_delay_steps "
-                       "or train.fgram_model_delay_steps_per_layer switched between 0 and > 0 changes the "
-                       "optimizer's state)" if optimizer
+                fix = (config_keys.optimizer_state_fix() if optimizer  # the keys that reshape it: their declarations
                        else "the model config the checkpoint was saved with")
                 raise CheckpointMismatchError(
                     f"Checkpoint {self.directory}/{step} does not fit the {'optimizer' if optimizer else 'model'} "

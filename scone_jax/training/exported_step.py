@@ -10,10 +10,11 @@ later starts with the same program load it and compile it through the persistent
 The key must name everything the traced program depends on, since a stale program would train
 the wrong model silently: the source of the scone_jax package, the versions of the libraries that
 are traced (jax, jaxlib, flax, optax), every JAX flag (but for FLAGS_OUTSIDE_PROGRAM) and XLA's
-flags, the devices and mesh, the whole config (but for the loop's own keys, LOOP_ONLY_KEYS), and the
-structure, shapes, dtypes and shardings of the step's arguments. What is left out is named, and
-tests/test_exported_step.py checks that changing it leaves the program unchanged; so a config key or
-JAX flag added later is in the key without anyone adding it. Anything else misses and traces afresh.
+flags, the devices and mesh, the whole config (but for the loop's own keys, LOOP_ONLY_KEYS: those whose
+declaration in config_keys.py gives them the role LOOP), and the structure, shapes, dtypes and shardings
+of the step's arguments. What is left out is named, and tests/test_exported_step.py checks that changing
+it leaves the program unchanged; so a config key or JAX flag added later is in the key unless its
+declaration says otherwise. Anything else misses and traces afresh.
 A file that cannot be read, or whose recorded key differs, is a miss too (and is replaced); a step that jax.export
 cannot export (a custom call without a stability guarantee) runs as a plain jitted step. Code
 outside the package that changes what the step computes (an edited flax checkout with an
@@ -32,7 +33,7 @@ import jax
 from absl import logging
 from jax import export as jax_export
 
-from scone_jax import sharding
+from scone_jax import config_keys, sharding
 from scone_jax.runtime import compile_cache
 from scone_jax.training import steps
 
@@ -48,14 +49,10 @@ FLAGS_OUTSIDE_PROGRAM = (
     "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes",
     "jax_raise_persistent_cache_errors", "jax_explain_cache_misses", "jax_log_compiles",
 )
-# Config keys the train step does not read (the loop's cadence, paths and switches): a resume that changes them
-# still loads the program. Every other key is in the key. tests/test_exported_step.py checks that changing all of
-# these leaves the exported program unchanged.
-LOOP_ONLY_KEYS = (
-    "train.max_steps_per_run", "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
-    "train.keep_checkpoints", "train.peak_flops_per_device", "train.profile_steps", "train.profile_all_processes",
-    "train.compilation_cache_dir", "data.worker_count", "data.prefetch_buffer", "data.eval_files",
-)
+# Config keys the train step does not read (the loop's cadence, paths and switches: config_keys.LOOP): a resume that
+# changes them still loads the program. Every other key is in the key. tests/test_exported_step.py checks that
+# changing all of these leaves the exported program unchanged.
+LOOP_ONLY_KEYS = config_keys.LOOP_ONLY_KEYS
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

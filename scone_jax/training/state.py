@@ -63,19 +63,21 @@ def abstract_with_shardings(spec: StateSpec) -> nnx.State:
     return sharding.sharded_abstract(spec.abstract, spec.shardings)
 
 
-def restore(ckpt: checkpoint.Checkpointer, step: int, config, spec: StateSpec, mesh, expect: dict | None = None):
+def restore(ckpt: checkpoint.Checkpointer, step: int, config, spec: StateSpec, mesh, expect: dict | None = None,
+            meta: dict | None = None):
     """Restore checkpoint `step` into `spec`'s shardings, whichever block layout it was saved in
     (model.scan_layers, layout.py): a checkpoint of the other layout is restored as saved and
-    converted. Returns (state, meta)."""
-    meta = ckpt.read_checkpoint_meta(step)
+    converted. `meta`: the checkpoint's metadata if the caller has read it (read here otherwise; once
+    either way). Returns (state, meta)."""
+    meta = ckpt.read_checkpoint_meta(step) if meta is None else meta
     saved_scanned = layout.is_scanned(meta.get("config", {}))
     if saved_scanned == config.model.scan_layers:
-        return ckpt.restore(step, abstract_with_shardings(spec), expect)
+        return ckpt.restore(step, abstract_with_shardings(spec), expect, meta=meta)
     saved = config.copy_and_resolve_references()
     with saved.unlocked():
         saved.model.scan_layers = saved_scanned
     saved_spec = state_spec(saved, mesh)
-    state, meta = ckpt.restore(step, abstract_with_shardings(saved_spec), expect)
+    state, meta = ckpt.restore(step, abstract_with_shardings(saved_spec), expect, meta=meta)
     converted = layout.convert(state, spec.abstract)
     return jax.device_put(converted, spec.shardings), meta
 

@@ -7,6 +7,7 @@ finishes the current step, saves a checkpoint there and raises preemption.Preemp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -18,14 +19,14 @@ from absl import logging
 
 from scone_jax import config as config_lib, sharding
 from scone_jax.batch import Batch
-from scone_jax.data import eval_sets, identity, mixture, pipeline
+from scone_jax.data import pipeline
 from scone_jax.fgram import stats as fgram_stats
 from scone_jax.model import accounting, scone
 from scone_jax.runtime import compile_cache, distributed, storage, workdir as workdir_layout
 from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.ownership import OwnershipLost, hold as hold_workdir
-from scone_jax.training import assets, checkpoint, exported_step, preemption, profile, state as state_lib, steps
+from scone_jax.training import preemption, profile, run as run_lib
 from scone_jax.training.metrics import MetricsWriter, format_line
 from scone_jax.training.throughput import Throughput, peak_flops_per_device, process_uptime_s
 
@@ -47,49 +48,6 @@ def batch_fingerprint(batch: Batch) -> int:
         crc = zlib.crc32(key.encode(), crc)
         crc = zlib.crc32(np.ascontiguousarray(array).tobytes(), crc)
     return crc
-
-
-def held_out_loss(eval_step, model_state, batches, mesh, batch_transform=None, max_batches: int = 0) -> dict:
-    """Held-out loss and perplexity of the training graph over `batches` (pipeline.EvalBatches; at most
-    `max_batches` of them, 0 = all), each through `batch_transform` (the f-gram batcher) first.
-    serving.evaluate is the exported model's evaluation: the same eval step, table rows in the batch."""
-    loss_sum, count = 0.0, 0.0
-    for i, batch in enumerate(batches):
-        if max_batches and i >= max_batches:
-            break
-        if batch_transform is not None:
-            batch = batch_transform(batch)
-        l, n = eval_step(model_state, sharding.global_batch(batch.for_device(), mesh))
-        loss_sum, count = loss_sum + float(l), count + float(n)
-    loss = loss_sum / max(count, 1.0)
-    return {"loss": loss, "perplexity": scone.perplexity(loss), "tokens": count}
-
-
-class _HeldOut:
-    """The held-out sets of data.eval_files (data/eval_sets.py), read and checked when the run starts, and
-    their evaluation: {set name: loss, perplexity, bits_per_byte, tokens}, plus the unweighted average of
-    named sets as `average` (an unnamed value's one set is named '')."""
-
-    def __init__(self, data_cfg, tokenizer, max_batches: int):
-        self.max_batches = max_batches
-        configs = eval_sets.configs(data_cfg)
-        self.sets = {name: pipeline.make_eval_batches(cfg, tokenizer, process_index=jax.process_index(),
-                                                      process_count=jax.process_count())
-                     for name, cfg in configs.items()}
-        # Bits per byte needs every document once: not with train.eval_batches limiting the batches.
-        self.bytes = {name: 0 if max_batches and max_batches < len(self.sets[name]) else
-                      eval_sets.held_out_bytes(cfg, tokenizer) for name, cfg in configs.items()}
-
-    def evaluate(self, eval_step, model_state, mesh, batcher) -> dict:
-        results = {}
-        for name, batches in self.sets.items():
-            ev = held_out_loss(eval_step, model_state, batches, mesh, batcher, self.max_batches)
-            bpb = eval_sets.bits_per_byte(ev["loss"], ev["tokens"], self.bytes[name])
-            results[name] = {**ev, **({"bits_per_byte": bpb} if bpb is not None else {})}
-        if eval_sets.SINGLE not in results:
-            mean = {k: v for k, v in eval_sets.average(results).items() if v is not None}
-            results[eval_sets.AVERAGE] = {**mean, "tokens": sum(r["tokens"] for r in results.values())}
-        return results
 
 
 class EvaluationError(ValueError):
@@ -150,141 +108,145 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
     # The SIGTERM handler comes first, so a SIGTERM while the lease is being taken is a clean stop too.
     with preemption.stop_on_sigterm_until_training(), hold_workdir(workdir) as owner, \
             CompileCache(compile_cache.resolve(config.train.compilation_cache_dir, workdir)):
-        return _train(config, workdir, mesh, owner, allow_config_changes)
+        logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(),
+                     jax.process_count())
+        return _train(run_lib.build(config, workdir, mesh, allow_config_changes=allow_config_changes), owner)
 
 
-def _make_train_step(spec, mesh, config):
-    """With the compilation cache on, the step exported beside it (exported_step.py: a restart neither traces
-    nor compiles it); without, the plain jitted step."""
-    directory = jax.config.jax_compilation_cache_dir if config.train.compilation_cache_dir else ""
-    if not directory or storage.is_remote(directory):
-        return steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    return exported_step.ExportedTrainStep(spec.graphdef, spec.shardings, mesh, config, directory)
-
-
-def _train(config, workdir: str, mesh, owner, allow_config_changes) -> dict:
-    """run() once this job owns the workdir; every process stops before its next write if another run
-    takes the workdir over (`owner.lost()`, checked together at the steps that write)."""
-    is_chief = jax.process_index() == 0
-    tokenizer = distributed.chief_first("tokenizer", lambda: assets.ensure_tokenizer(config.data, workdir))
-    assets.resolve_vocab_size(config, tokenizer)
-    logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(), jax.process_count())
-    ckpt = checkpoint.Checkpointer(workdir_layout.path(workdir, workdir_layout.CHECKPOINTS),
-                                   keep=config.train.keep_checkpoints)
+def _train(run: run_lib.Run, owner) -> dict:
+    """run() once this job owns the workdir and its run is built; every process stops before its next write if
+    another run takes the workdir over (`owner.lost()`, checked together at the steps that write)."""
+    config, workdir, is_chief = run.config, run.workdir, jax.process_index() == 0
     try:
-        # Refused resumes stop here, before anything in the workdir changes (f-grams, config.json).
-        train_data = identity.train_data_identity(config.data)
-        _check_resume_config(ckpt, config, allow_config_changes, train_data)
-        vocab, batcher = assets.fgram_batcher(config, tokenizer, workdir, mesh)
-        spec = state_lib.state_spec(config, mesh)
-        expect = {
-            "tokenizer_fingerprint": tokenizer.fingerprint,
-            "fgram_vocab_fingerprint": vocab.fingerprint if vocab else None,
-        }
-        step, state = _restore_newest_good(ckpt, config, spec, mesh, expect)
+        if is_chief:
+            config_lib.write_config(config, workdir)
+            workdir_layout.remove_stale_done(workdir, config.train.num_steps)  # before the first step
+        logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(run.spec.abstract[0]).items()})
+        # The held-out data is read (tokenized) and checked now, before step 1: a missing or empty eval file must
+        # stop the run before it has done work that the error would lose.
+        held_out = run.held_out
+        # One batch per step: the batch numbers continue where the checkpoint stopped (packing.py).
+        inputs = _Inputs(run.train_data, run.mesh, run.batcher, pipeline.worker_count(config.data), run.sources)
+        loop = _Loop(run, owner, held_out, inputs)
     except BaseException:
-        ckpt.close()
+        run.close()
         raise
-    if is_chief:
-        config_lib.write_config(config, workdir)
-        workdir_layout.remove_stale_done(workdir, config.train.num_steps)  # before the first step
-    logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(spec.abstract[0]).items()})
-    flops = accounting.train_step_flops(config, spec.abstract[0], sharding.num_batch_shards(mesh))
-    meta = {**expect, "config": config.to_dict(), "train_data": train_data}
-    # The held-out data is read (tokenized) and checked now, before step 1: a missing or empty eval file must
-    # stop the run before it has done work that the error would lose.
-    held_out = _HeldOut(config.data, tokenizer, config.train.eval_batches) if config.train.eval_every else None
-    # One batch per step: the batch numbers continue where the checkpoint stopped (packing.py).
-    inputs = _Inputs(pipeline.make_train_dataset(
-        config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
-        batch_transform=batcher, start_batch=step,
-    ), mesh, batcher, pipeline.worker_count(config.data),
-        tuple(c.name for c in mixture.parse(config.data.train_files) or ()))
-
-    train_step = _make_train_step(spec, mesh, config)
-    eval_step = steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh)
-    writer = MetricsWriter(workdir, enabled=is_chief, resume_step=step)
-    t = config.train
-    peak = peak_flops_per_device(t.peak_flops_per_device) * jax.device_count()
-    meter = Throughput(t.num_steps, step, flops["total"], peak)
-    pending = _PendingMetrics(f"{ckpt.directory}/{step}" if step else None, step + t.log_every)
-    window, summary = [], {}
-    stop_at = min(t.num_steps, step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
-    watch = preemption.Watch()
-    profiler = profile.StepProfiler(t.profile_steps, workdir, enabled=is_chief or t.profile_all_processes)
-    missed = profile.unreached(t.profile_steps, step + 1, stop_at)
-    if missed and is_chief:
-        logging.warning("%s", missed)
-    startup = None
-    try:
-        batch = _next_batch(inputs, step, None) if step < stop_at else None
-        while step < stop_at:
-            host, device_arrays = batch
-            profiler.before(step + 1)
-            with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
-                state, metrics = train_step(state, device_arrays)  # dispatched; the device works on it
-            step += 1
-            if startup is None:  # how long a (re)start takes to train its first step: compilation, restore, data
-                jax.block_until_ready(metrics)
-                startup = process_uptime_s()
-                logging.info("Step %d done %.1f s after the process started", step, startup)
-                writer.write(step, {"first_step_s": startup}, prefix="startup")
-            pending.add(step, metrics, host)
-            if step < stop_at:  # the next batch is built and sent meanwhile
-                with jax.profiler.TraceAnnotation("input_wait"):
-                    batch = _next_batch(inputs, step,
-                                        lambda: _save_after_input_failure(ckpt, step, state, meta, pending, writer))
-            profiler.after(step, metrics)
-            plan = _StepPlan.at(step, t, last=step == stop_at, preempted=watch.reached(step))
-            if plan.writes and distributed.any_process(owner.lost()):  # another run took the workdir over
-                owner.check()  # process 0 names the new owner
-                raise OwnershipLost(f"--workdir={workdir} was taken over by another run (process 0 logs which); "
-                                    "this run stopped before writing there again.")
-            ckpt.raise_if_failed()  # a failed save stops the run now, not at the next save
-            if plan.flush:
-                records = pending.flush()
-                writer.write_steps(records)
-                window += records
-            if window and plan.log:
-                summary = _summarize(window, meter.update(step, sum(r["tokens"] for r in window)))
-                summary["input_wait_fraction"] = inputs.wait_fraction()
-                window = []
-                writer.write(step, summary)
-                logging.info(format_line(step, t.num_steps, summary))
-            if plan.evaluate:
-                try:
-                    results = held_out.evaluate(eval_step, state[0], mesh, batcher)
-                except Exception as e:  # the held-out data was checked at start; whatever fails now, keep the work
-                    _save_after_input_failure(ckpt, step, state, meta, pending, writer)
-                    raise EvaluationError(
-                        f"The held-out evaluation at step {step} failed: {type(e).__name__}: {one_line(e)}. A "
-                        f"checkpoint was saved at step {step}: rerun the same command after the fix to resume there "
-                        "(or set train.eval_every=0 to train without evaluating).") from e
-                for name, ev in results.items():
-                    writer.write(step, ev, prefix=f"eval/{name}" if name else "eval")
-                    logging.info("eval%s step %d: loss %.4f ppl %.2f bits/byte %s over %d tokens",
-                                 f" {name}" if name else "", step, ev["loss"], ev["perplexity"],
-                                 f"{ev['bits_per_byte']:.4f}" if ev.get("bits_per_byte") is not None else "-",
-                                 ev.get("tokens", 0))
-                    summary.update({f"eval_{name}_{k}" if name else f"eval_{k}": v for k, v in ev.items()})
-            if plan.save:
-                ckpt.save(step, state, {**meta, "step": step})
-            if plan.preempted and not plan.last:
-                raise preemption.Preempted(step)
-    finally:
-        profiler.close()
-        inputs.close()
-        watch.close()
-        try:
-            ckpt.wait()  # CheckpointWriteError if the last save failed
-        finally:
-            ckpt.close()
-            writer.close(publish=not owner.lost())  # never overwrite the metrics of a run that took over
-    if step == t.num_steps and is_chief:  # finished (its last checkpoint is written): what launchers wait for
+    step, summary = loop.train()
+    if step == config.train.num_steps and is_chief:  # finished (its last checkpoint is written): what launchers wait for
         storage.write_bytes(workdir, workdir_layout.DONE,
                             json.dumps({"step": step, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
                             .encode())
     return {"step": step, **summary}
+
+
+class _Loop:
+    """The steps of one run() from the run's step to stop_at (train.num_steps, or train.max_steps_per_run
+    steps on): each step dispatched while the next batch is built, then what _StepPlan says after it."""
+
+    def __init__(self, run: run_lib.Run, owner, held_out, inputs):
+        t = self.t = run.config.train
+        self.run, self.owner, self.held_out, self.inputs = run, owner, held_out, inputs
+        self.ckpt, self.meta, self.step, self.state = run.checkpointer, run.meta, run.step, run.state
+        is_chief = jax.process_index() == 0
+        flops = accounting.train_step_flops(run.config, run.spec.abstract[0], sharding.num_batch_shards(run.mesh))
+        self.writer = MetricsWriter(run.workdir, enabled=is_chief, resume_step=self.step)
+        peak = peak_flops_per_device(t.peak_flops_per_device) * jax.device_count()
+        self.meter = Throughput(t.num_steps, self.step, flops["total"], peak)
+        self.pending = _PendingMetrics(f"{self.ckpt.directory}/{self.step}" if self.step else None,
+                                       self.step + t.log_every)
+        self.window, self.summary = [], {}
+        self.stop_at = min(t.num_steps, self.step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
+        self.watch = preemption.Watch()
+        self.profiler = profile.StepProfiler(t.profile_steps, run.workdir, enabled=is_chief or t.profile_all_processes)
+        missed = profile.unreached(t.profile_steps, self.step + 1, self.stop_at)
+        if missed and is_chief:
+            logging.warning("%s", missed)
+
+    def train(self) -> tuple[int, dict]:
+        """(the step reached, the last log line's figures)."""
+        startup = None
+        try:
+            batch = _next_batch(self.inputs, self.step, None) if self.step < self.stop_at else None
+            while self.step < self.stop_at:
+                host, device_arrays = batch
+                self.profiler.before(self.step + 1)
+                with jax.profiler.StepTraceAnnotation("train", step_num=self.step + 1):
+                    self.state, metrics = self.run.train_step(self.state, device_arrays)  # dispatched
+                self.step += 1
+                step = self.step
+                if startup is None:  # how long a (re)start takes to train its first step: compilation, restore, data
+                    jax.block_until_ready(metrics)
+                    startup = process_uptime_s()
+                    logging.info("Step %d done %.1f s after the process started", step, startup)
+                    self.writer.write(step, {"first_step_s": startup}, prefix="startup")
+                self.pending.add(step, metrics, host)
+                if step < self.stop_at:  # the next batch is built and sent meanwhile
+                    with jax.profiler.TraceAnnotation("input_wait"):
+                        batch = _next_batch(self.inputs, step, self._save_now)
+                self.profiler.after(step, metrics)
+                self._after_step(step)
+        finally:
+            self._close()
+        return self.step, self.summary
+
+    def _after_step(self, step: int) -> None:
+        t = self.t
+        plan = _StepPlan.at(step, t, last=step == self.stop_at, preempted=self.watch.reached(step))
+        if plan.writes and distributed.any_process(self.owner.lost()):  # another run took the workdir over
+            self.owner.check()  # process 0 names the new owner
+            raise OwnershipLost(f"--workdir={self.run.workdir} was taken over by another run (process 0 logs which); "
+                                "this run stopped before writing there again.")
+        self.ckpt.raise_if_failed()  # a failed save stops the run now, not at the next save
+        if plan.flush:
+            records = self.pending.flush()
+            self.writer.write_steps(records)
+            self.window += records
+        if self.window and plan.log:
+            self.summary = _summarize(self.window, self.meter.update(step, sum(r["tokens"] for r in self.window)))
+            self.summary["input_wait_fraction"] = self.inputs.wait_fraction()
+            self.window = []
+            self.writer.write(step, self.summary)
+            logging.info(format_line(step, t.num_steps, self.summary))
+        if plan.evaluate:
+            self._evaluate(step)
+        if plan.save:
+            self.ckpt.save(step, self.state, {**self.meta, "step": step})
+        if plan.preempted and not plan.last:
+            raise preemption.Preempted(step)
+
+    def _evaluate(self, step: int) -> None:
+        try:
+            results = self.held_out.evaluate(functools.partial(self.run.eval_step, self.state[0]), self.run.mesh,
+                                             rows=self.run.batcher)
+        except Exception as e:  # the held-out data was checked at start; whatever fails now, keep the work
+            self._save_now()
+            raise EvaluationError(
+                f"The held-out evaluation at step {step} failed: {type(e).__name__}: {one_line(e)}. A "
+                f"checkpoint was saved at step {step}: rerun the same command after the fix to resume there "
+                "(or set train.eval_every=0 to train without evaluating).") from e
+        for name, ev in results.items():
+            ev = {k: v for k, v in ev.items() if v is not None}
+            self.writer.write(step, ev, prefix=f"eval/{name}" if name else "eval")
+            logging.info("eval%s step %d: loss %.4f ppl %.2f bits/byte %s over %d tokens",
+                         f" {name}" if name else "", step, ev["loss"], ev["perplexity"],
+                         f"{ev['bits_per_byte']:.4f}" if ev.get("bits_per_byte") is not None else "-",
+                         ev.get("tokens", 0))
+            self.summary.update({f"eval_{name}_{k}" if name else f"eval_{k}": v for k, v in ev.items()})
+
+    def _save_now(self) -> None:
+        """A checkpoint at the step reached, its pending metrics written first: before an input or evaluation
+        failure stops the run, so a rerun after the fix loses nothing."""
+        _save_after_input_failure(self.ckpt, self.step, self.state, self.meta, self.pending, self.writer)
+
+    def _close(self) -> None:
+        self.profiler.close()
+        self.inputs.close()
+        self.watch.close()
+        try:
+            self.ckpt.wait()  # CheckpointWriteError if the last save failed
+        finally:
+            self.run.close()
+            self.writer.close(publish=not self.owner.lost())  # never overwrite the metrics of a run that took over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,63 +274,6 @@ class _StepPlan:
     @property
     def writes(self) -> bool:
         return self.log or self.evaluate or self.save
-
-
-def _check_resume_config(ckpt, config, allowed, train_data: dict) -> None:
-    """Refuse to resume the latest checkpoint with changed RESUME_KEYS or changed training files (appended,
-    edited, added or removed: the same batch numbers would mean other documents), listing every difference."""
-    step = ckpt.latest_step()
-    if not step:
-        return
-    try:
-        meta = ckpt.read_checkpoint_meta(step)
-    except Exception:  # noqa: BLE001 - an unreadable checkpoint is reported (and skipped) by the restore
-        return
-    changes = [c for c in config_lib.resume_changes(meta.get("config", {}), config)]
-    if "train_data" not in meta:
-        changes.append("data.train_files: the checkpoint does not record its training files")
-    else:
-        changes += [f"data.train_files: {c}" for c in identity.identity_changes(meta["train_data"], train_data)[:5]]
-    changes = [c for c in changes if c.split(":")[0] not in allowed]
-    if changes:
-        raise checkpoint.CheckpointMismatchError(
-            f"Resuming {ckpt.directory}/{step} with a config that changes what the checkpoint's state or data stream "
-            f"mean: {'; '.join(changes)}. Nothing was changed in the workdir. Fix: restore those values, use a fresh "
-            f"--workdir, or, if the change is intended, rerun with "
-            f"--allow_config_change={','.join(dict.fromkeys(c.split(':')[0] for c in changes))}.")
-
-
-def _restore_newest_good(ckpt, config, spec, mesh, expect):
-    """(step, state) of the newest checkpoint that restores and verifies, or (0, a fresh state).
-
-    A damaged newer checkpoint is set aside (renamed damaged-<step>, kept for inspection) with a
-    warning, once an older good one is found; if none is good, nothing is renamed and the error
-    says how to start over."""
-    steps_ = sorted(ckpt.all_steps(), reverse=True)
-    damaged = []
-    for step in steps_:
-        try:
-            state, saved = state_lib.restore(ckpt, step, config, spec, mesh, expect=expect)
-        except checkpoint.CheckpointDamagedError as e:
-            logging.warning("%s", e)
-            damaged.append(step)
-            continue
-        for bad in damaged:
-            logging.warning("Checkpoint step %d is damaged: moved to %s; resuming from step %d instead.",
-                            bad, ckpt.set_aside(bad), step)
-        logging.info("Resumed from step %d", step)
-        if saved.get("process_count", jax.process_count()) != jax.process_count():
-            logging.warning("Checkpoint step %d was written by %d processes and this run has %d: the documents "
-                            "are shared out anew, so each process now reads another part of the data.",
-                            step, saved["process_count"], jax.process_count())
-        return step, state
-    if damaged:
-        older = f"so are the older ones ({', '.join(map(str, damaged[1:]))})" if damaged[1:] else "no older one is kept"
-        raise checkpoint.CheckpointDamagedError(
-            ckpt.directory, damaged[0],
-            f"{older}, so there is nothing to resume from; nothing was changed. Fix: restore the checkpoint files "
-            f"from a copy, or move {ckpt.directory} aside to train from scratch")
-    return 0, state_lib.init_state(config, spec)
 
 
 def _next_batch(inputs, step: int, save):

@@ -1,5 +1,6 @@
 """Content checksums of array trees that do not depend on the mesh, the device count or the layout
-of the shards: what a checkpoint records when it is saved and checks when it is restored.
+of the shards: what a checkpoint records when it is saved and checks when it is restored, and what an
+export's model fingerprint hashes (serving/bundle.py), so a bundle and the run it came from agree.
 
 Each array's bits are read as unsigned integers and summed as uint32 with position weights.
 Integer sums wrap and are associative, so a sharded reduction gives the same value in any order

@@ -1,5 +1,6 @@
 """Host work ahead of the device: batch i+1's f-gram rows are gathered and sent while the device runs batch i,
-and no further ahead than the device's runtime allows."""
+and no further ahead than the device's runtime allows. The dispatch policy of every loop of independent steps:
+held-out evaluation in training and serving (training/evaluation.py), the export, the harness adapter."""
 from __future__ import annotations
 
 import collections

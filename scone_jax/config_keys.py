@@ -1,0 +1,245 @@
+"""Every config key, declared once: its default, meaning, range, and what a change of it does.
+
+The lists the rest of the package needs are derived from KEYS, so a key added here is in each of them
+or deliberately out of it: config.base_config (defaults), NUMERIC_RULES (ranges validate checks),
+RESUME_KEYS (what a resume may not change) and LOOP_ONLY_KEYS (what the exported train step's key
+leaves out, training/exported_step.py). A key's role says the last two: STATE keys define the saved
+state or the data stream, SETTING keys may change between runs but shape the compiled train step,
+LOOP keys are the loop's cadence, paths and switches, which the train step never reads. A new key
+defaults to nothing: its declaration names its role, so it cannot fall out of the exported step's key
+(a stale traced program would then be loaded silently) without saying so. A key whose default is a
+Group (data.mixture, data.eval_sets) holds named entries, set whole; config.resolve parses the
+command-line shorthand of each (in data.train_files, data.eval_files) into it.
+
+Kept free of imports from the package, so every layer can read it (the checkpointer included).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    resume: bool  # a resume may change the key's value (else refused naming it, unless --allow_config_change)
+    program: bool  # the key is part of the exported train step's key (else a change loads the traced program)
+
+
+STATE = Role(resume=False, program=True)  # defines the saved state or the data stream
+SETTING = Role(resume=True, program=True)  # may change between runs; the compiled train step depends on it
+LOOP = Role(resume=True, program=False)  # the loop's own: the train step never reads it
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    name: str  # 'section.key'
+    default: object  # its type is the key's type (a --config override is read as it)
+    role: Role
+    doc: str
+    rule: str = ""  # numbers: the range validate() checks (config.RULE_TESTS), e.g. '>= 1'
+    hint: str = ""  # said after a broken rule, e.g. ' (1 = no accumulation)'
+    optimizer_state: str = ""  # when a change reshapes the optimizer's state, e.g. 'switched between 0 and > 0'
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A key's default when its value is a group of named entries, empty by default (config.base_config
+    makes a fresh ConfigDict): `entry` names each entry's fields, () when an entry is one string. Set
+    whole, in a config file or by its command-line shorthand (config.resolve); not by --config.KEY.NAME,
+    since the names are the config's own."""
+    entry: tuple = ()
+    shorthand: str = ""  # the string key and value that config.resolve parses into the group
+
+
+_SPECIAL_TOKENS = (
+    "The pipeline's special ids (data/tokenizer.py): each document is packed as [bos] + ids + [eos]; pad fills "
+    "only positions masked out of the loss, so it may equal eos. '' = the tokenizer's own: a SentencePiece "
+    "model's pieces; a tokenizer.json's declared bos/eos/pad, and a lone special token such as GPT-2's "
+    "<|endoftext|> serves as all three. Else a token of its vocabulary, e.g. --config.data.pad_token='<pad>'. "
+    "The resolved ids are part of the tokenizer's fingerprint (and travel into export bundles).")
+_ALL_DEVICES = " (-1 = all devices the other axes leave)"
+
+KEYS = (
+    # model: the decoder
+    Key("model.vocab_size", 0, STATE, "0: the tokenizer's size rounded up to a multiple of 128", ">= 0"),
+    Key("model.d_model", 256, STATE, "model width", ">= 1"),
+    Key("model.num_layers", 4, STATE, "decoder blocks", ">= 1"),
+    Key("model.num_heads", 4, STATE, "attention heads", ">= 1"),
+    Key("model.head_dim", 0, STATE, "0: d_model // num_heads", ">= 0"),
+    Key("model.d_ff", 1024, STATE, "MLP hidden width (SwiGLU: use 2/3 of the GELU width for equal size)", ">= 1"),
+    Key("model.max_seq_len", 128, STATE, "size of the learned position table (>= data.seq_len)", ">= 1"),
+    Key("model.norm", "layernorm", STATE, "'layernorm' | 'rmsnorm' | 'nonparametric_layernorm'"),
+    Key("model.mlp", "gelu", STATE, "'gelu' | 'swiglu'"),
+    Key("model.position", "learned", STATE, "'learned' | 'rope'"),
+    Key("model.rope_theta", 10000.0, STATE, "RoPE's base wavelength", "> 0"),
+    Key("model.use_bias", True, STATE, "biases in the blocks' Linear layers and norms"),
+    Key("model.tie_embeddings", True, STATE, "the output head is the token table's transpose"),
+    Key("model.init_std", 0.02, SETTING, "standard deviation of the initial weights", "> 0"),
+    Key("model.dtype", "float32", SETTING, "compute dtype: 'float32' | 'bfloat16'"),
+    Key("model.param_dtype", "float32", STATE, "master weights"),
+    Key("model.embedding_multiplier", 1.0, STATE,
+        "the decoder's input T(token) times this (not the tied head, not the f-gram model's input: "
+        "scone.input_multiplier, not f-gram rows); 1 = the method. A control of docs/quality.md: the baseline "
+        "with input rows near the f-gram rows' scale", "> 0"),
+    Key("model.scan_layers", True, SETTING,
+        "blocks as one scan over stacked parameters (compiles once); False: a Python loop of separate blocks, for "
+        "debugging (same math; a checkpoint of the other layout is converted on restore)"),
+    Key("model.remat", "none", SETTING,
+        "what each block keeps for the backward pass; see model/remat.py: 'none' (everything) | 'full' (only its "
+        "input) | 'save_dots' (matmul outputs without batch dims) | 'save_qkv_proj' (q/k/v/attention-output "
+        "projections)"),
+    Key("model.attention", "auto", SETTING,
+        "'auto' | 'xla' | 'cudnn' | 'splash' | 'reference'; see model/attention.py"),
+
+    # scone: the f-gram model and its vocabulary
+    Key("scone.enabled", False, STATE, "train the f-gram model jointly and replace embeddings at matches"),
+    Key("scone.vocab_path", "", SETTING,
+        "f-gram vocabulary; '' = extract into <workdir>/fgrams on first run (pinned on resume by its fingerprint, "
+        "not its path)"),
+    Key("scone.max_len", 5, STATE, "K: longest f-gram, in tokens", ">= 2"),
+    Key("scone.num_fgrams", 100_000, STATE, "S: f-grams kept (top S by count, all lengths ranked together)", ">= 1"),
+    Key("scone.min_count", 5, STATE, "extraction's minimum count from the second scan on", ">= 1"),
+    Key("scone.extract_max_tokens", 50_000_000, STATE, "extraction reads at most this many training tokens", ">= 1"),
+    Key("scone.fgram_capacity", 1024, STATE, "U: unique f-grams per data shard per step (static shape)", ">= 1"),
+    Key("scone.num_layers", 4, STATE, "f-gram model depth (its size relative to the main model)", ">= 1"),
+    Key("scone.d_model", 0, STATE, "f-gram model width; 0 = the main model's (else projected to it)", ">= 0"),
+    Key("scone.num_heads", 0, STATE, "0 = the main model's", ">= 0"),
+    Key("scone.d_ff", 0, STATE, "0 = the main model's", ">= 0"),
+    Key("scone.output_gain_init", 0.0, STATE,
+        "0 = off (the method); > 0: f-gram embeddings times a learned scalar gain that starts here (an experiment "
+        "on their scale, docs/quality.md)"),
+    Key("scone.input_multiplier", 1.0, STATE,
+        "the f-gram model's input T(t_i) times this, before its position embeddings; 1 = the method. An experiment "
+        "of docs/quality.md: model.embedding_multiplier's scaled input for the f-gram model's blocks too", "> 0"),
+    Key("scone.output_norm", True, STATE,
+        "the f-gram embedding is the hidden state after the f-gram model's final norm (docs/method.md §4); False: "
+        "its last block's residual stream, at the scale of the token inputs it replaces (docs/quality.md: the "
+        "final norm's rows collapse)"),
+    Key("scone.learning_rate_multiplier", 1.0, STATE,
+        "the f-gram model's parameters (model/roles.py) train at this multiple of the learning rate (its whole "
+        "schedule; the decoder and the shared T keep the rate); 1 = the method. > 0; != 1 only with enabled "
+        "(docs/training.md). A run trained at two ratios of the rates would be neither experiment's, so a resume "
+        "may not change it", "> 0",
+        " (the f-gram model's learning rate over train.learning_rate; 1 = the same)"),
+    Key("scone.gate", False, STATE,
+        "the method (False): a matched position's input is the f-gram embedding f. True: a learned scalar g, "
+        "starting at 0, mixes it with the token's own input, (1 - g) T(token) + g f, so training starts as the "
+        "baseline's and reaches the method's replacement at g = 1; the export bakes g into the table's rows "
+        "(docs/training.md). Only with enabled"),
+
+    # data: corpus, tokenizer, batches
+    Key("data.source", "kjv", STATE, "'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'"),
+    Key("data.train_files", "", STATE,
+        "glob pattern(s), comma-separated; or the shorthand of data.mixture, "
+        "'web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3', which config.resolve parses into it (leaving "
+        "this '')"),
+    Key("data.mixture", Group(("files", "weight", "order"), "data.train_files='web=/d/web/*.jsonl@0.7;books=/d/b/*.txt@0.3'"),
+        STATE,
+        "a training mixture (data/mixture.py): component name -> {files: comma-separated globs, weight: relative "
+        "share of rows, order: its place, 0, 1, ... (the schedule and each component's shuffle follow it)}; empty = "
+        "data.train_files alone"),
+    Key("data.eval_files", "", LOOP,
+        "held-out data: globs; or the shorthand of data.eval_sets, 'web=/d/web/*.jsonl;books=/d/b/*.txt', which "
+        "config.resolve parses into it (leaving this ''); '' with kjv and no sets = its built-in held-out split"),
+    Key("data.eval_sets", Group((), "data.eval_files='web=/d/web/*.jsonl;books=/d/b/*.txt'"), LOOP,
+        "named held-out sets (data/eval_sets.py): set name -> comma-separated globs, each evaluated on its own, in "
+        "name order, with their average; empty = data.eval_files alone"),
+    Key("data.text_field", "text", STATE, "jsonl field holding the document"),
+    Key("data.document_unit", "line", STATE, "text files: one document per 'line' or per 'file'"),
+    Key("data.eval_fraction", 0.02, STATE, "kjv: fraction of documents held out", "in (0, 1)"),
+    Key("data.tokenizer_path", "", SETTING,
+        "a SentencePiece .model or a Hugging Face tokenizer.json (local or gs://; the kind is read from the "
+        "content); '' = train a SentencePiece model into <workdir>/tokenizer.model (pinned on resume by its "
+        "fingerprint, not its path)"),
+    Key("data.vocab_size", 8000, SETTING, "only used to train the tokenizer", ">= 1"),
+    Key("data.tokenizer_size", 0, SETTING,
+        "0: any tokenizer of at most model.vocab_size tokens; else the exact number of tokens (added tokens "
+        "included) the tokenizer must have: paper configs pin their tokenizers", ">= 0",
+        " (0 = any tokenizer that fits model.vocab_size)"),
+    Key("data.character_coverage", 0.9995, SETTING,
+        "tokenizer training: share of the text's characters that get pieces of their own; the rest are spelled in "
+        "bytes (lossless). Lower it for small vocabularies over many scripts (2,048 pieces over text with CJK "
+        "passages: 0.99)", "in (0, 1]"),
+    Key("data.bos_token", "", SETTING, _SPECIAL_TOKENS),
+    Key("data.eos_token", "", SETTING, "see data.bos_token"),
+    Key("data.pad_token", "", SETTING, "see data.bos_token"),
+    Key("data.seq_len", 128, STATE, "tokens per row", ">= 1"),
+    Key("data.global_batch_size", 16, STATE, "rows per step over all processes", ">= 1"),
+    Key("data.shuffle_seed", 0, STATE, "the order of documents and of a mixture's rows"),
+    Key("data.worker_count", -1, LOOP,
+        "processes building batches: -1 = half the host's cores (1..16); 0 = a thread of the training process. "
+        "Batches do not depend on it (data/packing.py).", ">= -1",
+        " (-1 = half the cores, 0 = a thread of the training process)"),
+    Key("data.prefetch_buffer", 8, LOOP, "batches each worker (or the builder thread) keeps ready", ">= 1"),
+
+    # train: optimizer, schedule and the loop
+    Key("train.seed", 0, SETTING, "parameter initialisation"),
+    Key("train.num_steps", 1000, SETTING, "steps of the whole run (the learning-rate schedule's length)", ">= 1"),
+    Key("train.max_steps_per_run", 0, LOOP,
+        "stop this invocation after so many steps (0 = no limit); rerun resumes", ">= 0"),
+    Key("train.learning_rate", 1e-3, SETTING, "peak learning rate", "> 0"),
+    Key("train.warmup_steps", 100, SETTING, "linear warm-up", ">= 0"),
+    Key("train.min_lr_ratio", 0.1, SETTING, "cosine decays to learning_rate * min_lr_ratio", "in [0, 1]"),
+    Key("train.weight_decay", 0.1, SETTING,
+        "AdamW, decoupled; on weight matrices only (every Linear kernel, an untied head included), never on "
+        "embeddings, norms or biases (model/roles.py)", ">= 0"),
+    Key("train.b1", 0.9, SETTING, "AdamW's first-moment decay", "in [0, 1)"),
+    Key("train.b2", 0.95, SETTING, "AdamW's second-moment decay", "in [0, 1)"),
+    Key("train.eps", 1e-8, SETTING, "AdamW's epsilon", "> 0"),
+    Key("train.grad_clip_norm", 1.0, SETTING, "0 disables clipping", ">= 0"),
+    Key("train.fgram_model_delay_steps", 0, SETTING,
+        "SCONE: the f-gram model's updates are 0 for steps 1..D (D = this), then ramp linearly, D+k getting k/D, "
+        "to full from step 2D on (0 = the method's joint training from step 1; docs/training.md). Switching "
+        "between 0 and > 0 on resume is refused.", ">= 0", optimizer_state="switched between 0 and > 0"),
+    Key("train.fgram_model_delay_steps_per_layer", 0, SETTING,
+        "the same delay scaled with the f-gram model's depth: D = this x scone.num_layers (so 20 gives a 1-, 2-, "
+        "4-block f-gram model D = 20, 40, 80); 0 = off. At most one of the two delay keys may be > 0.", ">= 0",
+        optimizer_state="switched between 0 and > 0"),
+    Key("train.grad_accum_steps", 1, SETTING,
+        "micro-batches per step; must divide the rows per data shard (and, with SCONE, scone.fgram_capacity, which "
+        "is split evenly across micro-batches)", ">= 1", " (1 = no accumulation)"),
+    Key("train.log_every", 10, LOOP, "steps between log lines", ">= 1", " (steps between log lines)"),
+    Key("train.eval_every", 100, LOOP, "0 disables periodic evaluation", ">= 0"),
+    Key("train.eval_batches", 0, LOOP, "0 = the whole held-out set", ">= 0"),
+    Key("train.checkpoint_every", 100, LOOP, "steps between checkpoints", ">= 1",
+        " (steps between checkpoints; the last step is always saved)"),
+    Key("train.keep_checkpoints", 3, LOOP, "checkpoints kept", ">= 1",
+        " (the number of checkpoints kept; a run must never end without one)"),
+    Key("train.peak_flops_per_device", 0.0, LOOP, "for MFU; 0 = look up the device kind (CPU: measured)", ">= 0"),
+    Key("train.profile_steps", "", LOOP,
+        "'START:END': a jax.profiler trace of those steps into <workdir>/profile (training/profile.py)"),
+    Key("train.profile_all_processes", False, LOOP, "trace on every process, not only process 0"),
+    Key("train.compilation_cache_dir", "compilation_cache", LOOP,
+        "JAX's persistent compilation cache, so a restart loads the compiled steps (and the traced train step, "
+        "training/exported_step.py): relative = inside the workdir, absolute or gs:// as is, '' = off "
+        "(runtime/compile_cache.py)"),
+
+    # mesh: the device mesh's axes
+    Key("mesh.data", -1, SETTING, "-1: all devices not used by the other axes", "-1 | >= 1", _ALL_DEVICES),
+    Key("mesh.fsdp", 1, SETTING, "parameters and optimizer state sharded over this axis", "-1 | >= 1", _ALL_DEVICES),
+    Key("mesh.tensor", 1, SETTING, "tensor parallelism", "-1 | >= 1", _ALL_DEVICES),
+)
+
+BY_NAME = {key.name: key for key in KEYS}
+# Numeric keys and the values they accept; config.validate names the key and the rule when one is broken.
+NUMERIC_RULES = {key.name: key.rule for key in KEYS if key.rule}
+RULE_HINTS = {key.name: key.hint for key in KEYS if key.hint}
+# What a checkpoint's state and the batches after it mean: resuming with another value of any of these is refused
+# (training/train.py), unless named in --allow_config_change.
+RESUME_KEYS = tuple(key.name for key in KEYS if not key.role.resume)
+# What the exported train step's key leaves out (training/exported_step.py): a resume that changes them still
+# loads the traced program.
+LOOP_ONLY_KEYS = tuple(key.name for key in KEYS if not key.role.program)
+# Keys whose value is a group of named entries, set whole (config.resolve, and stored configs in serving/bundle.py).
+GROUPS = tuple(key.name for key in KEYS if isinstance(key.default, Group))
+# Keys whose change reshapes the optimizer's state: a checkpoint saved before such a change does not fit.
+OPTIMIZER_STATE_KEYS = tuple(key.name for key in KEYS if key.optimizer_state)
+
+
+def optimizer_state_fix() -> str:
+    """What to resume with when a checkpoint's optimizer state has other arrays than this config builds
+    (training/checkpoint.py): the settings it was saved with, naming the keys that reshape that state."""
+    conditions: dict[str, list[str]] = {}
+    for name in OPTIMIZER_STATE_KEYS:
+        conditions.setdefault(BY_NAME[name].optimizer_state, []).append(name)
+    changes = "; ".join(f"{' or '.join(names)} {condition}" for condition, names in conditions.items())
+    return f"the optimizer settings the checkpoint was saved with ({changes} changes the optimizer's state)"

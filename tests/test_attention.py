@@ -241,6 +241,7 @@ def test_splash_train_step_compiles_for_tpu_without_square_buffers(tpu_compiled,
     assert tpu_compiled[case] == {"tpu_custom_call": True, "square_buffers": []}
 
 
+@pytest.mark.slow  # reads the same TPU compile (tpu_compiled)
 def test_the_square_buffer_check_sees_the_reference(tpu_compiled):
     assert tpu_compiled["reference-256-bf16"]["tpu_custom_call"] is False
     assert "f32[2,2,256,256]" in tpu_compiled["reference-256-bf16"]["square_buffers"]  # 2 local rows x 2 local heads

@@ -6,15 +6,15 @@ import pytest
 from scone_jax import sharding
 from scone_jax.data import pipeline
 from scone_jax.training import checkpoint, run as run_lib, train
-from tests.common import small_config
+from tests.common import config_with
 
 
 def scone_config(tokenizer_path, **train_overrides):
-    config = small_config()
-    config.data.tokenizer_path = tokenizer_path
+    # One decoder block: what the builder reads and restores does not depend on depth.
+    config = config_with(tokenizer_path, dict(num_layers=1),
+                         **(dict(num_steps=3, checkpoint_every=3) | train_overrides))
     config.scone.update(dict(enabled=True, max_len=3, fgram_capacity=96, num_layers=1, num_fgrams=2000,
                              min_count=2, extract_max_tokens=200_000))
-    config.train.update(dict(num_steps=3, checkpoint_every=3) | train_overrides)
     return config
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from scone_jax import sharding
 from scone_jax.data import pipeline
-from scone_jax.training import checkpoint, run as run_lib, train
+from scone_jax.training import checkpoint, run as run_lib
 from tests.common import config_with
 
 
@@ -20,9 +20,16 @@ def scone_config(tokenizer_path, **train_overrides):
 
 @pytest.fixture(scope="module")
 def trained(tokenizer_path, tmp_path_factory):
-    """A SCONE run trained for 3 steps (one checkpoint, at step 3)."""
+    """A SCONE run's workdir with one checkpoint, at step 3, saved as the loop saves it (the run's state and
+    Run.meta); what build restores does not depend on the steps that led there, so none are compiled."""
     workdir = str(tmp_path_factory.mktemp("run"))
-    train.run(scone_config(tokenizer_path), workdir)
+    config = scone_config(tokenizer_path)
+    run = run_lib.build(config, workdir, sharding.make_mesh(config.mesh))
+    try:
+        run.checkpointer.save(3, run.state, {**run.meta, "step": 3})
+        run.checkpointer.wait()
+    finally:
+        run.close()
     return workdir
 
 

@@ -13,7 +13,7 @@ from scone_jax.runtime import aio
 from scone_jax.serving import bundle, table as table_lib, table_files
 from tests import serving_run
 from tests.test_table import file_rows
-from tools.bench_bundles import write_table_bundle
+from scone_jax.serving.bench_bundles import write_table_bundle
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from bench_bundles import make_run, write_table_bundle
 from scone_jax import sharding
 from scone_jax.data import pipeline
 from scone_jax.serving import bundle, evaluate, export, generate, inference, table as table_lib
+from scone_jax.serving.bench_bundles import make_run, write_table_bundle
 from scone_jax.training import run as run_lib
 
 _QUICK = flags.DEFINE_bool("quick", False, "A tiny model and few batches (under a minute).")

@@ -40,9 +40,9 @@ import time
 import numpy as np
 from absl import app, flags
 
-from bench_bundles import make_run, write_table_bundle
 from scone_jax.runtime import aio
 from scone_jax.serving import bundle, table as table_lib
+from scone_jax.serving.bench_bundles import make_run, write_table_bundle
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small files (64 MiB budget, 256 MiB files) and a tiny model.")
 _DIR = flags.DEFINE_string("dir", "", "Where the benchmark's files go (the disk measured); '' = a temp dir in /tmp.")

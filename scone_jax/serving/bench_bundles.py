@@ -1,7 +1,7 @@
 """What the serving benchmarks build: a SCONE run to export, and bundles holding only a table, of any size.
 
-Imported by tools/bench_serving.py and tools/bench_table_io.py, scripts beside it, and by
-tests/test_disk_table.py as tools.bench_bundles.
+Used by tools/bench_serving.py, tools/bench_table_io.py and tests/test_disk_table.py; a package module so that
+scripts and tests import it as they import the rest, with no script importing another.
 """
 import json
 import os
@@ -10,11 +10,11 @@ from scone_jax import sharding
 from scone_jax.config import base_config
 from scone_jax.data import corpus, tokenizer_training
 from scone_jax.serving import bundle, table_layout
-from scone_jax.training import assets, checkpoint, state as state_lib
+from scone_jax.training import run as run_lib
 
 
 def make_run(root: str, quick: bool):
-    """A SCONE run directory with a checkpoint of the initial state."""
+    """A SCONE run directory with a checkpoint of the initial state, built by the run builder as training builds it."""
     tokenizer = tokenizer_training.train_tokenizer(corpus.kjv_documents("train", 0.02)[:3000],
                                               os.path.join(root, "tokenizer.model"), 1024, model_type="bpe")
     c = base_config()
@@ -25,16 +25,13 @@ def make_run(root: str, quick: bool):
                         fgram_capacity=1024 if quick else 2048, num_layers=1 if quick else 4,
                         extract_max_tokens=300_000 if quick else 3_000_000))
     workdir = os.path.join(root, "run")
-    vocab = assets.ensure_vocab(c.scone, c.data, tokenizer, workdir)
-    mesh = sharding.make_mesh(c.mesh)
-    spec = state_lib.state_spec(c, mesh)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    ckpt.save(1, state_lib.init_state(c, spec), {"tokenizer_fingerprint": tokenizer.fingerprint,
-                                                       "fgram_vocab_fingerprint": vocab.fingerprint,
-                                                       "config": c.to_dict(), "step": 1})
-    ckpt.wait()
-    ckpt.close()
-    return c, workdir, tokenizer, vocab
+    run = run_lib.build(c, workdir, sharding.make_mesh(c.mesh))  # trains nothing: the initial state, saved
+    try:
+        run.checkpointer.save(1, run.state, {**run.meta, "step": 1})
+        run.checkpointer.wait()
+    finally:
+        run.close()
+    return c, workdir, tokenizer, run.vocab
 
 
 def write_table_bundle(path: str, rows_of, num_rows: int, width: int, dtype: str, chunk_rows: int) -> dict:

@@ -6,7 +6,7 @@ import os
 from scone_jax import sharding
 from scone_jax.data import corpus
 from scone_jax.serving import bundle, export, table as table_lib
-from scone_jax.training import assets, checkpoint, state as state_lib
+from scone_jax.training import assets, run as run_lib
 from tests.common import small_config
 
 _CACHE = {}
@@ -28,15 +28,16 @@ def scone_config(tokenizer_path):
     return config
 
 
-def _save_initial_checkpoint(config, tokenizer, vocab, workdir: str) -> None:
-    """A checkpoint of the initial state at step 1, as train.run would leave it."""
-    spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh))
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    ckpt.save(1, state_lib.init_state(config, spec), {
-        "tokenizer_fingerprint": tokenizer.fingerprint, "fgram_vocab_fingerprint": vocab.fingerprint,
-        "config": config.to_dict(), "step": 1})
-    ckpt.wait()
-    ckpt.close()
+def _save_initial_checkpoint(config, workdir: str):
+    """A checkpoint of the initial state at step 1, built and saved by the run builder as training saves it;
+    (tokenizer, vocabulary)."""
+    run = run_lib.build(config, workdir, sharding.make_mesh(config.mesh))
+    try:
+        run.save(1, run.state)
+        run.checkpointer.wait()
+    finally:
+        run.close()
+    return run.tokenizer, run.vocab
 
 
 def trained_run(tmp_path_factory) -> dict:
@@ -47,9 +48,7 @@ def trained_run(tmp_path_factory) -> dict:
         tokenizer = assets.ensure_tokenizer(small_config().data, os.path.join(root, "tok"))
         config = scone_config(tokenizer.path)
         workdir = os.path.join(root, "run")
-        assets.resolve_vocab_size(config, tokenizer)
-        vocab = assets.ensure_vocab(config.scone, config.data, tokenizer, workdir)
-        _save_initial_checkpoint(config, tokenizer, vocab, workdir)
+        tokenizer, vocab = _save_initial_checkpoint(config, workdir)
         _CACHE["run"] = {"workdir": workdir, "config": config, "tokenizer": tokenizer, "vocab": vocab}
     return _CACHE["run"]
 
@@ -69,7 +68,7 @@ def exported_variant(tmp_path_factory, name: str, table_dtype: str = "float32", 
             config.scone.vocab_path = os.path.join(run["workdir"], "fgrams")
         root = tmp_path_factory.mktemp("variant_" + name)
         workdir = str(root / "run")
-        _save_initial_checkpoint(config, run["tokenizer"], run["vocab"], workdir)
+        _save_initial_checkpoint(config, workdir)
         path = str(root / "export")
         export.export(workdir, path, dtype=table_dtype, chunk_rows=64, batch_rows=512)
         _CACHE[key] = path

@@ -26,7 +26,7 @@ def trained(tokenizer_path, tmp_path_factory):
     config = scone_config(tokenizer_path)
     run = run_lib.build(config, workdir, sharding.make_mesh(config.mesh))
     try:
-        run.checkpointer.save(3, run.state, {**run.meta, "step": 3})
+        run.save(3, run.state)
         run.checkpointer.wait()
     finally:
         run.close()

@@ -27,7 +27,7 @@ def make_run(root: str, quick: bool):
     workdir = os.path.join(root, "run")
     run = run_lib.build(c, workdir, sharding.make_mesh(c.mesh))  # trains nothing: the initial state, saved
     try:
-        run.checkpointer.save(1, run.state, {**run.meta, "step": 1})
+        run.save(1, run.state)
         run.checkpointer.wait()
     finally:
         run.close()

@@ -122,6 +122,11 @@ class Run:
         """What every checkpoint of this run saves beside its state (with "step")."""
         return {**self.expect, "config": self.config.to_dict(), "train_data": self.data_identity}
 
+    def save(self, step: int, state) -> None:
+        """Start the checkpoint of `state` at `step` with this run's metadata (`checkpointer.wait()` ends it):
+        how the loop saves, and how a tool or test that needs a run's workdir without training makes one."""
+        self.checkpointer.save(step, state, {**self.meta, "step": step})
+
     @functools.cached_property
     def batcher(self):
         """The batch transform that adds each shard's f-grams (fgram/dedup.py), or None without SCONE."""

@@ -146,7 +146,7 @@ class _Loop:
     def __init__(self, run: run_lib.Run, owner, held_out, inputs):
         t = self.t = run.config.train
         self.run, self.owner, self.held_out, self.inputs = run, owner, held_out, inputs
-        self.ckpt, self.meta, self.step, self.state = run.checkpointer, run.meta, run.step, run.state
+        self.ckpt, self.step, self.state = run.checkpointer, run.step, run.state
         is_chief = jax.process_index() == 0
         flops = accounting.train_step_flops(run.config, run.spec.abstract[0], sharding.num_batch_shards(run.mesh))
         self.writer = MetricsWriter(run.workdir, enabled=is_chief, resume_step=self.step)
@@ -210,7 +210,7 @@ class _Loop:
         if plan.evaluate:
             self._evaluate(step)
         if plan.save:
-            self.ckpt.save(step, self.state, {**self.meta, "step": step})
+            self.run.save(step, self.state)
         if plan.preempted and not plan.last:
             raise preemption.Preempted(step)
 
@@ -236,7 +236,7 @@ class _Loop:
     def _save_now(self) -> None:
         """A checkpoint at the step reached, its pending metrics written first: before an input or evaluation
         failure stops the run, so a rerun after the fix loses nothing."""
-        _save_after_input_failure(self.ckpt, self.step, self.state, self.meta, self.pending, self.writer)
+        _save_after_input_failure(self.run, self.step, self.state, self.pending, self.writer)
 
     def _close(self) -> None:
         self.profiler.close()
@@ -293,10 +293,10 @@ def _next_batch(inputs, step: int, save):
             "data.worker_count.") from e
 
 
-def _save_after_input_failure(ckpt, step, state, meta, pending, writer):
+def _save_after_input_failure(run, step, state, pending, writer):
     writer.write_steps(pending.flush())
-    ckpt.save(step, state, {**meta, "step": step})
-    ckpt.wait()
+    run.save(step, state)
+    run.checkpointer.wait()
 
 
 class _Inputs:

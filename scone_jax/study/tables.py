@@ -11,6 +11,7 @@ import os
 from scone_jax.study.records import effective, latest
 
 DELAY40 = {"train.fgram_model_delay_steps": 40}
+DELAY80 = {"train.fgram_model_delay_steps": 80}  # configs/quality.py's default from defaults_version 2
 H200 = "NVIDIA H200"
 # configs/quality.py's arms made GPT-2 128m (the paper's smallest main model) with an 8,000-piece tokenizer.
 GPT2_128M = {"data.global_batch_size": 32, "data.seq_len": 1024, "data.vocab_size": 8000, "model.d_ff": 4096,
@@ -43,6 +44,8 @@ TABLES = {
         row("`scone_fgram2x`, delayed 40 steps", "scone_fgram2x", "10m", 2e-3, DELAY40, _D10M),
         row("`scone_s100k`, delayed 40 steps", "scone_s100k", "10m", 2e-3, DELAY40, _D10M),
     ],
+    "10m_delay80": [row(label, arm, "10m", 2e-3, DELAY80) for label, arm in (
+        ("`scone` (S = 20k, K = 5)", "scone"),)],
     "3m": [row(label, arm, "3m", 1e-3, figure=_MAIN) for label, arm in (
         ("`baseline_short` (2 blocks)", "baseline_short"), ("`baseline_4x` (8 blocks)", "baseline_4x"),
         ("`scone_short` (f-gram model 2 blocks, S = 20k, K = 5)", "scone_short"),
@@ -58,9 +61,8 @@ TABLES = {
     "h200_size": [row(label, arm, budget_, 2e-3, overrides, platform=H200, corpus=corpus) for label, arm, budget_, overrides, corpus in (
         ("`scone` (1x), delayed 40 steps", "scone", "10m", DELAY40, "linux_doc"),
         ("`scone_fgram2x`, delayed 40 steps", "scone_fgram2x", "10m", DELAY40, "linux_doc"),
-        ("`scone` (1x), delayed 80 steps", "scone", "10m", {"train.fgram_model_delay_steps": 80}, "linux_doc"),
-        ("`scone_fgram2x`, delayed 80 steps (20 per block)", "scone_fgram2x", "10m", {"train.fgram_model_delay_steps": 80},
-         "linux_doc"),
+        ("`scone` (1x), delayed 80 steps", "scone", "10m", DELAY80, "linux_doc"),
+        ("`scone_fgram2x`, delayed 80 steps (20 per block)", "scone_fgram2x", "10m", DELAY80, "linux_doc"),
         ("`scone_fgram0.5x`, delayed 20 steps (20 per block)", "scone_fgram0.5x", "10m",
          {"train.fgram_model_delay_steps": 20}, "linux_doc"),
         ("`scone_fgram2x`, delayed 40, f-gram learning rate x0.5", "scone_fgram2x", "10m",
@@ -80,7 +82,7 @@ TABLES = {
          {**GPT2_128M_SCONE, "scone.num_layers": 12}))],
     "gcide": [row(label, arm, "10m", 2e-3, overrides, corpus="gcide") for label, arm, overrides in (
         ("`baseline` (2 blocks)", "baseline", {}), ("`baseline_2x` (4 blocks)", "baseline_2x", {}),
-        ("`scone` (1x), delayed 80 steps", "scone", {"train.fgram_model_delay_steps": 80}))],
+        ("`scone` (1x), delayed 80 steps", "scone", DELAY80))],
     "collapse": [
         row("3M at 2e-3: `baseline_short`", "baseline_short", "3m", 2e-3),
         row("3M at 2e-3: `scone_short`", "scone_short", "3m", 2e-3),

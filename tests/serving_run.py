@@ -5,6 +5,7 @@ import os
 
 from scone_jax import sharding
 from scone_jax.data import corpus
+from scone_jax.runtime.crc import crc32_hex
 from scone_jax.serving import bundle, export, table as table_lib
 from scone_jax.training import assets, run as run_lib
 from tests.common import small_config
@@ -105,6 +106,6 @@ def reseal(path: str) -> None:
         record = json.load(f)
     files = bundle.file_checksums(path, bundle.DECODER)
     with open(os.path.join(path, bundle.TOKENIZER), "rb") as f:
-        files[bundle.TOKENIZER] = bundle.array_checksum(f.read())
+        files[bundle.TOKENIZER] = crc32_hex(f.read())
     with open(os.path.join(path, bundle.COMPLETE), "wb") as f:
         f.write(bundle.complete_marker(meta, record["table"], record["table_index"], files))

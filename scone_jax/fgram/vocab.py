@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import zlib
 
 import numpy as np
 import tensorstore as ts
 
 from scone_jax.runtime import storage
+from scone_jax.runtime.crc import crc32_hex
 from scone_jax.runtime.errors import one_line
 
 PAD = 0
@@ -41,14 +41,6 @@ _ARRAYS = ("tokens", "lengths", "counts")
 
 class VocabError(ValueError):
     """A vocabulary whose arrays are missing, damaged or unreadable."""
-
-
-def array_checksum(data) -> str:
-    """CRC-32 (8 hex digits) of bytes, or of an array's bytes in memory order (what zarr stores, little-endian).
-    zlib releases the GIL on large buffers, so threads check chunks in parallel."""
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    return f"{zlib.crc32(data):08x}"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -191,7 +183,7 @@ def save_vocab(vocab: FgramVocab, path: str) -> None:
         out = ts.open(spec, create=True, delete_existing=True).result()
         out.write(array).result()
     meta = {"format": FORMAT, "version": VERSION, **vocab.metadata, "fingerprint": vocab.fingerprint,
-            "checksums": {name: array_checksum(array) for name, array in arrays.items()}}
+            "checksums": {name: crc32_hex(array) for name, array in arrays.items()}}
     store.write(_META, json.dumps(meta, indent=1).encode()).result()
 
 
@@ -233,9 +225,9 @@ def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None, *, 
         except ValueError as e:  # tensorstore: no array metadata, an unreadable or undecodable chunk
             raise VocabError(f"The f-gram vocabulary array {where} cannot be read ({one_line(e)}). {fix}") from e
         want = meta["checksums"].get(name)
-        if array_checksum(arrays[name]) != want:
+        if crc32_hex(arrays[name]) != want:
             raise VocabError(f"The f-gram vocabulary array {where} is missing chunks or damaged: it hashes to "
-                             f"{array_checksum(arrays[name])}, {_META} records {want}. {fix}")
+                             f"{crc32_hex(arrays[name])}, {_META} records {want}. {fix}")
     try:
         vocab = FgramVocab(
             tokens=arrays["tokens"], lengths=arrays["lengths"], counts=arrays["counts"],

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
-from scone_jax.fgram.vocab import array_checksum
 from scone_jax.runtime import checksums, storage
+from scone_jax.runtime.crc import crc32_hex
 from scone_jax.saved_config import stored_config
 from scone_jax.serving.table_layout import Layout
 
@@ -126,7 +126,7 @@ def file_checksums(path: str, directory: str) -> dict[str, str]:
     keys = sorted(k.decode() for k in storage.open_store(storage.join(path, directory)).list().result())
     store = storage.open_store(path)
     reads = {f"{directory}/{k}": store.read(f"{directory}/{k}") for k in keys}
-    return {key: array_checksum(bytes(read.result().value)) for key, read in reads.items()}
+    return {key: crc32_hex(bytes(read.result().value)) for key, read in reads.items()}
 
 
 def verify_files(path: str, sums: Checksums, directory: str, fix: str) -> None:
@@ -137,7 +137,7 @@ def verify_files(path: str, sums: Checksums, directory: str, fix: str) -> None:
         raw = read.result()
         if raw.state != "value":
             raise BundleError(f"{storage.join(path, key)} is missing. {fix}")
-        have = array_checksum(bytes(raw.value))
+        have = crc32_hex(bytes(raw.value))
         if have != sums.files[key]:
             raise BundleError(f"{storage.join(path, key)} is damaged: it hashes to {have}, {COMPLETE} records "
                               f"{sums.files[key]}. {fix}")

@@ -19,7 +19,8 @@ import numpy as np
 
 from scone_jax.serving import bundle
 from scone_jax.serving.table_files import TableFiles
-from scone_jax.serving.table_layout import CRC, Layout, block_crcs, check_ids, crc
+from scone_jax.runtime.crc import crc32_hex
+from scone_jax.serving.table_layout import CRC, Layout, block_crcs, check_ids
 
 
 class DiskTable:
@@ -77,7 +78,7 @@ class DiskTable:
             raise bundle.BundleError(f"Reading the table's block index at {self.path!r} failed: {e}. Fix: try again; "
                                      "if it persists, export again into a fresh --output.") from None
         bad = {c: f"has a damaged block index: it hashes to {have}, {bundle.COMPLETE} records {index_crcs[c]}"
-               for c in range(layout.num_chunks) if (have := crc(slot(c))) != index_crcs[c]}
+               for c in range(layout.num_chunks) if (have := crc32_hex(slot(c))) != index_crcs[c]}
         if bad:
             raise bundle.bad_table_error(self.path, layout, bad)
         return index

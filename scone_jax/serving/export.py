@@ -42,6 +42,7 @@ from scone_jax.fgram.vocab import PAD, FgramVocab, save_vocab
 from scone_jax.runtime import (compile_cache, distributed, job_flags, logs, ownership, storage, tool_main,
                                write_probe)
 from scone_jax.runtime.compile_cache import CompileCache
+from scone_jax.runtime.crc import crc32_hex
 from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.prefetch import DispatchWindow
 from scone_jax.saved_config import stored_config
@@ -227,7 +228,7 @@ def _complete_marker(output: str, meta: dict, tokenizer_proto: bytes) -> bytes:
         if value.state != "value":  # every process flushed its writes before this runs
             raise bundle.BundleError(f"{storage.join(output, key)} vanished while the export ran. Fix: rerun it.")
     table = [bytes(values[key].value).decode().split() for key in keys[:-1]]
-    files = json.loads(bytes(values[_DECODER_DONE].value)) | {bundle.TOKENIZER: bundle.array_checksum(tokenizer_proto)}
+    files = json.loads(bytes(values[_DECODER_DONE].value)) | {bundle.TOKENIZER: crc32_hex(tokenizer_proto)}
     return bundle.complete_marker(meta, [t[0] for t in table], [t[1] for t in table], files)
 
 

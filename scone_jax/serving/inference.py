@@ -23,6 +23,7 @@ from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
 from scone_jax.model.transformer import Decoder
 from scone_jax.runtime import storage
+from scone_jax.runtime.crc import crc32_hex
 from scone_jax.runtime.errors import one_line
 from scone_jax.serving import bundle
 from scone_jax.serving import table as table_lib
@@ -111,8 +112,8 @@ def load_tokenizer(path: str, sums: bundle.Checksums) -> Tokenizer:
     raw = storage.read_bytes(path, bundle.TOKENIZER)
     if raw is None:
         raise bundle.BundleError(f"{where} is missing. {fix}")
-    if bundle.array_checksum(raw) != sums.files.get(bundle.TOKENIZER):
-        raise bundle.BundleError(f"{where} is damaged: it hashes to {bundle.array_checksum(raw)}, "
+    if crc32_hex(raw) != sums.files.get(bundle.TOKENIZER):
+        raise bundle.BundleError(f"{where} is damaged: it hashes to {crc32_hex(raw)}, "
                                  f"{bundle.COMPLETE} records {sums.files.get(bundle.TOKENIZER)}. {fix}")
     try:
         return Tokenizer.from_bytes(raw, path=where)

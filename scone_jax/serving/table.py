@@ -23,7 +23,8 @@ from absl import logging
 from scone_jax.serving import bundle
 from scone_jax.serving.disk_table import DiskTable
 from scone_jax.serving.table_files import TableFiles
-from scone_jax.serving.table_layout import CRC, Layout, block_crcs, check_ids, crc
+from scone_jax.runtime.crc import crc32_hex
+from scone_jax.serving.table_layout import CRC, Layout, block_crcs, check_ids
 
 TABLE_MODES = ("ram", "disk", "auto")
 _THREAD_MIN_ROWS = 1 << 14  # below this a single take is faster than handing work to threads
@@ -119,7 +120,7 @@ def _load(path: str, layout: Layout, sums: bundle.Checksums, threads: int) -> Ho
                                      "export again into a fresh --output.") from None
         read_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        have = list(files.pool.map(lambda c: crc(rows_of(c)), chunks))
+        have = list(files.pool.map(lambda c: crc32_hex(rows_of(c)), chunks))
         verify_seconds = time.perf_counter() - start
         bad = {c: _damage(files, layout, sums, c, h, rows) for c, h in zip(chunks, have) if h != sums.table[c]}
         if bad:
@@ -138,7 +139,7 @@ def _damage(files: TableFiles, layout: Layout, sums: bundle.Checksums, c: int, h
         index = files.read(c, layout.rows_bytes(c), layout.index_bytes(c))
     except OSError:
         return state
-    if crc(index) != sums.table_index[c]:
+    if crc32_hex(index) != sums.table_index[c]:
         return state + ", and its block index is damaged too"
     lo, hi = layout.rows_of_chunk(c)
     found = block_crcs(rows[lo:hi], layout.block_rows)

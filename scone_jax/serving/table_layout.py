@@ -19,6 +19,8 @@ import zlib
 
 import numpy as np
 
+from scone_jax.runtime.crc import crc32_hex
+
 BLOCK_BYTES = 4096  # the unit a disk reads at random (a page); a block of rows is at most this
 CRC = np.dtype("<u4")
 
@@ -30,11 +32,6 @@ def block_rows_for(row_bytes: int, chunk_rows: int) -> int:
     while rows * 2 * row_bytes <= BLOCK_BYTES and chunk_rows % (rows * 2) == 0:
         rows *= 2
     return rows
-
-
-def crc(data) -> str:
-    """CRC-32 (8 hex digits) of bytes or of a contiguous array's memory; zlib releases the GIL on large buffers."""
-    return f"{zlib.crc32(data):08x}"
 
 
 def block_crcs(rows: np.ndarray, block_rows: int) -> np.ndarray:
@@ -113,7 +110,7 @@ class Layout:
         what readers check is what the f-gram model computed. (Hosts are little-endian, like the file.)"""
         data = np.ascontiguousarray(rows, self.dtype).reshape(-1).view(np.uint8)
         index = block_crcs(rows, self.block_rows).tobytes()
-        return b"".join((data, index)), crc(data), crc(index)
+        return b"".join((data, index)), crc32_hex(data), crc32_hex(index)
 
     def block_damage(self, b: int, have: str, want: int, more: int = 0) -> str:
         """The state of a chunk whose block b hashes to `have`, its block index recording `want`: names the rows."""

@@ -45,7 +45,8 @@ TABLES = {
         row("`scone_s100k`, delayed 40 steps", "scone_s100k", "10m", 2e-3, DELAY40, _D10M),
     ],
     "10m_delay80": [row(label, arm, "10m", 2e-3, DELAY80) for label, arm in (
-        ("`scone` (S = 20k, K = 5)", "scone"), ("`scone_s100k`", "scone_s100k"))],
+        ("`scone` (S = 20k, K = 5)", "scone"), ("`scone_s100k`", "scone_s100k"),
+        ("`scone_s5k`", "scone_s5k"), ("`scone_k3` (K = 3)", "scone_k3"))],
     "3m": [row(label, arm, "3m", 1e-3, figure=_MAIN) for label, arm in (
         ("`baseline_short` (2 blocks)", "baseline_short"), ("`baseline_4x` (8 blocks)", "baseline_4x"),
         ("`scone_short` (f-gram model 2 blocks, S = 20k, K = 5)", "scone_short"),

@@ -3,7 +3,6 @@ export, table, evaluate, generate, integrity and GCS tests (module globals outli
 import json
 import os
 
-from scone_jax import sharding
 from scone_jax.data import corpus
 from scone_jax.runtime.crc import crc32_hex
 from scone_jax.serving import bundle, export, table as table_lib
@@ -29,18 +28,6 @@ def scone_config(tokenizer_path):
     return config
 
 
-def _save_initial_checkpoint(config, workdir: str):
-    """A checkpoint of the initial state at step 1, built and saved by the run builder as training saves it;
-    (tokenizer, vocabulary)."""
-    run = run_lib.build(config, workdir, sharding.make_mesh(config.mesh))
-    try:
-        run.save(1, run.state)
-        run.checkpointer.wait()
-    finally:
-        run.close()
-    return run.tokenizer, run.vocab
-
-
 def trained_run(tmp_path_factory) -> dict:
     """{'workdir', 'config', 'tokenizer', 'vocab'}: a SCONE run directory as train.run leaves it,
     with a checkpoint of the initial state (training steps would only cost compile time here)."""
@@ -49,7 +36,7 @@ def trained_run(tmp_path_factory) -> dict:
         tokenizer = assets.ensure_tokenizer(small_config().data, os.path.join(root, "tok"))
         config = scone_config(tokenizer.path)
         workdir = os.path.join(root, "run")
-        tokenizer, vocab = _save_initial_checkpoint(config, workdir)
+        tokenizer, vocab = run_lib.save_initial_state(config, workdir, 1)
         _CACHE["run"] = {"workdir": workdir, "config": config, "tokenizer": tokenizer, "vocab": vocab}
     return _CACHE["run"]
 
@@ -69,7 +56,7 @@ def exported_variant(tmp_path_factory, name: str, table_dtype: str = "float32", 
             config.scone.vocab_path = os.path.join(run["workdir"], "fgrams")
         root = tmp_path_factory.mktemp("variant_" + name)
         workdir = str(root / "run")
-        _save_initial_checkpoint(config, workdir)
+        run_lib.save_initial_state(config, workdir, 1)
         path = str(root / "export")
         export.export(workdir, path, dtype=table_dtype, chunk_rows=64, batch_rows=512)
         _CACHE[key] = path

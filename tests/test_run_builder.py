@@ -20,16 +20,11 @@ def scone_config(tokenizer_path, **train_overrides):
 
 @pytest.fixture(scope="module")
 def trained(tokenizer_path, tmp_path_factory):
-    """A SCONE run's workdir with one checkpoint, at step 3, saved as the loop saves it (the run's state and
-    Run.meta); what build restores does not depend on the steps that led there, so none are compiled."""
+    """A SCONE run's workdir with one checkpoint, at step 3, saved as the loop saves it (run.save_initial_state:
+    the run's state and Run.meta); what build restores does not depend on the steps that led there, so none
+    are compiled."""
     workdir = str(tmp_path_factory.mktemp("run"))
-    config = scone_config(tokenizer_path)
-    run = run_lib.build(config, workdir, sharding.make_mesh(config.mesh))
-    try:
-        run.save(3, run.state)
-        run.checkpointer.wait()
-    finally:
-        run.close()
+    run_lib.save_initial_state(scone_config(tokenizer_path), workdir, 3)
     return workdir
 
 

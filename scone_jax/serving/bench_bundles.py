@@ -6,7 +6,6 @@ scripts and tests import it as they import the rest, with no script importing an
 import json
 import os
 
-from scone_jax import sharding
 from scone_jax.config import base_config
 from scone_jax.data import corpus, tokenizer_training
 from scone_jax.serving import bundle, table_layout
@@ -25,13 +24,8 @@ def make_run(root: str, quick: bool):
                         fgram_capacity=1024 if quick else 2048, num_layers=1 if quick else 4,
                         extract_max_tokens=300_000 if quick else 3_000_000))
     workdir = os.path.join(root, "run")
-    run = run_lib.build(c, workdir, sharding.make_mesh(c.mesh))  # trains nothing: the initial state, saved
-    try:
-        run.save(1, run.state)
-        run.checkpointer.wait()
-    finally:
-        run.close()
-    return c, workdir, tokenizer, run.vocab
+    tokenizer, vocab = run_lib.save_initial_state(c, workdir, 1)  # trains nothing: the initial state, saved
+    return c, workdir, tokenizer, vocab
 
 
 def write_table_bundle(path: str, rows_of, num_rows: int, width: int, dtype: str, chunk_rows: int) -> dict:

@@ -117,14 +117,14 @@ class Run:
         """The fingerprints a checkpoint of this run must carry."""
         return _expect(self.tokenizer, self.vocab)
 
-    @property
+    @functools.cached_property
     def meta(self) -> dict:
-        """What every checkpoint of this run saves beside its state (with "step")."""
+        """What every checkpoint of this run saves beside its state (with "step"); computed once per run."""
         return {**self.expect, "config": self.config.to_dict(), "train_data": self.data_identity}
 
     def save(self, step: int, state) -> None:
         """Start the checkpoint of `state` at `step` with this run's metadata (`checkpointer.wait()` ends it):
-        how the loop saves, and how a tool or test that needs a run's workdir without training makes one."""
+        how the loop saves, and how save_initial_state makes a run's workdir without training."""
         self.checkpointer.save(step, state, {**self.meta, "step": step})
 
     @functools.cached_property
@@ -198,6 +198,19 @@ def build(config, workdir: str, mesh, *, start=RESUME, allow_config_changes=()) 
             ckpt.close()
         raise
     return _assemble(config, workdir, mesh, tokenizer, vocab, spec, step, state, saved, ckpt, identity_)
+
+
+def save_initial_state(config, workdir: str, step: int) -> tuple:
+    """Build `config`'s run in `workdir`, save its initial state as the checkpoint of `step` exactly as the loop
+    saves one, and close it; (tokenizer, vocab). For tools and tests that need a run's workdir (an export's
+    input, a resume) and not the steps that would lead there: what build restores does not depend on them."""
+    run = build(config, workdir, sharding.make_mesh(config.mesh))
+    try:
+        run.save(step, run.state)
+        run.checkpointer.wait()
+    finally:
+        run.close()
+    return run.tokenizer, run.vocab
 
 
 def _expect(tokenizer, vocab) -> dict:

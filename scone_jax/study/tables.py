@@ -46,7 +46,9 @@ TABLES = {
     ],
     "10m_delay80": [row(label, arm, "10m", 2e-3, DELAY80) for label, arm in (
         ("`scone` (S = 20k, K = 5)", "scone"), ("`scone_s100k`", "scone_s100k"),
-        ("`scone_s5k`", "scone_s5k"), ("`scone_k3` (K = 3)", "scone_k3"))],
+        ("`scone_s5k`", "scone_s5k"), ("`scone_k3` (K = 3)", "scone_k3"),
+        ("`scone_fgram0.5x` (f-gram model 1 block)", "scone_fgram0.5x"),
+        ("`scone_fgram2x` (f-gram model 4 blocks)", "scone_fgram2x"))],
     "3m": [row(label, arm, "3m", 1e-3, figure=_MAIN) for label, arm in (
         ("`baseline_short` (2 blocks)", "baseline_short"), ("`baseline_4x` (8 blocks)", "baseline_4x"),
         ("`scone_short` (f-gram model 2 blocks, S = 20k, K = 5)", "scone_short"),

@@ -6,6 +6,8 @@ How the state starts (build's `start`):
   RESUME  training: the newest checkpoint that restores and verifies, after the config and the training files
           were checked against it (refused with CheckpointMismatchError), or a fresh state if there is none;
   FRESH   a fresh state, no checkpoint opened (a replay or a benchmark);
+A fresh state is random, or with model.init_from_hf a Hugging Face checkpoint's decoder (state.init_state); for
+RESUME and FRESH the config is first derived from that checkpoint (hf/derive.py).
   Latest  the latest checkpoint exactly, the tokenizer and vocabulary loaded as they are, never created (export).
 A checkpoint's metadata is read once. `build_abstract` (or `Run.abstract`) gives the same run's shapes without
 data or a tokenizer: what an ahead-of-time compile lowers.
@@ -21,6 +23,7 @@ from absl import logging
 
 from scone_jax import config as config_lib, sharding
 from scone_jax.data import identity, mixture, pipeline
+from scone_jax.hf import derive as hf_derive
 from scone_jax.batch import Batch
 from scone_jax.runtime import distributed, storage, workdir as workdir_layout
 from scone_jax.training import assets, checkpoint, evaluation, exported_step, state as state_lib, steps
@@ -170,6 +173,8 @@ def build(config, workdir: str, mesh, *, start=RESUME, allow_config_changes=()) 
     groups first (config.resolve: idempotent), so every tool's run reads data.mixture and data.eval_sets."""
     config_lib.resolve(config)
     latest = start if isinstance(start, Latest) else None
+    if latest is None:
+        hf_derive.apply(config)  # model.init_from_hf: the model section and tokenizer from the checkpoint
     if start == FRESH:
         tokenizer = _tokenizer(config, workdir, None)
         vocab, spec = _vocab(config, tokenizer, workdir, None), state_lib.state_spec(config, mesh)

@@ -21,6 +21,7 @@ from scone_jax import config as config_lib, sharding
 from scone_jax.batch import Batch
 from scone_jax.data import pipeline
 from scone_jax.fgram import stats as fgram_stats
+from scone_jax.hf import derive as hf_derive
 from scone_jax.model import accounting, scone
 from scone_jax.runtime import compile_cache, distributed, storage, workdir as workdir_layout
 from scone_jax.runtime.compile_cache import CompileCache
@@ -94,7 +95,9 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
     """Train per `config` in `workdir`, resuming if a checkpoint exists. Returns final metrics.
 
     Resuming with a different value of a key in config.RESUME_KEYS (what defines the saved state
-    and the data stream) is refused unless the key is named in `allow_config_changes`."""
+    and the data stream) is refused unless the key is named in `allow_config_changes`. With model.init_from_hf the
+    config is derived from that checkpoint first (hf/derive.py), before anything is written."""
+    hf_derive.apply(config)
     config_lib.validate(config)
     unknown = sorted(set(allow_config_changes) - set(config_lib.RESUME_KEYS))
     if unknown:

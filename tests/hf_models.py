@@ -82,13 +82,14 @@ def tokenizer_json(path: str, family: str) -> str:
 
 
 def save_checkpoint(directory: str, family: str, *, tie: bool = False, dtype=torch.float32, seed: int = 0,
-                    **overrides) -> torch.nn.Module:
-    """A random `family` checkpoint in `directory` (config.json, model.safetensors, generation_config.json,
-    tokenizer.json, tokenizer_config.json), as transformers writes it; returns the model (eval mode, fp32)."""
+                    shard_size: str | None = None, **overrides) -> torch.nn.Module:
+    """A random `family` checkpoint in `directory` (config.json, model.safetensors or shards of `shard_size` with
+    their index, generation_config.json, tokenizer.json, tokenizer_config.json), as transformers writes it;
+    returns the model (eval mode, fp32: the checkpoint's values)."""
     from transformers import AutoModelForCausalLM
 
     model = randomize(AutoModelForCausalLM.from_config(tiny_config(family, tie=tie, **overrides)), seed).eval()
-    model.to(dtype).save_pretrained(directory)
+    model.to(dtype).save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
     tokenizer_json(os.path.join(directory, "tokenizer.json"), family)
     bos, eos, add_bos = SPECIALS[family]
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos}
@@ -96,7 +97,10 @@ def save_checkpoint(directory: str, family: str, *, tie: bool = False, dtype=tor
         config["add_bos_token"] = add_bos
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f)
-    return model.float()
+    if dtype == torch.float32:
+        return model
+    # Read back in fp32: .to(bf16) also rounded the RoPE frequencies buffer, which .float() would keep.
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 def import_config(directory: str, **data):
@@ -145,3 +149,32 @@ def assert_logits_match(got: np.ndarray, want: np.ndarray, lengths: np.ndarray, 
         worst = max(worst, diff)
     assert worst <= atol, f"logits differ by {worst:.2e} (> {atol:g})"
     return worst
+
+
+def random_run(config, workdir: str, seed: int = 0):
+    """A run of `config` trained from scratch, saved at step 0 in `workdir` with every parameter random at
+    randomize's scales (norm scales and biases too, which a fresh run sets to 1 and 0); returns its decoder."""
+    import jax
+    from flax import nnx
+
+    from scone_jax import sharding
+    from scone_jax.training import run as run_lib
+
+    run = run_lib.build(config, workdir, sharding.make_mesh(config.mesh))
+    try:
+        model, optimizer = nnx.merge(run.spec.graphdef, run.state)
+        rng, new = np.random.default_rng(seed), []
+        for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            old = variable.get_value()
+            noise = rng.standard_normal(old.shape).astype(np.float32)
+            name = path[-1]
+            value = (1 + 0.2 * noise if name == "scale" else 0.1 * noise if name == "bias" else
+                     noise if name == "embedding" else noise / np.sqrt(old.shape[-2]))
+            new.append((path, variable.replace(jax.device_put(value.astype(old.dtype), old.sharding))))
+        nnx.update(model, nnx.from_flat_state(new))
+        state = nnx.split((model, optimizer))[1]
+        run.save(0, state)
+        run.checkpointer.wait()
+    finally:
+        run.close()
+    return model.decoder if config.scone.enabled else model

@@ -101,6 +101,9 @@ class _SentencePiece:
         i = self._sp.piece_to_id(token)  # unknown pieces map to unk: check the way back
         return i if self._sp.id_to_piece(i) == token else None
 
+    def id_to_token(self, i: int) -> str:
+        return self._sp.id_to_piece(i)
+
     def default_ids(self) -> dict[str, int | None]:
         ids = {"bos": self._sp.bos_id(), "eos": self._sp.eos_id(), "pad": self._sp.pad_id()}
         return {role: (i if i >= 0 else None) for role, i in ids.items()}
@@ -159,6 +162,9 @@ class _HuggingFace:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str:
+        return self._tok.id_to_token(i)
 
     def special_tokens(self) -> list[str]:
         return list(self._specials)
@@ -327,6 +333,16 @@ class Tokenizer:
         """The serialized form (see the module docstring): a .model file's bytes for a SentencePiece model
         with its own ids, else the scone-tokenizer envelope around the original file."""
         return self._data
+
+    @property
+    def file_bytes(self) -> bytes:
+        """The original file's bytes (the .model or the tokenizer.json), without the envelope: what a Hugging Face
+        export writes beside its weights."""
+        return _split_envelope(self._data, self.path or "<in memory>")[1]
+
+    def id_to_token(self, i: int) -> str:
+        """The spelling of token `i` (a special token's too)."""
+        return self._backend.id_to_token(i)
 
     @property
     def kind(self) -> str:

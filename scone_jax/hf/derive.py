@@ -23,7 +23,7 @@ import os
 from scone_jax import config_keys
 from scone_jax.data import tokenizer as tokenizer_lib
 from scone_jax.hf.checkpoint_dir import HfCheckpoint, HfCheckpointError
-from scone_jax.hf.families.base import canonical
+from scone_jax.hf.families.base import IMPLIED, canonical
 
 
 def apply(config) -> HfCheckpoint | None:
@@ -83,13 +83,9 @@ def _set(config, key: str, value, checkpoint: HfCheckpoint, derived: dict) -> No
     config[section][name] = type(default)(value) if isinstance(default, float) else value
 
 
-# Until the decoder has these keys, a checkpoint that needs a value other than the one our model implies is refused.
-_IMPLIED = {"num_kv_heads": 0, "qk_norm": False, "norm_eps": 1e-5, "rope_scaling": "none"}
-
-
 def _absent(key: str, value, checkpoint: HfCheckpoint) -> None:
     name = key.split(".")[1]
-    if name in _IMPLIED and value == _IMPLIED[name]:
+    if name in IMPLIED and value == IMPLIED[name]:
         return
     raise HfCheckpointError(f"{checkpoint.path('config.json')} needs {key}={value!r}, which this version's decoder "
                             "does not have. Fix: use a checkpoint without that feature.")

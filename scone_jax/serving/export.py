@@ -1,4 +1,5 @@
 """Export a trained SCONE run for inference: `python -m scone_jax.serving.export --workdir=RUN --output=PATH`.
+(With --format=hf: its decoder as a stock Hugging Face checkpoint instead, serving/hf_export.py.)
 
 Runs the f-gram model once over all S f-grams (docs/method.md §6) in large batches sharded over every
 device of every process, and writes the bundle described in scone_jax/serving/bundle.py (PATH local or
@@ -362,16 +363,29 @@ def _define_flags():
                                       "a process writes and an interrupted export resumes from.")
     batch_rows = flags.DEFINE_integer("batch_rows", 8192, "F-grams per step over all devices (at most one file per "
                                       "device).")
+    kind = flags.DEFINE_enum("format", "bundle", ["bundle", "hf"], "bundle: this package's export (the table, "
+                             "the decoder, the tokenizer); hf: the decoder as a stock Hugging Face checkpoint of its "
+                             "family, for transformers (serving/hf_export.py; --dtype then sets its tensors' dtype, by "
+                             "default the imported checkpoint's or model.param_dtype).")
     join = job_flags.define()
     flags.adopt_module_key_flags(job_flags)  # listed by --help
     return types.SimpleNamespace(workdir=workdir, output=output, dtype=dtype, chunk_rows=chunk_rows,
-                                 batch_rows=batch_rows, join=join)
+                                 batch_rows=batch_rows, join=join, format=kind)
 
 
 def run(args):
     logs.quiet_libraries()
     tool_main.require(workdir=args.workdir.value, output=args.output.value)
     distributed.initialize(args.join.spec())
+    if args.format.value == "hf":
+        from scone_jax.serving import hf_export
+
+        meta = hf_export.export_hf(args.workdir.value, args.output.value,
+                                   dtype=args.dtype.value if args.dtype.present else None)
+        if jax.process_index() == 0:
+            print(f"exported step {meta['step']} as a {meta['family']} checkpoint ({meta['dtype']}) to "
+                  f"{args.output.value}")
+        return
     figures = export(args.workdir.value, args.output.value, dtype=args.dtype.value, chunk_rows=args.chunk_rows.value,
                      batch_rows=args.batch_rows.value)
     if jax.process_index() == 0:

@@ -20,7 +20,10 @@ class Olmo(base.Family):
                     tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
     def hf_config(self, model) -> dict:
-        return dict(llama.common_config(model), clip_qkv=None)
+        config = dict(llama.common_config(model), clip_qkv=None)
+        if config["head_dim"] * model["num_heads"] == model["d_model"]:
+            del config["head_dim"]  # OlmoConfig has no such field; its attention reads one when it is there
+        return config
 
     def tensors(self, model) -> list[base.Tensor]:
         return llama.layout(model, norm_weights=False)

@@ -1,0 +1,184 @@
+"""scone_jax -> Hugging Face (serving/hf_export.py, hf/write.py): a run's decoder written as a stock checkpoint of
+its family, which transformers opens with no custom code. HF -> scone_jax -> HF gives back bit-identical tensors
+(fp32 and bf16, one file or shards); a run trained here (every parameter random, norms and biases included)
+gives transformers' logits within 1e-4 of ours; the tokenizer travels; what no family expresses is refused.
+
+Deliberate bugs these tests were run against once (each made the named test fail):
+  - write._tensor not transposing kernels back to [out, in]
+    (test_a_run_trained_here_gives_transformers_our_logits[llama]: the MLP's kernels have the wrong shape);
+  - GPT-2's c_attn written with q and k swapped (test_a_run_trained_here_gives_transformers_our_logits[gpt2]);
+  - the exported dtype left at model.param_dtype for an imported bf16 checkpoint
+    (test_round_trip_gives_back_bit_identical_tensors[llama-bf16]);
+  - _refuse_foreign not looking at the output (test_an_output_holding_other_files_is_refused).
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from scone_jax.config import base_config
+from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.serving import bundle, hf_export
+from scone_jax.training import run as run_lib
+from tests import hf_models
+from tests.test_hf_import import _PLAIN, needs_arch
+
+
+def imported(tmp_path, family, **checkpoint):
+    """(the source model, its directory, the workdir of the run imported from it at step 0)."""
+    hf_dir, workdir = str(tmp_path / "hf"), str(tmp_path / "run")
+    model = hf_models.save_checkpoint(hf_dir, family, **checkpoint)
+    run_lib.save_initial_state(hf_models.import_config(hf_dir), workdir, 0)
+    return model, hf_dir, workdir
+
+
+def stored(directory) -> dict:
+    """Every tensor of a checkpoint directory (one file or shards), as the safetensors library reads them."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(safetensors.torch.load_file(os.path.join(directory, name)))
+    return out
+
+
+ROUND_TRIPS = [  # (family, transformers overrides, checkpoint dtype, source shard size, export shard bytes)
+    ("gpt2", {}, torch.float32, None, None),
+    ("llama", dict(_PLAIN, rms_norm_eps=1e-5), torch.bfloat16, "40KB", 60_000),
+    ("olmo", dict(num_key_value_heads=4, tie=True), torch.float32, None, None),
+    pytest.param("qwen3", dict(tie=True), torch.bfloat16, None, None, marks=needs_arch),
+    pytest.param("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8}},
+                 torch.float32, None, None, marks=needs_arch),
+]
+
+
+@pytest.mark.parametrize("family,overrides,dtype,source_shards,export_shards", ROUND_TRIPS,
+                         ids=lambda v: v if isinstance(v, str) else str(v).replace("torch.", "") if
+                         isinstance(v, torch.dtype) else None)
+def test_round_trip_gives_back_bit_identical_tensors(tmp_path, family, overrides, dtype, source_shards, export_shards):
+    """HF -> import_hf's run -> --format=hf: the same tensor names, dtypes and bytes; transformers opens the export
+    (AutoModelForCausalLM, no custom code) and computes the source model's logits exactly."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, hf_dir, workdir = imported(tmp_path, family, dtype=dtype, shard_size=source_shards, **overrides)
+    out = str(tmp_path / "out")
+    meta = hf_export.export_hf(workdir, out, **({"max_shard_bytes": export_shards} if export_shards else {}))
+    assert meta["family"] == family and meta["dtype"] == {torch.float32: "F32", torch.bfloat16: "BF16"}[dtype]
+    want, got = stored(hf_dir), stored(out)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+    if export_shards:
+        index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
+        assert len(set(index["weight_map"].values())) > 1
+    config = json.loads(open(os.path.join(out, "config.json")).read())
+    original = json.loads(open(os.path.join(hf_dir, "config.json")).read())
+    for field in ("architectures", "model_type", "dtype", "vocab_size", "tie_word_embeddings", "rope_parameters",
+                  "num_key_value_heads", "head_dim"):
+        assert config.get(field) == original.get(field, config.get(field)), field
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens, lengths = hf_models.padded_batch()
+    np.testing.assert_array_equal(hf_models.hf_logits(theirs, tokens, lengths),
+                                  hf_models.hf_logits(source, tokens, lengths))
+    text = "And God said, Let there be light: and there was light."
+    ours = Tokenizer.load(os.path.join(hf_dir, "tokenizer.json"))
+    assert AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False).input_ids == list(ours.encode(text))
+    assert hf_export.export_hf(workdir, out) == meta  # a finished export again: nothing to do
+
+
+def scratch_config(tokenizer, **model):
+    """A small run of our own with the model keys `model`, its parameters sharded over data x fsdp x tensor."""
+    c = base_config()
+    c.model.update(dict(vocab_size=512, d_model=48, num_layers=2, num_heads=4, d_ff=80, max_seq_len=32, **model))
+    c.data.update(dict(tokenizer_path=tokenizer, seq_len=16, global_batch_size=8, worker_count=0))
+    c.mesh.update(dict(data=2, fsdp=2, tensor=2))
+    c.lock()
+    return c
+
+
+LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False)
+SCRATCH = [  # (family, model keys)
+    ("gpt2", {}),
+    ("llama", LLAMA_STYLE),
+    ("olmo", dict(LLAMA_STYLE, norm="nonparametric_layernorm", tie_embeddings=True, scan_layers=False)),
+    pytest.param("qwen3", dict(LLAMA_STYLE, qk_norm=True, num_kv_heads=2, head_dim=16, norm_eps=1e-6),
+                 marks=needs_arch),
+]
+
+
+@pytest.mark.parametrize("family,model", SCRATCH, ids=lambda v: v if isinstance(v, str) else None)
+def test_a_run_trained_here_gives_transformers_our_logits(tmp_path, tokenizer_path, family, model):
+    """A run of our own (a SentencePiece tokenizer, every parameter random) exports as the family its model section
+    matches; transformers' model of the export gives our decoder's logits within 1e-4 on a right-padded batch."""
+    from transformers import AutoModelForCausalLM
+
+    workdir, out = str(tmp_path / "run"), str(tmp_path / "out")
+    decoder = hf_models.random_run(scratch_config(tokenizer_path, **model), workdir)
+    assert hf_export.export_hf(workdir, out)["family"] == family
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens, lengths = hf_models.padded_batch(vocab=500)
+    want = hf_models.our_logits(decoder, tokens, lengths)
+    assert np.abs(want).max() > 1
+    worst = hf_models.assert_logits_match(hf_models.hf_logits(theirs, tokens, lengths), want, lengths)
+    print(f"{family}: max |logit difference| {worst:.1e}")
+    tokenizer_config = json.loads(open(os.path.join(out, "tokenizer_config.json")).read())
+    assert os.path.exists(os.path.join(out, "tokenizer.model")) and tokenizer_config["eos_token"] == "</s>"
+
+
+def test_the_tokenizer_of_a_run_of_its_own_opens_with_autotokenizer(tmp_path):
+    """A run trained from scratch with a tokenizer.json: tokenizer_config.json names its special tokens, and
+    AutoTokenizer encodes as the run did."""
+    from transformers import AutoTokenizer
+
+    path = hf_models.tokenizer_json(str(tmp_path / "tokenizer.json"), "llama")
+    workdir, out = str(tmp_path / "run"), str(tmp_path / "out")
+    config = scratch_config(path, **LLAMA_STYLE)
+    config.model.vocab_size = 384
+    hf_models.random_run(config, workdir)
+    hf_export.export_hf(workdir, out)
+    tokenizer, text = Tokenizer.load(path), "In the beginning God created the heaven and the earth."
+    auto = AutoTokenizer.from_pretrained(out)
+    assert auto(text, add_special_tokens=False).input_ids == list(tokenizer.encode(text))
+    assert (auto.eos_token, auto.bos_token) == ("<|end_of_text|>", "<|begin_of_text|>")
+    assert json.loads(open(os.path.join(out, "generation_config.json")).read())["eos_token_id"] == tokenizer.eos_id
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"scone.enabled": True}, "no place for a SCONE run"),
+    ({"model.embedding_multiplier": 2.0}, "model.embedding_multiplier=2.0 scales the decoder's input"),
+    ({"model.position": "rope"}, "gpt2 needs position='learned' (has 'rope')"),
+])
+def test_what_no_family_expresses_is_refused_in_one_line(change, named):
+    config = base_config()
+    for key, value in change.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    with pytest.raises(ValueError) as e:
+        hf_export.plan(config)
+    assert named in str(e.value) and "\n" not in str(e.value) and "Fix:" in str(e.value), str(e.value)
+
+
+def test_an_output_holding_other_files_is_refused(tmp_path):
+    """An export never overwrites what it did not write: a bundle, another checkpoint, any file; and an export of
+    another step of the run at the same output is refused."""
+    _, _, workdir = imported(tmp_path, "gpt2")
+    for name, what in ((bundle.META, "a bundle export"), ("config.json", "1 files (config.json)")):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        (out / name).write_text("{}")
+        with pytest.raises(bundle.BundleError, match=f"already holds {what.replace('(', '.').replace(')', '.')}"):
+            hf_export.export_hf(workdir, str(out))
+        assert os.listdir(out) == [name]
+    out = str(tmp_path / "out")
+    meta = hf_export.export_hf(workdir, out)
+    marker = json.loads(open(os.path.join(out, hf_export.HF_EXPORT)).read())
+    marker["step"] = 7
+    with open(os.path.join(out, hf_export.HF_EXPORT), "w") as f:
+        json.dump(marker, f)
+    with pytest.raises(bundle.BundleError, match=r"differs from this one in \['step'\]"):
+        hf_export.export_hf(workdir, out)
+    assert meta["step"] == 0

@@ -65,6 +65,16 @@ KEYS = (
     Key("model.num_layers", 4, STATE, "decoder blocks", ">= 1"),
     Key("model.num_heads", 4, STATE, "attention heads", ">= 1"),
     Key("model.head_dim", 0, STATE, "0: d_model // num_heads", ">= 0"),
+    Key("model.num_kv_heads", 0, STATE,
+        "key/value heads (grouped-query attention: query head i reads key/value head i // (num_heads / "
+        "num_kv_heads), as Hugging Face's Llama and Qwen3 do); must divide num_heads. 0 = num_heads (multi-head); "
+        "1 = multi-query. The decode KV cache holds only these heads", ">= 0"),
+    Key("model.qk_norm", False, STATE,
+        "Qwen3's RMSNorm over each head's query and key (a learned scale of width head_dim, epsilon "
+        "model.norm_eps), after the projections and before RoPE"),
+    Key("model.norm_eps", 1e-5, STATE,
+        "epsilon of every norm: the blocks', the final one and the q/k norms (Qwen3 1e-6; GPT-2, OLMo, Llama 3 1e-5)",
+        "> 0"),
     Key("model.d_ff", 1024, STATE, "MLP hidden width (SwiGLU: use 2/3 of the GELU width for equal size)", ">= 1"),
     Key("model.max_seq_len", 128, STATE, "size of the learned position table (>= data.seq_len)", ">= 1"),
     Key("model.norm", "layernorm", STATE, "'layernorm' | 'rmsnorm' | 'nonparametric_layernorm'"),

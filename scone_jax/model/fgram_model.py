@@ -20,8 +20,11 @@ from scone_jax.model.transformer import BlockStack
 def fgram_block_config(main_cfg, scone_cfg):
     """The main model's block config with the f-gram model's own depth and (optional) width.
 
-    Positions are learned absolute ones (K of them) whatever the main model uses; attention is
-    always the XLA path (model/attention.py)."""
+    Its blocks are the main model's kind: norm and its epsilon, MLP, biases, q/k norm, and the main
+    model's key/value heads (model.num_kv_heads; 0 = as many as its own query heads), which
+    config.validate requires to divide scone.num_heads when that is set. Positions are learned
+    absolute ones (K of them) whatever the main model uses, so RoPE and its scaling do not apply;
+    attention is always the XLA path (model/attention.py)."""
     cfg = main_cfg.copy_and_resolve_references()
     with cfg.unlocked():
         cfg.num_layers = scone_cfg.num_layers

@@ -276,6 +276,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                          "key/value head serves an equal group of query heads. Fix: a divisor of num_heads (0 = "
                          "num_heads).")
     _check_fgram_heads(config)
+    from scone_jax.model import rope  # here, not at the top: it imports jax, which loading a config does not need
+
+    rope.check(m)
     if m.position == "learned" and d.seq_len > m.max_seq_len:
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len.")
     if d.global_batch_size % t.grad_accum_steps:

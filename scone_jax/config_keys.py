@@ -81,6 +81,21 @@ KEYS = (
     Key("model.mlp", "gelu", STATE, "'gelu' | 'swiglu'"),
     Key("model.position", "learned", STATE, "'learned' | 'rope'"),
     Key("model.rope_theta", 10000.0, STATE, "RoPE's base wavelength", "> 0"),
+    Key("model.rope_scaling", "none", STATE,
+        "RoPE's context extension (model/rope.py, Hugging Face's rope_type): 'none' | 'llama3' (Llama 3.1: slow "
+        "frequencies divided by rope_scaling_factor, fast ones kept, a smooth band between) | 'yarn' (YaRN: a ramp "
+        "between the two by dimension, and cos/sin times 0.1 ln(factor) + 1). Only with model.position='rope'"),
+    Key("model.rope_scaling_factor", 1.0, STATE, "llama3, yarn: how many times the original context", "> 0"),
+    Key("model.rope_low_freq_factor", 1.0, STATE,
+        "llama3: wavelengths above rope_original_max_len / this are divided by the factor", "> 0"),
+    Key("model.rope_high_freq_factor", 4.0, STATE,
+        "llama3: wavelengths below rope_original_max_len / this are kept (must exceed rope_low_freq_factor)", "> 0"),
+    Key("model.rope_original_max_len", 8192, STATE,
+        "llama3, yarn: the context the checkpoint was pretrained at (Hugging Face's "
+        "original_max_position_embeddings)", ">= 1"),
+    Key("model.rope_beta_fast", 32.0, STATE, "yarn: dimensions turning more than this often over the original "
+        "context keep their frequency", "> 0"),
+    Key("model.rope_beta_slow", 1.0, STATE, "yarn: dimensions turning less than this often are interpolated", "> 0"),
     Key("model.use_bias", True, STATE, "biases in the blocks' Linear layers and norms"),
     Key("model.tie_embeddings", True, STATE, "the output head is the token table's transpose"),
     Key("model.init_std", 0.02, SETTING, "standard deviation of the initial weights", "> 0"),

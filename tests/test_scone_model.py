@@ -135,7 +135,7 @@ def test_wider_fgram_model_is_projected_to_the_main_width():
 
 def test_fgram_model_blocks_share_the_main_models_attention_kind():
     """fgram_block_config (docs/training.md): the f-gram model's blocks keep the main model's key/value heads,
-    q/k norm and norm epsilon, also with heads of its own (8 query heads over the main model's 2 key/value
+    q/k norm and norm epsilon (not RoPE or its scaling: it has K learned positions), also with heads of its own (8 query heads over the main model's 2 key/value
     heads); config.validate refuses f-gram heads that are no multiple of them, naming both keys. Caught: the
     f-gram model's key/value heads reset to its own head count (its key kernel 8 heads wide)."""
     from scone_jax import config as config_lib
@@ -143,10 +143,12 @@ def test_fgram_model_blocks_share_the_main_models_attention_kind():
 
     config = scone_config(num_heads=8)
     with config.unlocked():
-        config.model.update(dict(num_kv_heads=2, qk_norm=True, norm_eps=1e-6))
+        config.model.update(dict(num_kv_heads=2, qk_norm=True, norm_eps=1e-6, position="rope", rope_scaling="yarn",
+                                 rope_scaling_factor=4.0))
     config_lib.validate(config)
     block = fgram_block_config(config.model, config.scone)
     assert (block.num_heads, block.num_kv_heads, block.qk_norm, block.norm_eps) == (8, 2, True, 1e-6)
+    assert (block.position, block.rope_scaling) == ("learned", "none")  # K learned positions: nothing to scale
     model = SconeModel(config.model, config.scone, nnx.Rngs(0))
     attn = model.fgram_model.stack.blocks.attn
     assert attn.key.kernel[...].shape == (1, 64, 2 * 8) and attn.query.kernel[...].shape == (1, 64, 8 * 8)

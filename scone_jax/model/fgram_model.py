@@ -33,6 +33,7 @@ def fgram_block_config(main_cfg, scone_cfg):
         cfg.head_dim = 0 if scone_cfg.d_model else main_cfg.head_dim
         cfg.d_ff = scone_cfg.d_ff or main_cfg.d_ff
         cfg.position = "learned"
+        cfg.rope_scaling = "none"
         cfg.max_seq_len = scone_cfg.max_len
         # K <= 8 positions: a fused kernel's 128-wide blocks would be mostly padding; the plain
         # XLA flash path keeps only outputs and softmax statistics for the backward pass.

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scone_jax.model import attention
+from scone_jax.model.rope import Rope
 
 # Variables keep their logical names as metadata; `sharding.py` turns them into
 # NamedShardings and the init function is jitted with those as out_shardings, so the
@@ -80,17 +81,6 @@ def make_head_norm(cfg, rngs: nnx.Rngs) -> nnx.RMSNorm:
                        param_dtype=dtype_of(cfg.param_dtype), scale_init=scale, rngs=rngs)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding on [B, T, N, H] with per-token positions [B, T]."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions[..., None].astype(jnp.float32) * freq  # [B, T, half]
-    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
 class KVCache(NamedTuple):
     """Keys and values of the tokens decoded so far, so each decoding step runs only its new tokens.
 
@@ -121,8 +111,7 @@ class Attention(nnx.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = kv_heads_of(cfg)
         self.head_dim = head_dim_of(cfg)
-        self.use_rope = cfg.position == "rope"
-        self.rope_theta = cfg.rope_theta
+        self.rope = Rope.of(cfg, self.head_dim) if cfg.position == "rope" else None
         self.implementation = cfg.attention
         attention.check(cfg.attention)
         inner, kv_inner = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -143,8 +132,8 @@ class Attention(nnx.Module):
                    for proj, name in ((self.query, "query_proj"), (self.key, "key_proj"), (self.value, "value_proj")))
         if self.query_norm is not None:
             q, k = _normed(self.query_norm, q), _normed(self.key_norm, k)
-        if self.use_rope:
-            q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+        if self.rope is not None:
+            q, k = self.rope(q, positions), self.rope(k, positions)
         if cache is None:
             y = attention.attention(q, k, v, segment_ids, implementation=self.implementation)
             return checkpoint_name(self.out(y.reshape(b, t, -1)), "attention_out")

@@ -212,6 +212,14 @@ def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
                          "they are two ways to give the one delay. Fix: set one of them to 0.")
 
 
+def _check_fgram_heads(config: ml_collections.ConfigDict) -> None:
+    """The f-gram model shares model.num_kv_heads (model/fgram_model.py), so its own heads must be a multiple."""
+    m, s = config.model, config.scone
+    if s.enabled and s.num_heads and m.num_kv_heads and s.num_heads % m.num_kv_heads:
+        raise ValueError(f"scone.num_heads={s.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}, "
+                         "which the f-gram model shares. Fix: a multiple of it, or 0 (the main model's heads).")
+
+
 def resolve_data(data: dict) -> dict:
     """The data section (a plain dict) with the command line's shorthand parsed into its groups, the one
     place it is read: data.train_files 'web=GLOBS@0.7;books=GLOBS@0.3' into data.mixture and data.eval_files
@@ -263,6 +271,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
                              f"run never reaches step {end}. Fix: a range within 1:{t.num_steps}, or '' for none.")
     if m.d_model % m.num_heads and not m.head_dim:
         raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; set model.head_dim.")
+    if m.num_kv_heads and m.num_heads % m.num_kv_heads:
+        raise ValueError(f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}: each "
+                         "key/value head serves an equal group of query heads. Fix: a divisor of num_heads (0 = "
+                         "num_heads).")
+    _check_fgram_heads(config)
+    from scone_jax.model import rope  # here, not at the top: it imports jax, which loading a config does not need
+
+    rope.check(m)
     if m.position == "learned" and d.seq_len > m.max_seq_len:
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len.")
     if d.global_batch_size % t.grad_accum_steps:

@@ -65,12 +65,37 @@ KEYS = (
     Key("model.num_layers", 4, STATE, "decoder blocks", ">= 1"),
     Key("model.num_heads", 4, STATE, "attention heads", ">= 1"),
     Key("model.head_dim", 0, STATE, "0: d_model // num_heads", ">= 0"),
+    Key("model.num_kv_heads", 0, STATE,
+        "key/value heads (grouped-query attention: query head i reads key/value head i // (num_heads / "
+        "num_kv_heads), as Hugging Face's Llama and Qwen3 do); must divide num_heads. 0 = num_heads (multi-head); "
+        "1 = multi-query. The decode KV cache holds only these heads", ">= 0"),
+    Key("model.qk_norm", False, STATE,
+        "Qwen3's RMSNorm over each head's query and key (a learned scale of width head_dim, epsilon "
+        "model.norm_eps), after the projections and before RoPE"),
+    Key("model.norm_eps", 1e-5, STATE,
+        "epsilon of every norm: the blocks', the final one and the q/k norms (Qwen3 1e-6; GPT-2, OLMo, Llama 3 1e-5)",
+        "> 0"),
     Key("model.d_ff", 1024, STATE, "MLP hidden width (SwiGLU: use 2/3 of the GELU width for equal size)", ">= 1"),
     Key("model.max_seq_len", 128, STATE, "size of the learned position table (>= data.seq_len)", ">= 1"),
     Key("model.norm", "layernorm", STATE, "'layernorm' | 'rmsnorm' | 'nonparametric_layernorm'"),
     Key("model.mlp", "gelu", STATE, "'gelu' | 'swiglu'"),
     Key("model.position", "learned", STATE, "'learned' | 'rope'"),
     Key("model.rope_theta", 10000.0, STATE, "RoPE's base wavelength", "> 0"),
+    Key("model.rope_scaling", "none", STATE,
+        "RoPE's context extension (model/rope.py, Hugging Face's rope_type): 'none' | 'llama3' (Llama 3.1: slow "
+        "frequencies divided by rope_scaling_factor, fast ones kept, a smooth band between) | 'yarn' (YaRN: a ramp "
+        "between the two by dimension, and cos/sin times 0.1 ln(factor) + 1). Only with model.position='rope'"),
+    Key("model.rope_scaling_factor", 1.0, STATE, "llama3, yarn: how many times the original context", "> 0"),
+    Key("model.rope_low_freq_factor", 1.0, STATE,
+        "llama3: wavelengths above rope_original_max_len / this are divided by the factor", "> 0"),
+    Key("model.rope_high_freq_factor", 4.0, STATE,
+        "llama3: wavelengths below rope_original_max_len / this are kept (must exceed rope_low_freq_factor)", "> 0"),
+    Key("model.rope_original_max_len", 8192, STATE,
+        "llama3, yarn: the context the checkpoint was pretrained at (Hugging Face's "
+        "original_max_position_embeddings)", ">= 1"),
+    Key("model.rope_beta_fast", 32.0, STATE, "yarn: dimensions turning more than this often over the original "
+        "context keep their frequency", "> 0"),
+    Key("model.rope_beta_slow", 1.0, STATE, "yarn: dimensions turning less than this often are interpolated", "> 0"),
     Key("model.use_bias", True, STATE, "biases in the blocks' Linear layers and norms"),
     Key("model.tie_embeddings", True, STATE, "the output head is the token table's transpose"),
     Key("model.init_std", 0.02, SETTING, "standard deviation of the initial weights", "> 0"),

@@ -182,6 +182,94 @@ def test_the_comparison_catches_planted_bugs():
     assert_matches(variant(), jnp.bfloat16)  # and the unplanted variant passes
 
 
+# ----------------------------------------------------------------------------- grouped-query attention
+
+GQA_HEADS = 4  # query heads; key/value heads 1 (multi-query), 2 (groups of two), 4 (multi-head)
+
+
+def gqa_inputs(kv_heads):
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (B, T, GQA_HEADS, H), jnp.float32)
+    k, v = (jax.random.normal(key, (B, T, kv_heads, H), jnp.float32) for key in keys[1:3])
+    w = jax.random.normal(keys[3], (B, T, GQA_HEADS, H), jnp.float32)
+    return q, k, v, jnp.asarray(segments()), w
+
+
+def gqa_formula(q, k, v, seg):
+    """Grouped-query attention from its definition, written here: query head n uses key/value head
+    n // (N / K) (Hugging Face's repeat_kv copies each k/v head to its group's query heads); query i sees
+    key j iff j <= i in the same segment; softmax(q . k / sqrt(H)) v, in fp32."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x.astype(jnp.float32), group, axis=2) for x in (k, v))
+    t = q.shape[1]
+    allowed = np.tril(np.ones((t, t), bool))[None] & (seg[:, :, None] == seg[:, None, :])  # [B, Tq, Tk]
+    scores = jnp.einsum("bqnh,bknh->bnqk", q.astype(jnp.float32), k) / math.sqrt(q.shape[-1])
+    probs = jax.nn.softmax(jnp.where(allowed[:, None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bnqk,bknh->bqnh", probs, v)
+
+
+GQA_PATHS = {
+    "reference": A.reference_attention,
+    "xla": A.xla_attention,
+    "cudnn": lambda *a: A.cudnn_attention(*a, _implementation="xla"),
+    "splash": lambda *a: A.splash_attention(*a, interpret=True),
+    "dispatch": lambda *a: A.attention(*a, implementation="auto"),
+}
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, GQA_HEADS])
+@pytest.mark.parametrize("path", sorted(GQA_PATHS))
+def test_grouped_query_attention_matches_the_formula(path, kv_heads):
+    """Every path with 4 query heads over 1, 2 or 4 key/value heads, values and gradients (dk, dv summed
+    over each group) against gqa_formula, fp32, atol 2e-5. Deliberate bugs, each seen to fail here: the
+    grouping as n % K instead of n // (N / K) (attention.grouped reshaping to [.., G, K, H]; reference,
+    xla and dispatch at K=2, the only case where the orders differ), xla's dk summed from the first
+    group member only (xla, every K), and splash fed k, v tiled to N heads (jnp.tile: the n % K order)
+    instead of its native grouping (K=2)."""
+    q, k, v, seg, w = gqa_inputs(kv_heads)
+    got = value_and_grads(GQA_PATHS[path], q, k, v, seg, w)
+    want = value_and_grads(gqa_formula, q, k, v, seg, w)
+    assert got[2].shape == (B, T, kv_heads, H)
+    for name, g, r in zip(NAMES, got, want):
+        np.testing.assert_allclose(g, r, atol=2e-5, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_cached_attention_groups_query_heads_over_the_cache(kv_heads):
+    """The decode step over a cache of K heads (slots beyond start + i unwritten noise) against the
+    formula on the written prefix: queries 5..7 of one document at slots 5..7. Caught: the n % K grouping
+    (K=2)."""
+    q, k, v, _, _ = gqa_inputs(kv_heads)
+    q, k, v = q[:1, :16], k[:1, :16], v[:1, :16]
+    got = A.cached_attention(q[:, 5:8], k, v, jnp.int32(5))
+    want = gqa_formula(q[:, :8], k[:, :8], v[:, :8], jnp.ones((1, 8), jnp.int32))[:, 5:8]
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
+
+
+def test_splash_under_a_cpu_mesh_shards_key_value_heads():
+    """GQA (4 query heads over 2 key/value heads) under a (data 2, fsdp 2, tensor 2) CPU mesh: each device
+    holds one key/value head and its query group; values and gradients match the formula. Caught: q's
+    heads split over 'tensor' while k, v stay whole (a device's query pair read the wrong k/v head)."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"),
+                axis_types=(AxisType.Auto,) * 3)
+    q, k, v, seg, w = gqa_inputs(2)
+    q, k, v, w = (jnp.concatenate([x, x[:1]])[:, :128] for x in (q, k, v, w))
+    seg = jnp.concatenate([seg, seg[:1]])[:, :128]
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(x, rows) for x in (q, k, v, seg, w)]
+        got = value_and_grads(lambda *a: A.splash_attention(*a, interpret=True), *args)
+    want = value_and_grads(gqa_formula, q, k, v, seg, w)
+    for name, g, r in zip(NAMES, got, want):
+        np.testing.assert_allclose(g, r, atol=2e-5, err_msg=name)
+
+
+def test_key_value_heads_must_divide_the_query_heads():
+    q, k, v, seg, _ = gqa_inputs(2)
+    with pytest.raises(ValueError, match=r"k and v \[B, T, K, H\] with K dividing N"):
+        A.attention(q[:, :, :3], k, v, seg)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -238,6 +326,14 @@ def tpu_compiled():
 def test_splash_train_step_compiles_for_tpu_without_square_buffers(tpu_compiled, case):
     """'auto' under a TPU mesh (on this CPU host) picks splash: the compiled program calls the
     Mosaic kernel and has no [.., T, T] buffer (T=300 runs padded to 384)."""
+    assert tpu_compiled[case] == {"tpu_custom_call": True, "square_buffers": []}
+
+
+@pytest.mark.slow  # reads the same TPU compile (tpu_compiled)
+@pytest.mark.parametrize("case", ["gqa-auto-512-bf16", "mqa-auto-512-bf16"])
+def test_grouped_query_splash_train_step_compiles_for_tpu(tpu_compiled, case):
+    """4 query heads over 2 key/value heads (one per 'tensor' shard with its query pair) and over 1 (heads
+    replicated): the splash kernel takes the grouped k, v as they are, forward and backward, no [T, T]."""
     assert tpu_compiled[case] == {"tpu_custom_call": True, "square_buffers": []}
 
 

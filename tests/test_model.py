@@ -17,6 +17,11 @@ STYLES = {
     "gpt2": dict(norm="layernorm", mlp="gelu", position="learned", use_bias=True, tie_embeddings=True),
     "olmo": dict(norm="nonparametric_layernorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False),
     "rms": dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=True),
+    # Qwen3's kind: 4 query heads over 2 key/value heads of width 16 (not d_model / heads), q/k norm, eps 1e-6;
+    # with Llama 3.1's RoPE scaling over an 'original' context of 16 (so it changes these short texts)
+    "qwen3": dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False,
+                  num_kv_heads=2, head_dim=16, qk_norm=True, norm_eps=1e-6, rope_scaling="llama3",
+                  rope_scaling_factor=8.0, rope_original_max_len=16),
 }
 
 
@@ -151,20 +156,24 @@ def test_scanned_parameters_carry_the_layers_axis():
 
 
 @pytest.mark.parametrize("scan", [True, False])
-@pytest.mark.parametrize("style", ["gpt2", "olmo"])
+@pytest.mark.parametrize("style", ["gpt2", "olmo", "qwen3"])
 def test_cached_decoding_equals_the_full_forward_pass(style, scan):
     """Decoder.decode with a KV cache (a 5-token prefill, then one token per call, in a cache longer
-    than the text) gives the full pass's logits: learned positions or RoPE, scanned or looped layers.
+    than the text) gives the full pass's logits: learned positions or RoPE, scanned or looped layers,
+    and Qwen3's grouped-query attention with q/k norm (and llama3 RoPE scaling), whose cache holds only
+    the 2 key/value heads.
     Measured max |diff| <= 9e-8 (|logits| <= 0.7). Deliberate bugs, each seen to fail here: the new
-    keys written one slot late in Attention (1.3e-3 to 2.4e-3), and the scanned stack handing every
-    layer the first layer's cache (0.045, 0.075; the loop has no such step)."""
+    keys written one slot late in Attention (1.3e-3 to 2.4e-3), the scanned stack handing every
+    layer the first layer's cache (0.045, 0.075; the loop has no such step), and (qwen3) the key
+    written into the cache before its q/k norm."""
     cfg = small_model_cfg(num_layers=3, scan_layers=scan, **STYLES[style])
     model = Decoder(cfg, nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 96, (2, 12)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), tokens.shape)
     full = model(tokens, jnp.ones_like(tokens), positions)
     cache = init_cache(cfg, 2, 16)
-    assert (cache.key.shape == (3, 2, 16, 4, 8)) if scan else [k.shape for k in cache.key] == [(2, 16, 4, 8)] * 3
+    heads = (2, 16) if style == "qwen3" else (4, 8)  # key/value heads, head width
+    assert (cache.key.shape == (3, 2, 16, *heads)) if scan else [k.shape for k in cache.key] == [(2, 16, *heads)] * 3
     step = nnx.jit(lambda m, t, p, c: m.decode(m.embed(t), None, p, c))
     logits = []
     for start, end in [(0, 5)] + [(i, i + 1) for i in range(5, 12)]:

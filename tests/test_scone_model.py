@@ -133,6 +133,36 @@ def test_wider_fgram_model_is_projected_to_the_main_width():
     assert out.shape == (3, config.model.d_model)
 
 
+def test_fgram_model_blocks_share_the_main_models_attention_kind():
+    """fgram_block_config (docs/training.md): the f-gram model's blocks keep the main model's key/value heads,
+    q/k norm and norm epsilon (not RoPE or its scaling: it has K learned positions), also with heads of its own (8 query heads over the main model's 2 key/value
+    heads); config.validate refuses f-gram heads that are no multiple of them, naming both keys. Caught: the
+    f-gram model's key/value heads reset to its own head count (its key kernel 8 heads wide)."""
+    from scone_jax import config as config_lib
+    from scone_jax.model.fgram_model import fgram_block_config
+
+    config = scone_config(num_heads=8)
+    with config.unlocked():
+        config.model.update(dict(num_kv_heads=2, qk_norm=True, norm_eps=1e-6, position="rope", rope_scaling="yarn",
+                                 rope_scaling_factor=4.0))
+    config_lib.validate(config)
+    block = fgram_block_config(config.model, config.scone)
+    assert (block.num_heads, block.num_kv_heads, block.qk_norm, block.norm_eps) == (8, 2, True, 1e-6)
+    assert (block.position, block.rope_scaling) == ("learned", "none")  # K learned positions: nothing to scale
+    model = SconeModel(config.model, config.scone, nnx.Rngs(0))
+    attn = model.fgram_model.stack.blocks.attn
+    assert attn.key.kernel[...].shape == (1, 64, 2 * 8) and attn.query.kernel[...].shape == (1, 64, 8 * 8)
+    assert attn.key_norm.scale[...].shape == (1, 8)
+    out = model.fgram_embeddings(jnp.ones((3, K), jnp.int32), jnp.array([2, 3, 4], jnp.int32))
+    assert out.shape == (3, 64) and np.isfinite(np.asarray(out)).all()
+    with config.unlocked():
+        config.scone.num_heads = 6
+        config.model.num_kv_heads = 4
+    with pytest.raises(ValueError, match=r"^scone.num_heads=6 is not a multiple of model.num_kv_heads=4, which the "
+                                         r"f-gram model shares. Fix: a multiple of it, or 0"):
+        config_lib.validate(config)
+
+
 def compiled_hlo(mesh_shape):
     config = scone_config()
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape

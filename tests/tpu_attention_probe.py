@@ -7,8 +7,10 @@ import json
 import os
 import re
 
-CASES = {"auto-1024-bf16": ("auto", 1024, "bfloat16"), "auto-300-fp32": ("auto", 300, "float32"),
-         "reference-256-bf16": ("reference", 256, "bfloat16")}
+# name: (implementation, seq_len, dtype, key/value heads of the 4 query heads)
+CASES = {"auto-1024-bf16": ("auto", 1024, "bfloat16", 4), "auto-300-fp32": ("auto", 300, "float32", 4),
+         "reference-256-bf16": ("reference", 256, "bfloat16", 4),
+         "gqa-auto-512-bf16": ("auto", 512, "bfloat16", 2), "mqa-auto-512-bf16": ("auto", 512, "bfloat16", 1)}
 
 
 def tpu_mesh():
@@ -26,9 +28,10 @@ def tpu_mesh():
                 axis_types=(AxisType.Auto,) * 3)
 
 
-def compile_train_like(mesh, implementation, seq_len, dtype, batch=4, heads=4, head_dim=128, width=256):
+def compile_train_like(mesh, implementation, seq_len, dtype, kv_heads=4, batch=4, heads=4, head_dim=128, width=256):
     """loss + grad of 2 stacked layers (q/k/v projections, attention, output projection) as a
-    lax.scan of jax.checkpoint'ed blocks, the way the model runs, compiled for `mesh`."""
+    lax.scan of jax.checkpoint'ed blocks, the way the model runs, compiled for `mesh`; k and v have
+    `kv_heads` heads (grouped-query attention when fewer than `heads`)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -46,7 +49,8 @@ def compile_train_like(mesh, implementation, seq_len, dtype, batch=4, heads=4, h
 
     sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
     proj = sds((2, width, heads, head_dim), jnp.float32, P(None, None, "tensor"))
-    params = (proj, proj, proj, sds((2, heads, head_dim, width), jnp.float32, P(None, "tensor")))
+    kv_proj = sds((2, width, kv_heads, head_dim), jnp.float32, P(None, None, "tensor" if kv_heads % 2 == 0 else None))
+    params = (proj, kv_proj, kv_proj, sds((2, heads, head_dim, width), jnp.float32, P(None, "tensor")))
     rows = P(("data", "fsdp"))
     with jax.set_mesh(mesh):
         lowered = jax.jit(jax.value_and_grad(loss)).lower(
@@ -63,8 +67,8 @@ def main():
 
     mesh = tpu_mesh()
     facts = {}
-    for name, (implementation, seq_len, dtype) in CASES.items():
-        text = compile_train_like(mesh, implementation, seq_len, getattr(jnp, dtype)).as_text()
+    for name, (implementation, seq_len, dtype, kv_heads) in CASES.items():
+        text = compile_train_like(mesh, implementation, seq_len, getattr(jnp, dtype), kv_heads).as_text()
         facts[name] = {"tpu_custom_call": "tpu_custom_call" in text, "square_buffers": square_buffers(text, seq_len)}
     print(json.dumps(facts))
 

@@ -2,24 +2,31 @@
 
     attention(q, k, v, segment_ids, *, implementation="auto", platform=None, packed=True)
 
-q, k, v are [B, T, N, H] in the compute dtype; segment_ids [B, T] int32 numbers the documents
-of a row 1, 2, ... and marks padding with 0. Query i attends to key j iff j <= i and
-segment_ids[i] == segment_ids[j]; logits are scaled by 1/sqrt(H); the result is [B, T, N, H] in
-q.dtype. Padding attends among itself (every row keeps at least its diagonal), and its outputs
-are masked out of the loss later.
+q is [B, T, N, H] and k, v are [B, T, K, H] in the compute dtype, K dividing N (grouped-query
+attention: query head n reads key/value head n // (N / K), Hugging Face's repeat_kv order; K = N is
+multi-head, K = 1 multi-query); segment_ids [B, T] int32 numbers the documents of a row 1, 2, ... and
+marks padding with 0. Query i attends to key j iff j <= i and segment_ids[i] == segment_ids[j];
+logits are scaled by 1/sqrt(H); the result is [B, T, N, H] in q.dtype. Padding attends among itself
+(every row keeps at least its diagonal), and its outputs are masked out of the loss later.
+
+No path repeats k and v to N heads: each groups the query heads instead, [B, T, K, N/K, H] against
+[B, T, K, H] (reference, xla and the decode step's cached_attention in their einsums; cudnn and
+splash in their kernels, which take K key/value heads natively).
 
 Implementations (IMPLEMENTATIONS; which ones a platform has: PLATFORM_IMPLEMENTATIONS):
-  reference  the plain formula: fp32 scores [B, N, T, T], mask, softmax. The test oracle.
+  reference  the plain formula: fp32 scores [B, K, N/K, T, T], mask, softmax. The test oracle.
   xla        pure-JAX flash attention: queries in at most 8 static chunks, each against the keys
              up to its end only (the causal upper triangle of whole chunks is never computed, 44%
              fewer score FLOPs at 8 chunks), online-softmax statistics saved instead of
              probabilities, and a custom VJP that recomputes each chunk's scores in the
              backward pass. Scores come from the inputs' dtype with fp32 accumulation
              (preferred_element_type), so no fp32 copy of q/k is made. The largest buffer is one
-             chunk's scores [B, N, T/8, T] instead of [B, N, T, T]. It is the fallback everywhere
+             chunk's scores [B, K, N/K, T/8, T] instead of [B, N, T, T]. The backward pass sums
+             dk, dv over each group's query heads in the same einsums. It is the fallback everywhere
              (speed and memory against the others: docs/benchmarks.md, tools/bench_attention.py).
   cudnn      jax.nn.dot_product_attention(implementation='cudnn') (NVIDIA GPUs; bf16/fp16; head
-             dim a multiple of 8 and <= 128, <= 256 on Hopper and later). jax 0.10's public API
+             dim a multiple of 8 and <= 128, <= 256 on Hopper and later; K key/value heads taken
+             as they are, grouped as above). jax 0.10's public API
              has no segment ids: it offers is_causal, per-row lengths (query_seq_lengths /
              key_value_seq_lengths: a valid prefix per row) and a boolean `mask` (or `bias`)
              that it turns into a dense additive bias [B, 1, T, T] in the compute dtype (and
@@ -35,11 +42,14 @@ Implementations (IMPLEMENTATIONS; which ones a platform has: PLATFORM_IMPLEMENTA
              private jax._src.cudnn API and need Hopper; not used.
   splash     the Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu), causal
              mask per head + SegmentIds, forward and backward kernels, fp32 accumulation and
-             statistics; q is scaled by 1/sqrt(H) before it (the kernel does not scale).
-             Mosaic kernels cannot be partitioned automatically, so under a mesh it runs inside
-             jax.shard_map: rows over the mesh's ('data', 'fsdp') axes, heads over 'tensor'
-             (each only where it divides), everything else replicated. Block sizes: see
-             splash_block_sizes.
+             statistics; q is scaled by 1/sqrt(H) before it (the kernel does not scale). Its
+             multi-head form reads key/value head n // (N / K) for query head n when given K < N
+             heads (its grid maps each query head to its group's k/v blocks and its dk/dv kernel
+             sums over the group), so GQA needs neither repeated k/v nor the MQA form vmapped
+             over groups. Mosaic kernels cannot be partitioned automatically, so under a mesh it
+             runs inside jax.shard_map: rows over the mesh's ('data', 'fsdp') axes, key/value
+             heads (and their query groups) over 'tensor' (each only where it divides),
+             everything else replicated. Block sizes: see splash_block_sizes.
   auto       TPU -> splash; GPU -> cudnn when supported for the dtype, head dim and sequence
              length, else xla; CPU -> xla. A fallback is logged once with its reason.
 
@@ -95,9 +105,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
               packed: bool = True) -> jax.Array:
     """Causal attention within segments; see the module docstring for the choices."""
     check(implementation)
-    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape or segment_ids.shape != q.shape[:2]:
+    if (q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]
+            or q.shape[2] % k.shape[2] or segment_ids.shape != q.shape[:2]):
         raise ValueError(
-            f"attention wants q, k, v [B, T, N, H] of one shape and segment_ids [B, T]; got "
+            f"attention wants q [B, T, N, H], k and v [B, T, K, H] with K dividing N, and segment_ids [B, T]; got "
             f"{q.shape}, {k.shape}, {v.shape}, {segment_ids.shape}.")
     platform = compile_platform() if platform is None else _normalize_platform(platform)
     valid = PLATFORM_IMPLEMENTATIONS.get(platform, ("auto", "reference", "xla"))
@@ -195,7 +206,7 @@ def reference_attention(q, k, v, segment_ids):
 
 
 def cached_attention(q, k, v, start):
-    """Decoding steps: queries [B, T, N, H] at cache slots start.. over a key/value cache [B, S, N, H];
+    """Decoding steps: queries [B, T, N, H] at cache slots start.. over a key/value cache [B, S, K, H];
     query i sees slots <= start + i, so later slots (unwritten or stale) never count. The plain formula:
     one new token's scores are [B, N, 1, S], too small for the fused kernels to matter (a prompt is
     prefilled through `attention` instead, layers.Attention)."""
@@ -203,12 +214,32 @@ def cached_attention(q, k, v, start):
     return _masked_attention(q, k, v, visible[None, None])
 
 
+def grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """Query heads [B, T, N, H] -> [B, T, K, N/K, H] (head n is group n // (N / K)'s member n % (N / K)); q
+    itself when K = N, so multi-head attention computes exactly what it did before grouping existed."""
+    b, t, n, h = q.shape
+    return q if kv_heads == n else q.reshape(b, t, kv_heads, n // kv_heads, h)
+
+
+def _einsum(spec: str, *operands, **kwargs):
+    """jnp.einsum of a spec written for grouped queries (group member axis g), on ungrouped ones (4-d q,
+    see `grouped`) the same spec without g."""
+    grouped_q = any(x.ndim == 5 for x in operands)
+    return jnp.einsum(spec if grouped_q else spec.replace("g", ""), *operands, **kwargs)
+
+
+def _group_mask(mask: jax.Array, scores: jax.Array) -> jax.Array:
+    """A mask [B or 1, 1, Tq, Tk] broadcastable against (grouped or not) scores [B, K, (G,) Tq, Tk]."""
+    return mask[:, :, None] if scores.ndim == 5 else mask
+
+
 def _masked_attention(q, k, v, mask):
-    """softmax(q k^T / sqrt(H)) v with fp32 scores where `mask` ([B or 1, 1, Tq, Tk]) holds."""
-    scores = jnp.einsum("bqnh,bknh->bnqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    """softmax(q k^T / sqrt(H)) v with fp32 scores where `mask` ([B or 1, 1, Tq, Tk]) holds; each group of
+    query heads against its key/value head."""
+    scores = _einsum("bqkgh,bskh->bkgqs", grouped(q, k.shape[2]), k).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
+    scores = jnp.where(_group_mask(mask, scores), scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bnqk,bknh->bqnh", probs, v).astype(q.dtype)
+    return _einsum("bkgqs,bskh->bqkgh", probs, v).reshape(q.shape).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,19 +261,21 @@ def xla_chunks(seq_len: int) -> list[tuple[int, int]]:
 
 def xla_attention(q, k, v, segment_ids):
     """Flash attention in plain JAX (see the module docstring)."""
-    return _flash(q, k, v, segment_ids)
+    return _flash(grouped(q, k.shape[2]), k, v, segment_ids).reshape(q.shape)
 
 
 def _chunk_scores(q, k, segment_ids, start, end):
-    """fp32 scaled, masked scores of queries [start, end) against keys [0, end): [B, N, C, end]."""
+    """fp32 scaled, masked scores of (grouped) queries [start, end) against keys [0, end): [B, K, (G,) C, end]."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    s = jnp.einsum("bqnh,bknh->bnqk", q[:, start:end], k[:, :end], preferred_element_type=jnp.float32)
-    mask = _mask(segment_ids[:, start:end], segment_ids[:, :end], start)
+    s = _einsum("bqkgh,bskh->bkgqs", q[:, start:end], k[:, :end], preferred_element_type=jnp.float32)
+    mask = _group_mask(_mask(segment_ids[:, start:end], segment_ids[:, :end], start), s)
     return jnp.where(mask, s * scale, _MASK_VALUE), mask
 
 
 @jax.custom_vjp
 def _flash(q, k, v, segment_ids):
+    """Grouped queries [B, T, K, G, H] (or [B, T, K, H] when G = 1) over keys and values [B, T, K, H] -> q's
+    shape."""
     return _flash_fwd(q, k, v, segment_ids)[0]
 
 
@@ -253,12 +286,12 @@ def _flash_fwd(q, k, v, segment_ids):
         row_max = s.max(axis=-1, keepdims=True)
         p = jnp.exp(s - row_max)
         denom = p.sum(axis=-1, keepdims=True)
-        o = jnp.einsum("bnqk,bknh->bqnh", (p / denom).astype(v.dtype), v[:, :end],
+        o = _einsum("bkgqs,bskh->bqkgh", (p / denom).astype(v.dtype), v[:, :end],
                        preferred_element_type=jnp.float32)
         outs.append(o.astype(q.dtype))
-        lses.append((row_max + jnp.log(denom))[..., 0])  # [B, N, C]
+        lses.append((row_max + jnp.log(denom))[..., 0])  # [B, K, (G,) C]
     out = jnp.concatenate(outs, axis=1)
-    return out, (q, k, v, segment_ids, out, jnp.concatenate(lses, axis=2))
+    return out, (q, k, v, segment_ids, out, jnp.concatenate(lses, axis=-1))
 
 
 def _flash_bwd(res, d_out):
@@ -266,19 +299,20 @@ def _flash_bwd(res, d_out):
     scale = 1.0 / math.sqrt(q.shape[-1])
     f32 = jnp.float32
     # delta_i = sum_j p_ij dp_ij = <out_i, d_out_i>
-    delta = jnp.einsum("bqnh,bqnh->bnq", out.astype(f32), d_out.astype(f32))
+    delta = _einsum("bqkgh,bqkgh->bkgq", out.astype(f32), d_out.astype(f32))
     dq_chunks = []
     dk = jnp.zeros(k.shape, f32)
     dv = jnp.zeros(v.shape, f32)
     for start, end in xla_chunks(q.shape[1]):
         s, mask = _chunk_scores(q, k, segment_ids, start, end)
-        p = jnp.where(mask, jnp.exp(s - lse[:, :, start:end, None]), 0.0)  # [B, N, C, end]
+        p = jnp.where(mask, jnp.exp(s - lse[..., start:end, None]), 0.0)  # [B, K, (G,) C, end]
         do_c = d_out[:, start:end]
-        dv = dv.at[:, :end].add(jnp.einsum("bnqk,bqnh->bknh", p.astype(v.dtype), do_c, preferred_element_type=f32))
-        dp = jnp.einsum("bqnh,bknh->bnqk", do_c, v[:, :end], preferred_element_type=f32)
-        ds = (p * (dp - delta[:, :, start:end, None]) * scale).astype(q.dtype)
-        dq_chunks.append(jnp.einsum("bnqk,bknh->bqnh", ds, k[:, :end], preferred_element_type=f32).astype(q.dtype))
-        dk = dk.at[:, :end].add(jnp.einsum("bnqk,bqnh->bknh", ds, q[:, start:end], preferred_element_type=f32))
+        # dk and dv: each key/value head sums over its group's query heads (g) as over queries (q)
+        dv = dv.at[:, :end].add(_einsum("bkgqs,bqkgh->bskh", p.astype(v.dtype), do_c, preferred_element_type=f32))
+        dp = _einsum("bqkgh,bskh->bkgqs", do_c, v[:, :end], preferred_element_type=f32)
+        ds = (p * (dp - delta[..., start:end, None]) * scale).astype(q.dtype)
+        dq_chunks.append(_einsum("bkgqs,bskh->bqkgh", ds, k[:, :end], preferred_element_type=f32).astype(q.dtype))
+        dk = dk.at[:, :end].add(_einsum("bkgqs,bqkgh->bskh", ds, q[:, start:end], preferred_element_type=f32))
     return jnp.concatenate(dq_chunks, axis=1), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -335,12 +369,12 @@ def _splash_kernel(num_heads: int, seq_len: int, block: int, interpret: bool):
 
 
 def _splash_local(q, k, v, segment_ids, interpret):
-    """The kernel on one device's [b, T, n, H] block (vmapped over rows)."""
+    """The kernel on one device's block, q [b, T, n, H] and k, v [b, T, kv, H] (vmapped over rows)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     seq_len = q.shape[1]
     padded, block = splash_block_sizes(seq_len)
-    # The kernel does not scale the logits; it wants [heads, seq, head_dim] per row.
+    # The kernel does not scale the logits; it wants [heads, seq, head_dim] per row (k, v: their own heads).
     scaled_q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
     q_, k_, v_ = (jnp.swapaxes(x, 1, 2) for x in (scaled_q, k, v))
     seg = segment_ids.astype(jnp.int32)
@@ -361,15 +395,15 @@ def splash_attention(q, k, v, segment_ids, *, interpret: bool = False):
     local = functools.partial(_splash_local, interpret=interpret)
     if not free:
         return local(q, k, v, segment_ids)
-    batch, heads = q.shape[0], q.shape[2]
+    batch, kv_heads = q.shape[0], k.shape[2]
     batch_axes = tuple(a for a in BATCH_AXES if a in free)
     if batch_axes and batch % math.prod(mesh.shape[a] for a in batch_axes):
         _log_once(f"splash attention: batch {batch} does not divide over mesh axes {batch_axes}; "
                   "rows computed replicated.")
         batch_axes = ()
     head_axis = HEAD_AXIS if HEAD_AXIS in free else None
-    if head_axis and heads % mesh.shape[head_axis]:
-        _log_once(f"splash attention: {heads} heads do not divide over mesh axis {head_axis!r} "
+    if head_axis and kv_heads % mesh.shape[head_axis]:  # a device's query heads are whole groups
+        _log_once(f"splash attention: {kv_heads} key/value heads do not divide over mesh axis {head_axis!r} "
                   f"of size {mesh.shape[head_axis]}; heads computed replicated.")
         head_axis = None
     rows = batch_axes or None

@@ -20,8 +20,11 @@ from scone_jax.model.transformer import BlockStack
 def fgram_block_config(main_cfg, scone_cfg):
     """The main model's block config with the f-gram model's own depth and (optional) width.
 
-    Positions are learned absolute ones (K of them) whatever the main model uses; attention is
-    always the XLA path (model/attention.py)."""
+    Its blocks are the main model's kind: norm and its epsilon, MLP, biases, q/k norm, and the main
+    model's key/value heads (model.num_kv_heads; 0 = as many as its own query heads), which
+    config.validate requires to divide scone.num_heads when that is set. Positions are learned
+    absolute ones (K of them) whatever the main model uses, so RoPE and its scaling do not apply;
+    attention is always the XLA path (model/attention.py)."""
     cfg = main_cfg.copy_and_resolve_references()
     with cfg.unlocked():
         cfg.num_layers = scone_cfg.num_layers
@@ -30,6 +33,7 @@ def fgram_block_config(main_cfg, scone_cfg):
         cfg.head_dim = 0 if scone_cfg.d_model else main_cfg.head_dim
         cfg.d_ff = scone_cfg.d_ff or main_cfg.d_ff
         cfg.position = "learned"
+        cfg.rope_scaling = "none"
         cfg.max_seq_len = scone_cfg.max_len
         # K <= 8 positions: a fused kernel's 128-wide blocks would be mostly padding; the plain
         # XLA flash path keeps only outputs and softmax statistics for the backward pass.

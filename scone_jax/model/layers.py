@@ -13,6 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scone_jax.model import attention
+from scone_jax.model.rope import Rope
 
 # Variables keep their logical names as metadata; `sharding.py` turns them into
 # NamedShardings and the init function is jitted with those as out_shardings, so the
@@ -37,6 +38,11 @@ def head_dim_of(cfg) -> int:
     return cfg.head_dim or cfg.d_model // cfg.num_heads
 
 
+def kv_heads_of(cfg) -> int:
+    """Key/value heads: model.num_kv_heads, where 0 means num_heads (multi-head attention)."""
+    return cfg.num_kv_heads or cfg.num_heads
+
+
 def dense(d_in: int, d_out: int, axes: tuple, cfg, rngs: nnx.Rngs, std: float | None = None) -> nnx.Linear:
     """A Linear layer with compute dtype, fp32 master weights and logical axis names."""
     return nnx.Linear(
@@ -52,8 +58,9 @@ def dense(d_in: int, d_out: int, axes: tuple, cfg, rngs: nnx.Rngs, std: float | 
 
 
 def make_norm(cfg, rngs: nnx.Rngs) -> nnx.Module:
-    """LayerNorm (GPT-2), RMSNorm, or LayerNorm without scale/bias (OLMo's non-parametric)."""
-    kw = dict(epsilon=1e-5, dtype=jnp.float32, param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
+    """LayerNorm (GPT-2), RMSNorm, or LayerNorm without scale/bias (OLMo's non-parametric); epsilon
+    model.norm_eps."""
+    kw = dict(epsilon=cfg.norm_eps, dtype=jnp.float32, param_dtype=dtype_of(cfg.param_dtype), rngs=rngs)
     scale = nnx.with_partitioning(nnx.initializers.ones_init(), (None,))
     if cfg.norm == "layernorm":
         bias = nnx.with_partitioning(nnx.initializers.zeros_init(), (None,))
@@ -67,22 +74,19 @@ def make_norm(cfg, rngs: nnx.Rngs) -> nnx.Module:
     )
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding on [B, T, N, H] with per-token positions [B, T]."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions[..., None].astype(jnp.float32) * freq  # [B, T, half]
-    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+def make_head_norm(cfg, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    """Qwen3's q/k norm: RMSNorm over one head's width (a learned scale [head_dim], epsilon model.norm_eps)."""
+    scale = nnx.with_partitioning(nnx.initializers.ones_init(), (None,))
+    return nnx.RMSNorm(head_dim_of(cfg), epsilon=cfg.norm_eps, dtype=jnp.float32,
+                       param_dtype=dtype_of(cfg.param_dtype), scale_init=scale, rngs=rngs)
 
 
 class KVCache(NamedTuple):
     """Keys and values of the tokens decoded so far, so each decoding step runs only its new tokens.
 
-    key, value: [B, S, N, H] for one layer (S slots); a block stack holds one per layer, stacked to
-    [layers, B, S, N, H] when its layers are scanned, a tuple of per-layer arrays otherwise
+    key, value: [B, S, K, H] for one layer (S slots, K = the key/value heads, model.num_kv_heads); a block
+    stack holds one per layer, stacked to [layers, B, S, K, H] when its layers are scanned, a tuple of
+    per-layer arrays otherwise
     (transformer.init_cache). index: int32 scalar, the slot of the first new token, shared by all layers."""
     key: jax.Array
     value: jax.Array
@@ -93,6 +97,10 @@ class Attention(nnx.Module):
     """Multi-head causal self-attention restricted to tokens of the same segment (document);
     the scores are computed by model/attention.py's implementation named by cfg.attention.
 
+    Grouped-query attention with cfg.num_kv_heads: `key` and `value` project to num_kv_heads heads, and
+    query head n reads key/value head n // (num_heads / num_kv_heads). With cfg.qk_norm, `query_norm` and
+    `key_norm` (RMSNorm over each head's width, Qwen3) follow the projections, before RoPE.
+
     With a KVCache (decoding), the new tokens' keys and values are written into it at cache.index. A
     call with several tokens is a prefill: it starts the cache (cache.index must be 0), and its tokens
     attend among themselves through the training implementation (flash / splash / cuDNN: no [T, T]
@@ -101,27 +109,31 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.num_heads = cfg.num_heads
+        self.num_kv_heads = kv_heads_of(cfg)
         self.head_dim = head_dim_of(cfg)
-        self.use_rope = cfg.position == "rope"
-        self.rope_theta = cfg.rope_theta
+        self.rope = Rope.of(cfg, self.head_dim) if cfg.position == "rope" else None
         self.implementation = cfg.attention
         attention.check(cfg.attention)
-        inner = self.num_heads * self.head_dim
+        inner, kv_inner = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.query = dense(cfg.d_model, inner, ("embed", "heads"), cfg, rngs)
-        self.key = dense(cfg.d_model, inner, ("embed", "heads"), cfg, rngs)
-        self.value = dense(cfg.d_model, inner, ("embed", "heads"), cfg, rngs)
+        self.key = dense(cfg.d_model, kv_inner, ("embed", "heads"), cfg, rngs)
+        self.value = dense(cfg.d_model, kv_inner, ("embed", "heads"), cfg, rngs)
         self.out = dense(inner, cfg.d_model, ("heads", "embed"), cfg, rngs, std=out_std)
+        self.query_norm = make_head_norm(cfg, rngs) if cfg.qk_norm else None
+        self.key_norm = make_head_norm(cfg, rngs) if cfg.qk_norm else None
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: KVCache | None = None):
         """[B, T, d] -> [B, T, d]; with `cache`, (that, the cache with these T tokens written). Cached rows
         are one document each: segment_ids is not read then."""
         b, t, _ = x.shape
-        split = lambda y: y.reshape(b, t, self.num_heads, self.head_dim)  # noqa: E731
+        split = lambda y: y.reshape(b, t, -1, self.head_dim)  # noqa: E731
         q, k, v = (checkpoint_name(split(proj(x)), name)
                    for proj, name in ((self.query, "query_proj"), (self.key, "key_proj"), (self.value, "value_proj")))
-        if self.use_rope:
-            q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+        if self.query_norm is not None:
+            q, k = _normed(self.query_norm, q), _normed(self.key_norm, k)
+        if self.rope is not None:
+            q, k = self.rope(q, positions), self.rope(k, positions)
         if cache is None:
             y = attention.attention(q, k, v, segment_ids, implementation=self.implementation)
             return checkpoint_name(self.out(y.reshape(b, t, -1)), "attention_out")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from scone_jax.model import remat
-from scone_jax.model.layers import Block, KVCache, dtype_of, head_dim_of, make_norm, normal
+from scone_jax.model.layers import Block, KVCache, dtype_of, head_dim_of, kv_heads_of, make_norm, normal
 from scone_jax.sharding import constrain
 
 ACTIVATION_AXES = ("batch", None, None)
@@ -85,9 +85,9 @@ class BlockStack(nnx.Module):
 
 def init_cache(cfg, batch: int, length: int) -> KVCache:
     """An empty KVCache for decoding `batch` rows of up to `length` tokens with Decoder(cfg): zeros in the
-    compute dtype, in the block stack's layout (stacked [layers, B, length, N, H] if cfg.scan_layers,
-    else one array per layer), written from slot 0."""
-    shape = (batch, length, cfg.num_heads, head_dim_of(cfg))
+    compute dtype, in the block stack's layout (stacked [layers, B, length, K, H] if cfg.scan_layers,
+    else one array per layer; K = the key/value heads), written from slot 0."""
+    shape = (batch, length, kv_heads_of(cfg), head_dim_of(cfg))
     dtype = dtype_of(cfg.dtype)
     def zeros():
         if cfg.scan_layers:

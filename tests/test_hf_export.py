@@ -24,7 +24,6 @@ from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.serving import bundle, hf_export
 from scone_jax.training import run as run_lib
 from tests import hf_models
-from tests.test_hf_import import _PLAIN, needs_arch
 
 
 def imported(tmp_path, family, **checkpoint):
@@ -46,13 +45,12 @@ def stored(directory) -> dict:
 
 ROUND_TRIPS = [  # (family, transformers overrides, checkpoint dtype, source shard size, export shard bytes)
     ("gpt2", {}, torch.float32, None, None),
-    ("llama", dict(_PLAIN, rms_norm_eps=1e-5), torch.bfloat16, "40KB", 60_000),
-    ("olmo", dict(num_key_value_heads=4, tie=True), torch.float32, None, None),
-    pytest.param("qwen3", dict(tie=True), torch.bfloat16, None, None, marks=needs_arch),
-    pytest.param("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                               "original_max_position_embeddings": 8}},
-                 torch.float32, None, None, marks=needs_arch),
+    ("llama", {}, torch.bfloat16, "40KB", 60_000),
+    ("olmo", dict(tie=True), torch.float32, None, None),
+    ("qwen3", dict(tie=True), torch.bfloat16, None, None),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+     torch.float32, None, None),
 ]
 
 
@@ -105,8 +103,7 @@ SCRATCH = [  # (family, model keys)
     ("gpt2", {}),
     ("llama", LLAMA_STYLE),
     ("olmo", dict(LLAMA_STYLE, norm="nonparametric_layernorm", tie_embeddings=True, scan_layers=False)),
-    pytest.param("qwen3", dict(LLAMA_STYLE, qk_norm=True, num_kv_heads=2, head_dim=16, norm_eps=1e-6),
-                 marks=needs_arch),
+    ("qwen3", dict(LLAMA_STYLE, qk_norm=True, num_kv_heads=2, head_dim=16, norm_eps=1e-6, rope_theta=1e6)),
 ]
 
 

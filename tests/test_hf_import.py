@@ -31,9 +31,7 @@ from tests import hf_models
 
 LLAMA31 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
            "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # short: positions 0..11 cross bands
-_HAS_ARCH = "num_kv_heads" in base_config().model  # the decoder's GQA, q/k norm, eps and RoPE-scaling keys
-needs_arch = pytest.mark.skipif(not _HAS_ARCH, reason="needs the decoder's model.num_kv_heads / qk_norm / norm_eps")
-_PLAIN = dict(num_key_value_heads=4, head_dim=12)  # what the decoder without those keys can express
+YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8}
 
 
 def mesh_config(directory, scan_layers=True, **data):
@@ -52,13 +50,12 @@ def loaded_decoder(directory, config):
     return nnx.merge(spec.model_graphdef, params), params, spec, report, checkpoint
 
 
-CASES = [  # (family, tie, transformers overrides, scan_layers)
+CASES = [  # (family, tie, transformers overrides, scan_layers); 2 k/v heads for 4 query heads except GPT-2's
     ("gpt2", False, {}, True), ("gpt2", True, {}, False),
-    pytest.param("llama", False, {}, True, marks=needs_arch),
-    pytest.param("llama", True, {"rope_parameters": LLAMA31}, False, marks=needs_arch),
-    pytest.param("qwen3", False, {}, True, marks=needs_arch), pytest.param("qwen3", True, {}, True, marks=needs_arch),
-    pytest.param("olmo", False, {}, True, marks=needs_arch), pytest.param("olmo", True, {}, False, marks=needs_arch),
-    ("llama", False, dict(_PLAIN, rms_norm_eps=1e-5), True), ("olmo", True, dict(num_key_value_heads=4), True),
+    ("llama", False, {}, True), ("llama", True, {"rope_parameters": LLAMA31}, False),
+    ("qwen3", False, {}, True), ("qwen3", True, {}, True),  # head_dim 16 != 48 / 4, q/k norms
+    ("qwen3", False, {"rope_parameters": YARN}, True),
+    ("olmo", False, {}, True), ("olmo", True, {}, False),
 ]
 
 
@@ -79,7 +76,7 @@ def test_each_block_is_read_once_into_its_sharding(tmp_path):
     """Over data 2 x fsdp 2 x tensor 2 every parameter is made in its spec's sharding, with the values the file
     holds in our layout (the [out, in] weights transposed), and the bytes read are the checkpoint's tensors' bytes
     once: blocks that the data axis replicates are read once, not once per device."""
-    hf_models.save_checkpoint(str(tmp_path), "llama", **_PLAIN, rms_norm_eps=1e-5)
+    hf_models.save_checkpoint(str(tmp_path), "llama")
     config = mesh_config(str(tmp_path))
     _, params, spec, report, checkpoint = loaded_decoder(str(tmp_path), config)
     assert report.bytes_read == hf_load.expected_bytes(checkpoint) > 0
@@ -143,7 +140,7 @@ def _with(config, key, value):
 def test_the_config_follows_the_checkpoint_and_its_tokenizer(tmp_path):
     """The model section is the checkpoint's (vocabulary = its rows, not the tokenizer's size rounded up), the
     tokenizer is its tokenizer.json with tokenizer_config.json's special tokens; derived twice it is the same."""
-    hf_models.save_checkpoint(str(tmp_path), "llama", **_PLAIN, rms_norm_eps=1e-5)
+    hf_models.save_checkpoint(str(tmp_path), "llama")
     config = hf_models.import_config(str(tmp_path))
     derive.apply(config)
     m, d = config.model, config.data

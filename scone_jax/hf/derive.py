@@ -23,7 +23,7 @@ import os
 from scone_jax import config_keys
 from scone_jax.data import tokenizer as tokenizer_lib
 from scone_jax.hf.checkpoint_dir import HfCheckpoint, HfCheckpointError
-from scone_jax.hf.families.base import IMPLIED, canonical
+from scone_jax.hf.families.base import canonical
 
 
 def apply(config) -> HfCheckpoint | None:
@@ -71,9 +71,6 @@ def _signature(directory: str) -> tuple:
 def _set(config, key: str, value, checkpoint: HfCheckpoint, derived: dict) -> None:
     """config[key] = value, refusing a user's value that differs (module docstring)."""
     section, name = key.split(".")
-    if name not in config[section]:
-        _absent(key, value, checkpoint)
-        return
     have, default = config[section][name], config_keys.BY_NAME[key].default
     model = {**derived, **{k: config.model[k] for k in ("d_model", "num_heads") if k not in derived}}
     if have != default and canonical(name, have, model) != canonical(name, value, model):
@@ -81,14 +78,6 @@ def _set(config, key: str, value, checkpoint: HfCheckpoint, derived: dict) -> No
                                 f"model.init_from_hf derives {key}={value!r}. Fix: leave {key} unset (the checkpoint "
                                 "sets it), or drop model.init_from_hf.")
     config[section][name] = type(default)(value) if isinstance(default, float) else value
-
-
-def _absent(key: str, value, checkpoint: HfCheckpoint) -> None:
-    name = key.split(".")[1]
-    if name in IMPLIED and value == IMPLIED[name]:
-        return
-    raise HfCheckpointError(f"{checkpoint.path('config.json')} needs {key}={value!r}, which this version's decoder "
-                            "does not have. Fix: use a checkpoint without that feature.")
 
 
 def _check_tokenizer(config, checkpoint: HfCheckpoint) -> None:

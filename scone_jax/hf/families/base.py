@@ -19,14 +19,6 @@ ARCH_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
 ROPE_SCALING_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len",
                      "rope_beta_fast", "rope_beta_slow")
 BLOCKS = ("stack", "blocks")
-# What a model section without these keys means (the decoder before grouped-query attention, q/k norms, a settable
-# epsilon and RoPE scaling).
-IMPLIED = {"num_kv_heads": 0, "qk_norm": False, "norm_eps": 1e-5, "rope_scaling": "none"}
-
-
-def value(model, key: str):
-    """model[key], or what its absence means (IMPLIED)."""
-    return model[key] if key in model else IMPLIED[key]
 
 
 class HfConfigError(ValueError):
@@ -168,7 +160,7 @@ def rope_config(model) -> dict:
     """config.json's rope_parameters (transformers 5) for our model section, plus rope_theta and rope_scaling at the
     top level, which transformers 4 reads."""
     params = {"rope_type": "default", "rope_theta": float(model["rope_theta"])}
-    scaling = value(model, "rope_scaling")
+    scaling = model["rope_scaling"]
     if scaling in ("llama3", "yarn"):
         params.update(rope_type=scaling, factor=float(model["rope_scaling_factor"]),
                       original_max_position_embeddings=int(model["rope_original_max_len"]))
@@ -183,11 +175,11 @@ def rope_config(model) -> dict:
 
 
 def head_dim_of(model) -> int:
-    return model.get("head_dim", 0) or model["d_model"] // model["num_heads"]
+    return model["head_dim"] or model["d_model"] // model["num_heads"]
 
 
 def kv_heads_of(model) -> int:
-    return value(model, "num_kv_heads") or model["num_heads"]
+    return model["num_kv_heads"] or model["num_heads"]
 
 
 def canonical(key: str, value, model) -> object:
@@ -232,5 +224,5 @@ class Family:
     def misfit(self, model) -> list[str]:
         """What in our model section this family cannot express ([] = it fits), e.g. "norm='rmsnorm' (has
         'layernorm')"."""
-        return [f"{key}={want!r} (has {value(model, key)!r})" for key, want in self.fits.items()
-                if canonical(key, value(model, key), model) != canonical(key, want, model)]
+        return [f"{key}={want!r} (has {model[key]!r})" for key, want in self.fits.items()
+                if canonical(key, model[key], model) != canonical(key, want, model)]

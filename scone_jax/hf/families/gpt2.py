@@ -45,7 +45,7 @@ class Gpt2(base.Family):
         d = model["d_model"]
         return dict(vocab_size=model["vocab_size"], n_embd=d, n_layer=model["num_layers"], n_head=model["num_heads"],
                     n_inner=None if model["d_ff"] == 4 * d else model["d_ff"], n_positions=model["max_seq_len"],
-                    activation_function="gelu_new", layer_norm_epsilon=float(base.value(model, "norm_eps")),
+                    activation_function="gelu_new", layer_norm_epsilon=float(model["norm_eps"]),
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, scale_attn_weights=True,
                     scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, add_cross_attention=False,
                     tie_word_embeddings=bool(model["tie_embeddings"]))

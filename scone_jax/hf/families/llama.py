@@ -82,7 +82,7 @@ class Llama(base.Family):
                     qk_norm=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
     def hf_config(self, model) -> dict:
-        return dict(common_config(model), rms_norm_eps=float(base.value(model, "norm_eps")), mlp_bias=False, pretraining_tp=1)
+        return dict(common_config(model), rms_norm_eps=float(model["norm_eps"]), mlp_bias=False, pretraining_tp=1)
 
     def tensors(self, model) -> list[base.Tensor]:
         return layout(model)

@@ -22,7 +22,7 @@ class Qwen3(base.Family):
                     qk_norm=True, tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
     def hf_config(self, model) -> dict:
-        return dict(llama.common_config(model), rms_norm_eps=float(base.value(model, "norm_eps")), use_sliding_window=False,
+        return dict(llama.common_config(model), rms_norm_eps=float(model["norm_eps"]), use_sliding_window=False,
                     sliding_window=None, max_window_layers=model["num_layers"],
                     layer_types=["full_attention"] * model["num_layers"])
 

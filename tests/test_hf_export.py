@@ -9,10 +9,13 @@ Deliberate bugs these tests were run against once (each made the named test fail
   - GPT-2's c_attn written with q and k swapped (test_a_run_trained_here_gives_transformers_our_logits[gpt2]);
   - the exported dtype left at model.param_dtype for an imported bf16 checkpoint
     (test_round_trip_gives_back_bit_identical_tensors[llama-bf16]);
-  - _refuse_foreign not looking at the output (test_an_output_holding_other_files_is_refused).
+  - _refuse_foreign not looking at the output (test_an_output_holding_other_files_is_refused);
+  - run.build starting a resumed run of an imported checkpoint from the checkpoint's weights again instead of its
+    own latest state (test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports: steps 3-4 differ).
 """
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -179,3 +182,45 @@ def test_an_output_holding_other_files_is_refused(tmp_path):
     with pytest.raises(bundle.BundleError, match=r"differs from this one in \['step'\]"):
         hf_export.export_hf(workdir, out)
     assert meta["step"] == 0
+
+
+@pytest.mark.slow
+def test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports(tmp_path):
+    """tools/import_hf.py -> scone_jax.main (stopped after 2 steps and resumed) == an uninterrupted run, batch for
+    batch and parameter for parameter; the run then exports with --format=hf (transformers opens it) and as a
+    bundle, like any run."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.common import run_main, run_tool, step_records
+    from tests.test_train import final_params
+
+    hf_dir = str(tmp_path / "hf")
+    hf_models.save_checkpoint(hf_dir, "qwen3", tie=True)
+    flags = ["--config.data.seq_len=16", "--config.data.global_batch_size=8", "--config.train.num_steps=4",
+             "--config.train.checkpoint_every=2", "--config.train.eval_every=0", "--config.train.log_every=1",
+             "--config.data.worker_count=0"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    result = run_tool("tools/import_hf.py", [f"--hf_dir={hf_dir}", f"--workdir={straight}", *flags])
+    assert result.returncode == 0 and "imported the qwen3 checkpoint" in result.stdout, result.stderr[-3000:]
+    shutil.copytree(straight, split)
+    main_flags = [f"--config.model.init_from_hf={hf_dir}", *flags]
+    done = run_main(straight, *main_flags, config="configs/finetune_hf.py")
+    assert done.returncode == 0 and "Resumed from step 0" in done.stderr, done.stderr[-3000:]
+    first = run_main(split, *main_flags, "--config.train.max_steps_per_run=2", config="configs/finetune_hf.py")
+    second = run_main(split, *main_flags, config="configs/finetune_hf.py")
+    assert first.returncode == second.returncode == 0 and "Resumed from step 2" in second.stderr, second.stderr[-3000:]
+    a, b = step_records(straight), step_records(split)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert [a[s]["batch_crc"] for s in a] == [b[s]["batch_crc"] for s in a]
+    np.testing.assert_allclose([a[s]["loss"] for s in a], [b[s]["loss"] for s in a], rtol=1e-6)
+    config = hf_models.import_config(hf_dir)
+    from scone_jax.hf import derive
+    derive.apply(config)
+    for x, y in zip(final_params(config, straight), final_params(config, split)):
+        np.testing.assert_array_equal(x, y)
+    out = str(tmp_path / "out")
+    exported = run_tool("-m scone_jax.serving.export", [f"--workdir={straight}", f"--output={out}", "--format=hf"])
+    assert exported.returncode == 0 and "as a qwen3 checkpoint (F32)" in exported.stdout, exported.stderr[-3000:]
+    assert AutoModelForCausalLM.from_pretrained(out).config.tie_word_embeddings
+    exported = run_tool("-m scone_jax.serving.export", [f"--workdir={straight}", f"--output={tmp_path / 'bundle'}"])
+    assert exported.returncode == 0, exported.stderr[-3000:]

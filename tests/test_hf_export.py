@@ -25,7 +25,6 @@ import torch
 from scone_jax.config import base_config
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.serving import bundle, hf_export
-from scone_jax.training import run as run_lib
 from tests import hf_models
 
 
@@ -33,7 +32,7 @@ def imported(tmp_path, family, **checkpoint):
     """(the source model, its directory, the workdir of the run imported from it at step 0)."""
     hf_dir, workdir = str(tmp_path / "hf"), str(tmp_path / "run")
     model = hf_models.save_checkpoint(hf_dir, family, **checkpoint)
-    run_lib.save_initial_state(hf_models.import_config(hf_dir), workdir, 0)
+    hf_models.save_run(hf_models.import_config(hf_dir), workdir, devices=1)  # exported on all 8
     return model, hf_dir, workdir
 
 
@@ -46,14 +45,16 @@ def stored(directory) -> dict:
     return out
 
 
+SLOW = pytest.mark.slow  # each builds and saves a whole run: the fast tier keeps one case of each kind
 ROUND_TRIPS = [  # (family, transformers overrides, checkpoint dtype, source shard size, export shard bytes)
-    ("gpt2", {}, torch.float32, None, None),
     ("llama", {}, torch.bfloat16, "40KB", 60_000),
-    ("olmo", dict(tie=True), torch.float32, None, None),
     ("qwen3", dict(tie=True), torch.bfloat16, None, None),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
-     torch.float32, None, None),
+    pytest.param("gpt2", {}, torch.float32, None, None, marks=SLOW),
+    pytest.param("olmo", dict(tie=True), torch.float32, None, None, marks=SLOW),
+    pytest.param("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8}},
+                 torch.float32, None, None, marks=SLOW),
 ]
 
 
@@ -91,12 +92,14 @@ def test_round_trip_gives_back_bit_identical_tensors(tmp_path, family, overrides
     assert hf_export.export_hf(workdir, out) == meta  # a finished export again: nothing to do
 
 
-def scratch_config(tokenizer, **model):
-    """A small run of our own with the model keys `model`, its parameters sharded over data x fsdp x tensor."""
+def scratch_config(tokenizer, sharded=False, **model):
+    """A small run of our own with the model keys `model`; `sharded`: its parameters sharded over data 2 x fsdp 2 x
+    tensor 2 (all 8 devices), else on whatever devices it is built over."""
     c = base_config()
     c.model.update(dict(vocab_size=512, d_model=48, num_layers=2, num_heads=4, d_ff=80, max_seq_len=32, **model))
     c.data.update(dict(tokenizer_path=tokenizer, seq_len=16, global_batch_size=8, worker_count=0))
-    c.mesh.update(dict(data=2, fsdp=2, tensor=2))
+    if sharded:
+        c.mesh.update(dict(data=2, fsdp=2, tensor=2))
     c.lock()
     return c
 
@@ -104,9 +107,10 @@ def scratch_config(tokenizer, **model):
 LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False)
 SCRATCH = [  # (family, model keys)
     ("gpt2", {}),
-    ("llama", LLAMA_STYLE),
-    ("olmo", dict(LLAMA_STYLE, norm="nonparametric_layernorm", tie_embeddings=True, scan_layers=False)),
     ("qwen3", dict(LLAMA_STYLE, qk_norm=True, num_kv_heads=2, head_dim=16, norm_eps=1e-6, rope_theta=1e6)),
+    pytest.param("llama", LLAMA_STYLE, marks=SLOW),
+    pytest.param("olmo", dict(LLAMA_STYLE, norm="nonparametric_layernorm", tie_embeddings=True, scan_layers=False),
+                 marks=SLOW),
 ]
 
 
@@ -117,7 +121,9 @@ def test_a_run_trained_here_gives_transformers_our_logits(tmp_path, tokenizer_pa
     from transformers import AutoModelForCausalLM
 
     workdir, out = str(tmp_path / "run"), str(tmp_path / "out")
-    decoder = hf_models.random_run(scratch_config(tokenizer_path, **model), workdir)
+    sharded = family == "gpt2"  # its fused c_attn gathered from q, k, v sharded over fsdp and tensor
+    config = scratch_config(tokenizer_path, sharded=sharded, **model)
+    decoder = hf_models.save_run(config, workdir, devices=None if sharded else 1, randomize_params=True)
     assert hf_export.export_hf(workdir, out)["family"] == family
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
     tokens, lengths = hf_models.padded_batch(vocab=500)
@@ -129,6 +135,7 @@ def test_a_run_trained_here_gives_transformers_our_logits(tmp_path, tokenizer_pa
     assert os.path.exists(os.path.join(out, "tokenizer.model")) and tokenizer_config["eos_token"] == "</s>"
 
 
+@pytest.mark.slow
 def test_the_tokenizer_of_a_run_of_its_own_opens_with_autotokenizer(tmp_path):
     """A run trained from scratch with a tokenizer.json: tokenizer_config.json names its special tokens, and
     AutoTokenizer encodes as the run did."""
@@ -138,7 +145,7 @@ def test_the_tokenizer_of_a_run_of_its_own_opens_with_autotokenizer(tmp_path):
     workdir, out = str(tmp_path / "run"), str(tmp_path / "out")
     config = scratch_config(path, **LLAMA_STYLE)
     config.model.vocab_size = 384
-    hf_models.random_run(config, workdir)
+    hf_models.save_run(config, workdir, devices=1, randomize_params=True)
     hf_export.export_hf(workdir, out)
     tokenizer, text = Tokenizer.load(path), "In the beginning God created the heaven and the earth."
     auto = AutoTokenizer.from_pretrained(out)

@@ -106,6 +106,7 @@ def test_a_bf16_checkpoint_loads_exactly_into_fp32_parameters(tmp_path):
                                   hf_models.hf_logits(model, tokens, lengths), lengths)
 
 
+@pytest.mark.slow  # builds a whole SCONE run (its f-grams extracted, its state compiled)
 def test_a_fresh_scone_run_starts_from_the_checkpoint(tmp_path):
     """run.build (FRESH) of a SCONE run with model.init_from_hf: the decoder's parameters are the checkpoint's, the
     optimizer's moments zeros of their shapes, the f-gram model exactly the random one a run without the

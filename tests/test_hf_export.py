@@ -8,7 +8,7 @@ Deliberate bugs these tests were run against once (each made the named test fail
     (test_a_run_trained_here_gives_transformers_our_logits[llama]: the MLP's kernels have the wrong shape);
   - GPT-2's c_attn written with q and k swapped (test_a_run_trained_here_gives_transformers_our_logits[gpt2]);
   - the exported dtype left at model.param_dtype for an imported bf16 checkpoint
-    (test_round_trip_gives_back_bit_identical_tensors[llama-bf16]);
+    (test_round_trip_gives_back_bit_identical_tensors[llama-bf16-shards]);
   - _refuse_foreign not looking at the output (test_an_output_holding_other_files_is_refused);
   - run.build starting a resumed run of an imported checkpoint from the checkpoint's weights again instead of its
     own latest state (test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports: steps 3-4 differ).
@@ -47,20 +47,18 @@ def stored(directory) -> dict:
 
 SLOW = pytest.mark.slow  # each builds and saves a whole run: the fast tier keeps one case of each kind
 ROUND_TRIPS = [  # (family, transformers overrides, checkpoint dtype, source shard size, export shard bytes)
-    ("llama", {}, torch.bfloat16, "40KB", 60_000),
-    ("qwen3", dict(tie=True), torch.bfloat16, None, None),
-    pytest.param("gpt2", {}, torch.float32, None, None, marks=SLOW),
-    pytest.param("olmo", dict(tie=True), torch.float32, None, None, marks=SLOW),
+    pytest.param("llama", {}, torch.bfloat16, "40KB", 60_000, id="llama-bf16-shards"),
+    pytest.param("qwen3", dict(tie=True), torch.bfloat16, None, None, id="qwen3-tied-bf16"),
+    pytest.param("gpt2", {}, torch.float32, None, None, marks=SLOW, id="gpt2-fp32"),
+    pytest.param("olmo", dict(tie=True), torch.float32, None, None, marks=SLOW, id="olmo-tied-fp32"),
     pytest.param("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 8}},
-                 torch.float32, None, None, marks=SLOW),
+                 torch.float32, None, None, marks=SLOW, id="llama3.1-fp32"),
 ]
 
 
-@pytest.mark.parametrize("family,overrides,dtype,source_shards,export_shards", ROUND_TRIPS,
-                         ids=lambda v: v if isinstance(v, str) else str(v).replace("torch.", "") if
-                         isinstance(v, torch.dtype) else None)
+@pytest.mark.parametrize("family,overrides,dtype,source_shards,export_shards", ROUND_TRIPS)
 def test_round_trip_gives_back_bit_identical_tensors(tmp_path, family, overrides, dtype, source_shards, export_shards):
     """HF -> import_hf's run -> --format=hf: the same tensor names, dtypes and bytes; transformers opens the export
     (AutoModelForCausalLM, no custom code) and computes the source model's logits exactly."""
@@ -106,15 +104,16 @@ def scratch_config(tokenizer, sharded=False, **model):
 
 LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False)
 SCRATCH = [  # (family, model keys)
-    ("gpt2", {}),
-    ("qwen3", dict(LLAMA_STYLE, qk_norm=True, num_kv_heads=2, head_dim=16, norm_eps=1e-6, rope_theta=1e6)),
-    pytest.param("llama", LLAMA_STYLE, marks=SLOW),
+    pytest.param("gpt2", {}, id="gpt2"),
+    pytest.param("qwen3", dict(LLAMA_STYLE, qk_norm=True, num_kv_heads=2, head_dim=16, norm_eps=1e-6, rope_theta=1e6),
+                 id="qwen3"),
+    pytest.param("llama", LLAMA_STYLE, marks=SLOW, id="llama"),
     pytest.param("olmo", dict(LLAMA_STYLE, norm="nonparametric_layernorm", tie_embeddings=True, scan_layers=False),
-                 marks=SLOW),
+                 marks=SLOW, id="olmo"),
 ]
 
 
-@pytest.mark.parametrize("family,model", SCRATCH, ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("family,model", SCRATCH)
 def test_a_run_trained_here_gives_transformers_our_logits(tmp_path, tokenizer_path, family, model):
     """A run of our own (a SentencePiece tokenizer, every parameter random) exports as the family its model section
     matches; transformers' model of the export gives our decoder's logits within 1e-4 on a right-padded batch."""

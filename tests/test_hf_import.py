@@ -51,16 +51,19 @@ def loaded_decoder(directory, config):
 
 
 CASES = [  # (family, tie, transformers overrides, scan_layers); 2 k/v heads for 4 query heads except GPT-2's
-    ("gpt2", False, {}, True), ("gpt2", True, {}, False),
-    ("llama", False, {}, True), ("llama", True, {"rope_parameters": LLAMA31}, False),
-    ("qwen3", False, {}, True), ("qwen3", True, {}, True),  # head_dim 16 != 48 / 4, q/k norms
-    ("qwen3", False, {"rope_parameters": YARN}, True),
-    ("olmo", False, {}, True), ("olmo", True, {}, False),
+    pytest.param("gpt2", False, {}, True, id="gpt2-untied"),
+    pytest.param("gpt2", True, {}, False, id="gpt2-tied-unscanned"),
+    pytest.param("llama", False, {}, True, id="llama-untied"),  # head_dim 16 != 48 / 4
+    pytest.param("llama", True, {"rope_parameters": LLAMA31}, False, id="llama3.1-tied-unscanned"),
+    pytest.param("qwen3", False, {}, True, id="qwen3-untied"),
+    pytest.param("qwen3", True, {}, True, id="qwen3-tied"),
+    pytest.param("qwen3", False, {"rope_parameters": YARN}, True, id="qwen3-yarn"),
+    pytest.param("olmo", False, {}, True, id="olmo-untied"),
+    pytest.param("olmo", True, {}, False, id="olmo-tied-unscanned"),
 ]
 
 
-@pytest.mark.parametrize("family,tie,overrides,scan", CASES,
-                         ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("family,tie,overrides,scan", CASES)
 def test_logits_match_transformers(tmp_path, family, tie, overrides, scan):
     model = hf_models.save_checkpoint(str(tmp_path), family, tie=tie, **overrides)
     config = mesh_config(str(tmp_path), scan_layers=scan)

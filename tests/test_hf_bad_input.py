@@ -10,7 +10,9 @@ Deliberate bugs these tests were run against once (each made the named test fail
   - derive.apply not comparing the tokenizer's size with the embedding's rows
     (test_a_bad_checkpoint_is_one_line[tokenizer larger than the embedding]: the run would index past the table);
   - import_hf deriving the config after distributed.initialize and make_mesh
-    (test_the_import_tool_refuses_before_writing_or_touching_a_device: the bogus platform fails first).
+    (test_the_import_tool_refuses_before_writing_or_touching_a_device: the bogus platform fails first);
+  - import_hf's --config flag defined without catching config_flags' error for a misspelled key of the default
+    file (test_the_import_tool_refuses_bad_flags_in_one_line[...d_modl...]: a KeyError traceback, exit 1).
 """
 import json
 import os
@@ -146,3 +148,19 @@ def test_the_training_job_refuses_a_bad_checkpoint_before_writing(good, tmp_path
     result = run_main(workdir, f"--config.model.init_from_hf={directory}", config="configs/finetune_hf.py")
     assert result.returncode == 2 and BROKEN[kind][1] in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
     assert not os.path.exists(workdir) or not os.listdir(workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag,named", [
+    ("--config.model.d_modl=3", "Unknown config key 'model.d_modl': model has no field 'd_modl'"),
+    ("--config=configs/nope.py", "Config file 'configs/nope.py' not found"),
+    ("", "pass --hf_dir"),
+])
+def test_the_import_tool_refuses_bad_flags_in_one_line(good, tmp_path, flag, named):
+    """A misspelled key of the default config file (config_flags applies it when the flag is defined), a missing
+    config file, a missing --hf_dir: one line, exit 2, not a traceback."""
+    args = [f"--workdir={tmp_path / 'run'}", *([flag] if flag else [])] + ([f"--hf_dir={good}"] if flag else [])
+    result = run_tool("tools/import_hf.py", args)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and last.startswith("import_hf: error: ") and named in last, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -76,7 +76,8 @@ def tokenizer_json(path: str, family: str) -> str:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus.kjv_documents("train", 0.02)[:500], trainer)
     if family == "llama":
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
     tok.save(path)
     return path
 

@@ -6,7 +6,8 @@ loaded into a mesh that shards them; each block read once; a fresh run's state b
 Deliberate bugs these tests were run against once (each made the named test fail):
   - Tensor.hf_block ignoring a part's offset (GPT-2's c_attn: k and v read q's columns)
     (test_logits_match_transformers[gpt2-untied]);
-  - load_decoder's per-array block cache dropped (test_each_block_is_read_once_into_its_sharding: twice the bytes, once per data replica);
+  - load_decoder's per-array block cache dropped
+    (test_each_block_is_read_once_into_its_sharding: twice the bytes, once per data replica);
   - the Llama layout mapping input_layernorm to mlp_norm and post_attention_layernorm to attn_norm
     (test_logits_match_transformers[llama-untied]: norm weights randomised, as transformers leaves them at 1);
   - _create not updating the decoder with the loaded parameters (test_a_fresh_scone_run_starts_from_the_checkpoint);
@@ -23,7 +24,6 @@ import torch
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.config import base_config
 from scone_jax.hf import derive, load as hf_load, safetensors as st
 from scone_jax.hf.checkpoint_dir import HfCheckpointError
 from scone_jax.training import run as run_lib, state as state_lib

@@ -62,7 +62,8 @@ def prepare(config, hf_dir: str):
 
     set_dir = config.model.init_from_hf
     if set_dir and os.path.abspath(set_dir) != os.path.abspath(hf_dir):
-        raise ValueError(f"--hf_dir={hf_dir} but the config sets model.init_from_hf={set_dir!r}. Fix: pass one of them.")
+        raise ValueError(f"--hf_dir={hf_dir} but the config sets model.init_from_hf={set_dir!r}. Fix: pass one of "
+                         "them.")
     config.model.init_from_hf = hf_dir
     checkpoint = derive.apply(config)
     config_lib.validate(config)

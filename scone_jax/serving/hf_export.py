@@ -51,8 +51,8 @@ def plan(config) -> tuple[families.Family, str | None]:
                          "table. Fix: export it as a bundle (--format=bundle), or a run without SCONE.")
     if m.embedding_multiplier != 1.0:
         raise ValueError(f"model.embedding_multiplier={m.embedding_multiplier} scales the decoder's input, which no "
-                         "Hugging Face family does: a stock checkpoint would compute another model. Fix: export it as a "
-                         "bundle (--format=bundle).")
+                         "Hugging Face family does: a stock checkpoint would compute another model. Fix: export it as "
+                         "a bundle (--format=bundle).")
     source = m.get("init_from_hf", "")
     if not source:
         return families.of_model(m), None

@@ -12,7 +12,9 @@ Deliberate bugs these tests were run against once (each made the named test fail
     (test_logits_match_transformers[llama-untied]: norm weights randomised, as transformers leaves them at 1);
   - _create not updating the decoder with the loaded parameters (test_a_fresh_scone_run_starts_from_the_checkpoint);
   - derive._set writing the derived value over a user's different one silently
-    (test_a_model_key_set_by_the_user_that_differs_is_refused_naming_both).
+    (test_a_model_key_set_by_the_user_that_differs_is_refused_naming_both);
+  - derive.apply leaving data.add_bos at its default
+    (test_documents_start_with_a_bos_as_the_checkpoints_tokenizer_starts_them[qwen3-False, gpt2-False, olmo-False]).
 """
 import os
 
@@ -169,3 +171,22 @@ def test_a_model_key_set_by_the_user_that_differs_is_refused_naming_both(tmp_pat
     same.model.d_model, same.model.num_layers = 48, 2  # the checkpoint's own values: fine
     derive.apply(same)
     assert same.model.d_model == 48
+
+
+@pytest.mark.skipif("add_bos" not in hf_models.base_config().data, reason="data.add_bos comes with the decoder's "
+                    "branch (arch); merged together")
+@pytest.mark.parametrize("family,add_bos", [("llama", True), ("qwen3", False), ("gpt2", False), ("olmo", False)])
+def test_documents_start_with_a_bos_as_the_checkpoints_tokenizer_starts_them(tmp_path, family, add_bos):
+    """data.add_bos follows tokenizer_config.json's add_bos_token (Qwen3's and OLMo's say False), else whether
+    tokenizer.json's template puts a special token first (Llama 3's does, GPT-2's has no template); and the
+    pipeline's first row then starts with the bos or with the document."""
+    from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+
+    hf_models.save_checkpoint(str(tmp_path), family)
+    config = hf_models.import_config(str(tmp_path))
+    derive.apply(config)
+    assert config.data.add_bos is add_bos
+    tokenizer = tokenizer_lib.Tokenizer.load(config.data.tokenizer_path, tokenizer_lib.special_tokens_of(config.data))
+    first = pipeline.batch_builder(config.data, tokenizer)(0).inputs[0, 0]
+    if family != "gpt2":  # GPT-2's bos is its eos: nothing tells it from the document's first id
+        assert bool(first == tokenizer.bos_id) is add_bos

@@ -4,7 +4,7 @@ k/v heads, head_dim != d_model / heads, tied and untied heads, every norm weight
 loaded into a mesh that shards them; each block read once; a fresh run's state built from them; the config derived.
 
 Deliberate bugs these tests were run against once (each made the named test fail):
-  - Tensor.hf_block ignoring a part's offset (GPT-2's c_attn: k and v read q's columns)
+  - load.stored_block ignoring a part's offset (GPT-2's c_attn: k and v read q's columns)
     (test_logits_match_transformers[gpt2-untied]);
   - load_decoder's per-array block cache dropped (test_each_block_is_read_once_into_its_sharding: twice the bytes, once per data replica);
   - the Llama layout mapping input_layernorm to mlp_norm and post_attention_layernorm to attn_norm

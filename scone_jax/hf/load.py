@@ -19,9 +19,11 @@ process read (what a benchmark compares with the disk's rate).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -55,13 +57,36 @@ def locate(path: tuple, where: dict) -> tuple[Tensor, Part, bool, int | None]:
     return tensor, part, False, None
 
 
-def read_block(checkpoint: HfCheckpoint, tensor: Tensor, part: Part, layer: int | None, ours: tuple[slice, ...],
-               dtype) -> tuple[np.ndarray, int]:
-    """Our block `ours` (slices of one layer's parameter) read from the tensor, in our layout and `dtype`; and the
-    bytes read."""
-    raw = checkpoint.read(tensor, layer, tensor.hf_block(part, ours))
-    block = raw.T if tensor.transpose else raw
-    return np.ascontiguousarray(block.astype(dtype, copy=False)), raw.nbytes
+def stored_block(tensor: Tensor, part: Part, index: tuple[slice, ...]) -> tuple[slice, ...]:
+    """The block of `tensor` (one layer's) holding `index`, a block of `part` in the tensor's own layout."""
+    axis = tensor.axis % len(tensor.shape)
+    return tuple(slice(s.start + (part.start if d == axis else 0), s.stop + (part.start if d == axis else 0))
+                 for d, s in enumerate(_ranges(index, tensor.stored_shape(part))))
+
+
+def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """`index` as plain [start, stop) slices over `shape` (missing dimensions whole)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def _stored_sharding(sharding: jax.sharding.NamedSharding, ndim: int, transpose: bool) -> jax.sharding.NamedSharding:
+    """The sharding of a parameter in the checkpoint's layout: ours with the last two dimensions swapped when the
+    family transposes the tensor, so each device reads the block that becomes its own."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    if transpose:
+        spec = spec[:-2] + (spec[-1], spec[-2])
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _to_ours(transpose: bool, dtype, sharding: jax.sharding.NamedSharding):
+    """jit(stored block -> our layout and dtype), its result in `sharding`: the transpose and the conversion run on
+    the devices (blocked, parallel), not in numpy on the host. One compile per shape."""
+    def convert(x):
+        return (jnp.swapaxes(x, -1, -2) if transpose else x).astype(dtype)
+
+    return jax.jit(convert, out_shardings=sharding, donate_argnums=0)
 
 
 def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State) -> tuple[nnx.State, LoadReport]:
@@ -83,26 +108,33 @@ def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State) -> tuple[nnx.Sta
         if tuple(spec.shape) != want:
             raise ValueError(f"The decoder's {'/'.join(map(str, path))} is {tuple(spec.shape)} but {tensor.name} gives "
                              f"{want}: the config's model section is not the checkpoint's.")
+        shape = ((layers,) if stacked else ()) + tensor.stored_shape(part)
+        dtype = checkpoint.files[checkpoint.names[tensor.name.format(i=0 if stacked else layer)]].info(
+            checkpoint.names[tensor.name.format(i=0 if stacked else layer)]).dtype
         blocks: dict = {}
 
-        def callback(index, tensor=tensor, part=part, stacked=stacked, layer=layer, dtype=spec.dtype, blocks=blocks):
+        def callback(index, tensor=tensor, part=part, stacked=stacked, layer=layer, shape=shape, dtype=dtype,
+                     blocks=blocks):
+            index = _ranges(index, shape)
             key = tuple((s.start, s.stop) for s in index)
-            if key not in blocks:
+            if key not in blocks:  # devices that share a block (a replicated axis) read it once
+                block = np.empty(tuple(s.stop - s.start for s in index), dtype)
                 if stacked:
-                    rows = range(*index[0].indices(layers))
-                    read = [read_block(checkpoint, tensor, part, i, index[1:], dtype) for i in rows]
-                    blocks[key] = np.stack([r[0] for r in read]) if read else np.empty(
-                        (0, *(len(range(*s.indices(n))) for s, n in zip(index[1:], want[1:]))), dtype)
-                    report.bytes_read += sum(r[1] for r in read)
+                    for row, i in enumerate(range(index[0].start, index[0].stop)):
+                        checkpoint.read_into(tensor, i, stored_block(tensor, part, index[1:]), block[row])
                 else:
-                    blocks[key], nbytes = read_block(checkpoint, tensor, part, layer, index, dtype)
-                    report.bytes_read += nbytes
+                    checkpoint.read_into(tensor, layer, stored_block(tensor, part, index), block)
+                report.bytes_read += block.nbytes
+                blocks[key] = block
             return blocks[key]
 
-        array = jax.make_array_from_callback(tuple(spec.shape), spec.sharding, callback)
+        stored = jax.make_array_from_callback(shape, _stored_sharding(spec.sharding, len(shape), tensor.transpose),
+                                              callback)
         blocks.clear()
+        if tensor.transpose or stored.dtype != spec.dtype:
+            stored = _to_ours(tensor.transpose, spec.dtype, spec.sharding)(stored)
         report.tensors += 1
-        out.append((path, variable.replace(array)))
+        out.append((path, variable.replace(stored)))
     report.seconds = time.time() - start
     return nnx.from_flat_state(out), report
 

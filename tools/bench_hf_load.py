@@ -21,18 +21,17 @@ using the best round of each (the least disturbed by other work on the machine).
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
 
-import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from scone_jax.hf import synthetic  # noqa: E402
 
 _SIZE_GB = flags.DEFINE_float("size_gb", 3.0, "Checkpoint size in GB (bf16 weights); must be > 0.")
 _SHARD_GB = flags.DEFINE_float("shard_gb", 1.0, "Size of each safetensors shard in GB; must be > 0.")
@@ -45,42 +44,15 @@ READ_BYTES = 16 * 2**20
 D_MODEL, HEADS, KV_HEADS, D_FF, VOCAB = 2048, 16, 4, 5632, 32000
 
 
-def llama_config(num_layers: int) -> dict:
-    """A Llama-3-laid-out config.json (GQA, untied head) of `num_layers` blocks at width 2048."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": D_MODEL,
-            "intermediate_size": D_FF, "num_hidden_layers": num_layers, "num_attention_heads": HEADS,
-            "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB, "max_position_embeddings": 2048,
-            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
-
-
-def layers_for(size_gb: float) -> int:
-    """Blocks that bring the checkpoint to about `size_gb` (bf16: 2 bytes a value)."""
+def checkpoint_config(size_gb: float) -> dict:
+    """A Llama-3-shaped config (width 2048, GQA 16/4 heads, untied head) with the blocks that bring its bf16
+    weights to about `size_gb`."""
     head_dim = D_MODEL // HEADS
     block = 2 * D_MODEL * HEADS * head_dim + 2 * D_MODEL * KV_HEADS * head_dim + 3 * D_MODEL * D_FF + 2 * D_MODEL
     fixed = 2 * VOCAB * D_MODEL + D_MODEL
-    return max(1, round((size_gb * 1e9 / 2 - fixed) / block))
-
-
-def make_checkpoint(directory: str, size_gb: float, shard_gb: float) -> int:
-    """Write the checkpoint; returns its bytes of tensor data."""
-    import ml_dtypes
-
-    from scone_jax.hf.families import of_config
-    from scone_jax.hf.safetensors import write_sharded
-
-    config = llama_config(layers_for(size_gb))
-    family = of_config(config, "config.json")
-    specs = [(t.name.format(i=i), np.dtype(ml_dtypes.bfloat16), t.shape)
-             for t in family.tensors(family.model_keys(config, "config.json"))
-             for i in (range(config["num_hidden_layers"]) if t.per_layer else [None])]
-    rng = np.random.default_rng(0)
-    produce = lambda name: (rng.standard_normal(  # noqa: E731
-        next(s for n, _, s in specs if n == name), np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-    write_sharded(directory, specs, produce, max_shard_bytes=int(shard_gb * 1e9))
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
-    return sum(math.prod(s) * 2 for _, _, s in specs)
+    layers = max(1, round((size_gb * 1e9 / 2 - fixed) / block))
+    return synthetic.llama_config(d_model=D_MODEL, num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                                  d_ff=D_FF, vocab_size=VOCAB)
 
 
 def weight_files(directory: str) -> list[str]:
@@ -152,7 +124,8 @@ def main(argv):
                  "Fix: name an empty or absent directory.")
     try:
         start = time.perf_counter()
-        size = make_checkpoint(directory, _SIZE_GB.value, _SHARD_GB.value)
+        size = synthetic.write_random_checkpoint(directory, checkpoint_config(_SIZE_GB.value),
+                                                 max_shard_bytes=int(_SHARD_GB.value * 1e9))
         print(f"wrote a {size / 1e9:.2f} GB bf16 checkpoint to {directory} in {time.perf_counter() - start:.0f} s",
               flush=True)
         disk, loads = [], []

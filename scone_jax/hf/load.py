@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
+import math
 import time
 
 import jax
@@ -70,29 +72,55 @@ def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ..
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
-def _stored_sharding(sharding: jax.sharding.NamedSharding, ndim: int, transpose: bool) -> jax.sharding.NamedSharding:
-    """The sharding of a parameter in the checkpoint's layout: ours with the last two dimensions swapped when the
-    family transposes the tensor, so each device reads the block that becomes its own."""
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    if transpose:
-        spec = spec[:-2] + (spec[-1], spec[-2])
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+def _read_sharding(target: jax.sharding.NamedSharding, shape: tuple[int, ...], stacked: bool, transpose: bool,
+                   by_rows: bool) -> jax.sharding.NamedSharding:
+    """How the devices read a parameter in the checkpoint's layout.
+
+    by_rows: its rows (the first dimension after a stacked layers axis) split over every mesh axis the target
+    sharding uses, so each process reads contiguous byte ranges that add up to its share and nothing else; the
+    jitted conversion (_to_ours) then moves the blocks into the target sharding with a collective among the
+    devices (cheap over an accelerator's interconnect, done in device memory). Else, or when the rows do not divide
+    that way: the target's own split in the checkpoint's layout, so no block moves between devices, at the price
+    of reads along columns where the target splits them (each row's slice: more of the file is paged in)."""
+    spec = tuple(target.spec) + (None,) * (len(shape) - len(target.spec))
+    used = tuple(axis for entry in spec for axis in ((entry,) if isinstance(entry, str) else entry or ()))
+    row = 1 if stacked else 0
+    if by_rows and len(shape) > row and shape[row] % math.prod(target.mesh.shape[a] for a in used) == 0:
+        read = [None] * len(shape)
+        read[row] = used or None
+    else:
+        read = list(spec[:-2] + (spec[-1], spec[-2]) if transpose else spec)
+    return jax.sharding.NamedSharding(target.mesh, jax.sharding.PartitionSpec(*read))
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 4096) -> np.ndarray:
+    """An uninitialised array whose data starts on a page boundary: a CPU device adopts such a buffer as it is
+    instead of copying it (jax.device_put aliases 64-byte-aligned host memory), so on a host whose devices are its
+    CPUs a block is held once, not twice."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 @functools.lru_cache(maxsize=64)
 def _to_ours(transpose: bool, dtype, sharding: jax.sharding.NamedSharding):
-    """jit(stored block -> our layout and dtype), its result in `sharding`: the transpose and the conversion run on
-    the devices (blocked, parallel), not in numpy on the host. One compile per shape."""
+    """jit(a parameter as read -> our layout, dtype and `sharding`): the transpose, the conversion and the move
+    from the read's split to ours run on the devices (blocked, parallel; a collective where the splits differ),
+    not in numpy on the host. One compile per shape."""
     def convert(x):
         return (jnp.swapaxes(x, -1, -2) if transpose else x).astype(dtype)
 
     return jax.jit(convert, out_shardings=sharding, donate_argnums=0)
 
 
-def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State) -> tuple[nnx.State, LoadReport]:
+def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State, *,
+                 by_rows: bool | None = None) -> tuple[nnx.State, LoadReport]:
     """`abstract` (the decoder's nnx.Param state as ShapeDtypeStructs with shardings) filled from the checkpoint,
-    every array created in its sharding from the blocks this process's devices hold. ValueError naming a parameter
-    the checkpoint has nothing for, or whose shape differs from the family's."""
+    every array created in its sharding from the blocks this process's devices hold. `by_rows`: how blocks are
+    read (_read_sharding); None = by rows on accelerators, by the target's blocks where the devices are CPUs
+    (their collectives would hold whole arrays in host memory). ValueError naming a parameter the checkpoint has
+    nothing for, or whose shape differs from the family's."""
     report, start = LoadReport(), time.time()
     where, layers = placement(checkpoint), checkpoint.model["num_layers"]
     out = []
@@ -118,7 +146,7 @@ def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State) -> tuple[nnx.Sta
             index = _ranges(index, shape)
             key = tuple((s.start, s.stop) for s in index)
             if key not in blocks:  # devices that share a block (a replicated axis) read it once
-                block = np.empty(tuple(s.stop - s.start for s in index), dtype)
+                block = _aligned_empty(tuple(s.stop - s.start for s in index), dtype)
                 if stacked:
                     for row, i in enumerate(range(index[0].start, index[0].stop)):
                         checkpoint.read_into(tensor, i, stored_block(tensor, part, index[1:]), block[row])
@@ -128,11 +156,14 @@ def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State) -> tuple[nnx.Sta
                 blocks[key] = block
             return blocks[key]
 
-        stored = jax.make_array_from_callback(shape, _stored_sharding(spec.sharding, len(shape), tensor.transpose),
-                                              callback)
+        if by_rows is None:
+            by_rows = spec.sharding.mesh.devices.flat[0].platform != "cpu"
+        read = _read_sharding(spec.sharding, shape, stacked, tensor.transpose, by_rows)
+        stored = jax.make_array_from_callback(shape, read, callback)
         blocks.clear()
-        if tensor.transpose or stored.dtype != spec.dtype:
+        if tensor.transpose or stored.dtype != spec.dtype or not read.is_equivalent_to(spec.sharding, len(shape)):
             stored = _to_ours(tensor.transpose, spec.dtype, spec.sharding)(stored)
+        gc.collect()  # the blocks as read sit in reference cycles once converted: free them before the next read
         report.tensors += 1
         out.append((path, variable.replace(stored)))
     report.seconds = time.time() - start

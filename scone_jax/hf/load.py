@@ -1,20 +1,25 @@
 """A Hugging Face checkpoint's tensors read from disk straight into a decoder's shardings.
 
 `load_decoder(checkpoint, abstract)` takes the decoder's parameters as ShapeDtypeStructs carrying their shardings
-(what training/state.py's StateSpec holds) and returns them as global jax.Arrays, each made with
-jax.make_array_from_callback: JAX asks for the blocks that this process's devices hold, and the callback reads
-exactly those from the safetensors files (hf/safetensors.py: a range of rows, then columns, from disk; for a
-scanned parameter, stacked [layers, ...], that block of every layer the index covers), transposes what the family
-says ([out, in] -> [in, out]), and converts to the parameter's dtype. A block that several local devices share (a
-replicated axis) is read once. Parameters are made one at a time, so besides the device buffers a host holds at
-most one parameter's local blocks.
+(what training/state.py's StateSpec holds) and returns them as global jax.Arrays. Each parameter is made with
+jax.make_array_from_callback in the checkpoint's own layout: JAX asks for the blocks this process's devices hold,
+and the callback reads exactly those bytes (hf/safetensors.py read_into: one pread per contiguous range, straight
+into a page-aligned buffer; for a scanned parameter, stacked [layers, ...], the block of every layer it covers);
+a block several local devices share is read once. One jitted step per shape then transposes ([out, in] -> [in,
+out]), converts to the parameter's dtype and moves the blocks into the target sharding, on the devices.
 
-A 70B checkpoint on a pod: every host runs this same call; with parameters sharded over `fsdp` (and `tensor`) each
-host's devices hold 1/hosts of every weight matrix, so each host reads only that fraction of every tensor from its
-own copy of the files (local disk, or a shared file system mounted on every host), and no host ever holds the whole
-model: its peak is its device share plus one parameter's local blocks. Reads are plain preads and page-cache
-backed memory maps, so a host's disk (not Python) bounds the speed. `LoadReport.bytes_read` counts the bytes this
-process read (what a benchmark compares with the disk's rate).
+Which blocks a device reads (_read_sharding): on accelerators, contiguous row ranges, each process exactly its
+share of every tensor, moved into the target's split by a collective in device memory; where the devices are the
+host's CPUs, the target's own blocks, so nothing moves between devices (CPU collectives stage whole arrays in host
+memory) at the price of column reads where the target splits columns.
+
+A 70B checkpoint on a pod: every host runs this same call over the same files (local copies, or a file system
+mounted on every host); with parameters sharded over `fsdp` (and `tensor`) each host reads 1/hosts of every tensor
+and no host ever holds the whole model. Host memory: the blocks of one parameter in transit, freed before the next
+is read (on CPU devices, where device buffers are host memory too, tests/test_hf_load_memory.py measures a rise of
+about half a 471 MB checkpoint on each of four hosts holding a quarter of it). Reads bypass Python's per-byte
+work, so the disk, not Python, bounds the speed (tools/bench_hf_load.py). `LoadReport.bytes_read` counts the
+bytes this process read.
 """
 from __future__ import annotations
 

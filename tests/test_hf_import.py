@@ -4,7 +4,7 @@ k/v heads, head_dim != d_model / heads, tied and untied heads, every norm weight
 loaded into a mesh that shards them; each block read once; a fresh run's state built from them; the config derived.
 
 Deliberate bugs these tests were run against once (each made the named test fail):
-  - Tensor.hf_block ignoring a part's offset (GPT-2's c_attn: k and v read q's columns)
+  - load.stored_block ignoring a part's offset (GPT-2's c_attn: k and v read q's columns)
     (test_logits_match_transformers[gpt2-untied]);
   - load_decoder's per-array block cache dropped
     (test_each_block_is_read_once_into_its_sharding: twice the bytes, once per data replica);
@@ -43,12 +43,12 @@ def mesh_config(directory, scan_layers=True, **data):
     return config
 
 
-def loaded_decoder(directory, config):
+def loaded_decoder(directory, config, by_rows=None):
     """The checkpoint's decoder as training builds it: derived config, the spec's shardings, the loader."""
     checkpoint = derive.apply(config)
     mesh = sharding.make_mesh(config.mesh)
     spec = state_lib.state_spec(config, mesh)
-    params, report = hf_load.load_decoder(checkpoint, state_lib.abstract_with_shardings(spec)[0])
+    params, report = hf_load.load_decoder(checkpoint, state_lib.abstract_with_shardings(spec)[0], by_rows=by_rows)
     return nnx.merge(spec.model_graphdef, params), params, spec, report, checkpoint
 
 
@@ -77,13 +77,17 @@ def test_logits_match_transformers(tmp_path, family, tie, overrides, scan):
     print(f"{family} tie={tie} {overrides}: max |logit difference| {worst:.1e}")
 
 
-def test_each_block_is_read_once_into_its_sharding(tmp_path):
+@pytest.mark.parametrize("by_rows", [False, True], ids=["target_blocks", "rows_then_moved"])
+def test_each_block_is_read_once_into_its_sharding(tmp_path, by_rows):
     """Over data 2 x fsdp 2 x tensor 2 every parameter is made in its spec's sharding, with the values the file
     holds in our layout (the [out, in] weights transposed), and the bytes read are the checkpoint's tensors' bytes
-    once: blocks that the data axis replicates are read once, not once per device."""
+    once: blocks that the data axis replicates are read once, not once per device. Both ways of reading
+    (load._read_sharding: the target's blocks, CPU's default; contiguous rows moved into place on the devices,
+    accelerators' default). Deliberate bug: load_decoder moving a block into the target sharding only when it is
+    transposed or converted: 'rows_then_moved' left the embedding in its read sharding P(('tensor', 'fsdp'))."""
     hf_models.save_checkpoint(str(tmp_path), "llama")
     config = mesh_config(str(tmp_path))
-    _, params, spec, report, checkpoint = loaded_decoder(str(tmp_path), config)
+    _, params, spec, report, checkpoint = loaded_decoder(str(tmp_path), config, by_rows=by_rows)
     assert report.bytes_read == hf_load.expected_bytes(checkpoint) > 0
     flat = dict(nnx.to_flat_state(params))
     for path, shard_spec in nnx.to_flat_state(spec.shardings[0]):

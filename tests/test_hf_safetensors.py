@@ -72,8 +72,9 @@ def test_blocks_read_exactly_their_bytes(tmp_path, monkeypatch):
     write_ours(path, arrays)
     f = st.SafetensorsFile(str(path))
     reads = []
-    real_pread = os.pread
-    monkeypatch.setattr(os, "pread", lambda fd, n, offset: reads.append(n) or real_pread(fd, n, offset))
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: reads.append(sum(len(b) for b in buffers))
+                        or real_preadv(fd, buffers, offset))
     np.testing.assert_array_equal(f.read("m", (slice(10, 17),)), arrays["m"][10:17])
     assert reads == [7 * 24 * 2]  # the rows asked for, nothing else
     np.testing.assert_array_equal(f.read("v", (slice(5, 45),)), arrays["v"][5:45])

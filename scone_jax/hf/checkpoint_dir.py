@@ -72,6 +72,11 @@ class HfCheckpoint:
         name = self.names[tensor.name.format(i=layer)]
         return self.files[name].read(name, block)
 
+    def read_into(self, tensor: Tensor, layer: int | None, block: tuple[slice, ...], out: np.ndarray) -> None:
+        """read(), into `out` (the block's shape and the stored dtype): no copy besides the read itself."""
+        name = self.names[tensor.name.format(i=layer)]
+        self.files[name].read_into(name, block, out)
+
     @property
     def tokenizer_path(self) -> str | None:
         """tokenizer.json, used as is, if the directory has one."""

@@ -120,26 +120,39 @@ class SafetensorsFile:
 
     def read(self, name: str, index: tuple = ()) -> np.ndarray:
         """The block `index` (slices with step 1, one per leading dimension; missing ones are whole) of tensor
-        `name`, read from disk: a contiguous range of rows with one pread, a column range of them through a
-        memory map (only the pages of those columns are read)."""
+        `name`, read from disk into a new array (read_into's reads)."""
+        info = self.info(name)
+        out = np.empty(tuple(b - a for a, b in _block(info, index, self.path)), info.dtype)
+        self.read_into(name, index, out)
+        return out
+
+    def read_into(self, name: str, index: tuple, out: np.ndarray) -> None:
+        """Fill `out` (C-contiguous, the block's shape and the tensor's dtype) with the block `index` of tensor
+        `name`, read from disk and nothing else: a contiguous range of rows with one pread straight into `out`, a
+        column range of them through a memory map (only the pages of those columns are read)."""
         info = self.info(name)
         block = _block(info, index, self.path)
         shape = tuple(b - a for a, b in block)
+        if out.shape != shape or out.dtype != info.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"read_into {name} {index}: out is {out.dtype} {out.shape}, the block {info.dtype} {shape}.")
         if math.prod(shape) == 0:
-            return np.empty(shape, info.dtype)
+            return
         row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
         rows_whole = all(b - a == d for (a, b), d in zip(block[1:], info.shape[1:]))
         if not info.shape or rows_whole:  # one contiguous byte range
             start = info.offset + (block[0][0] * row_bytes if info.shape else 0)
+            view, got = memoryview(out.reshape(-1).view(np.uint8)), 0
             with open(self.path, "rb") as f:
-                data = os.pread(f.fileno(), math.prod(shape) * info.dtype.itemsize, start)
-            if len(data) != math.prod(shape) * info.dtype.itemsize:
-                raise SafetensorsError(f"{self.path} ended while reading tensor {name}: it was truncated after it "
-                                       f"was opened. {_FIX}")
-            return np.frombuffer(data, info.dtype).reshape(shape).copy()
+                while got < out.nbytes:  # one read returns at most ~2 GiB on Linux
+                    n = os.preadv(f.fileno(), [view[got:]], start + got)
+                    if n == 0:
+                        raise SafetensorsError(f"{self.path} ended while reading tensor {name}: it was truncated "
+                                               f"after it was opened. {_FIX}")
+                    got += n
+            return
         mapped = np.memmap(self.path, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
         try:
-            return np.array(mapped[tuple(slice(a, b) for a, b in block)])
+            out[...] = mapped[tuple(slice(a, b) for a, b in block)]
         finally:
             del mapped
 

@@ -46,19 +46,14 @@ class Tensor:
 
     def part_shape(self, part: Part) -> tuple[int, ...]:
         """Our parameter's shape (one layer's) for `part`."""
+        shape = self.stored_shape(part)
+        return shape[::-1] if self.transpose else shape
+
+    def stored_shape(self, part: Part) -> tuple[int, ...]:
+        """The shape of `part`'s slice of this tensor (one layer's), in the tensor's own layout."""
         shape = list(self.shape)
         shape[self.axis] = part.stop - part.start
-        return tuple(reversed(shape)) if self.transpose else tuple(shape)
-
-    def hf_block(self, part: Part, ours: tuple[slice, ...]) -> tuple[slice, ...]:
-        """The block of this tensor that holds the block `ours` (slices of one layer's parameter) of `part`."""
-        ours = tuple(ours) + (slice(None),) * (len(self.shape) - len(ours))
-        spans = [s.indices(n) for s, n in zip(ours, self.part_shape(part))]
-        if self.transpose:
-            spans = spans[::-1]
-        axis = self.axis % len(self.shape)
-        return tuple(slice(a + (part.start if d == axis else 0), b + (part.start if d == axis else 0))
-                     for d, (a, b, _) in enumerate(spans))
+        return tuple(shape)
 
 
 def linear(name: str, d_in: int, d_out: int, path: tuple[str, ...]) -> Tensor:

@@ -1,0 +1,147 @@
+"""Is loading a Hugging Face checkpoint disk-bound? Loads a few-GB Llama-shaped bf16 checkpoint made offline and
+compares the load's rate with the disk's sequential read rate, both measured in this run with the page cache
+dropped for the checkpoint's files.
+
+  python tools/bench_hf_load.py                       # ~3 GB checkpoint in a temporary directory, removed after
+  python tools/bench_hf_load.py --size_gb=6 --dir=/mnt/nvme/bench --keep
+
+The checkpoint (random values, no download) is written with scone_jax/hf/safetensors.py into --dir as
+model-0000K-of-0000N.safetensors shards of --shard_gb with their index and a config.json. Then, for each of
+--repeats rounds: the files' pages are dropped from the page cache (posix_fadvise DONTNEED after fsync; root is
+not needed), the files are read sequentially in 16 MiB reads (the disk's rate), the pages are dropped again, and
+scone_jax.hf.load.load_decoder reads every tensor into the decoder's parameters on this process's devices (a mesh
+of all local devices, the run's shardings; fp32 master weights by default, --param_dtype=bfloat16 to skip the
+conversion). It prints
+
+  RESULT disk_read_gb_per_s        the sequential read rate of the checkpoint's files
+  RESULT hf_load_gb_per_s          checkpoint bytes over the load's wall time (first array to last, blocked)
+  RESULT hf_load_vs_disk_ratio     the two rates' ratio (goal >= 0.8: the load is disk-bound, not Python-bound)
+
+using the best round of each (the least disturbed by other work on the machine).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+from scone_jax.hf import synthetic  # noqa: E402
+
+_SIZE_GB = flags.DEFINE_float("size_gb", 3.0, "Checkpoint size in GB (bf16 weights); must be > 0.")
+_SHARD_GB = flags.DEFINE_float("shard_gb", 1.0, "Size of each safetensors shard in GB; must be > 0.")
+_DIR = flags.DEFINE_string("dir", "", "Directory for the checkpoint ('' = a temporary one); must be empty or absent.")
+_KEEP = flags.DEFINE_bool("keep", False, "Keep the checkpoint after the run.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Rounds of (disk read, load); the best of each is reported; >= 1.")
+_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "The decoder's parameter dtype.")
+
+READ_BYTES = 16 * 2**20
+D_MODEL, HEADS, KV_HEADS, D_FF, VOCAB = 2048, 16, 4, 5632, 32000
+
+
+def checkpoint_config(size_gb: float) -> dict:
+    """A Llama-3-shaped config (width 2048, GQA 16/4 heads, untied head) with the blocks that bring its bf16
+    weights to about `size_gb`."""
+    head_dim = D_MODEL // HEADS
+    block = 2 * D_MODEL * HEADS * head_dim + 2 * D_MODEL * KV_HEADS * head_dim + 3 * D_MODEL * D_FF + 2 * D_MODEL
+    fixed = 2 * VOCAB * D_MODEL + D_MODEL
+    layers = max(1, round((size_gb * 1e9 / 2 - fixed) / block))
+    return synthetic.llama_config(d_model=D_MODEL, num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                                  d_ff=D_FF, vocab_size=VOCAB)
+
+
+def weight_files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
+
+
+def drop_cache(paths: list[str]) -> None:
+    """Evict the files' pages from the page cache, so the next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_read_rate(paths: list[str]) -> float:
+    """Bytes per second reading the files sequentially in 16 MiB reads, from a dropped cache."""
+    drop_cache(paths)
+    buffer, total = bytearray(READ_BYTES), 0
+    start = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                total += n
+    return total / (time.perf_counter() - start)
+
+
+def load_rate(directory: str, param_dtype: str) -> tuple[float, int]:
+    """(checkpoint bytes per second loading every tensor into the decoder's shardings, bytes read) from a dropped
+    cache: the wall time from the first read to the last array ready on the devices."""
+    import jax
+    from flax import nnx
+
+    from scone_jax import sharding
+    from scone_jax.config import base_config
+    from scone_jax.hf import load
+    from scone_jax.hf.checkpoint_dir import HfCheckpoint
+    from scone_jax.model.transformer import Decoder
+
+    checkpoint = HfCheckpoint.open(directory)
+    config = base_config()
+    config.model.update(checkpoint.model)
+    config.model.param_dtype = param_dtype
+    mesh = sharding.make_mesh(config.mesh)
+    abstract = nnx.eval_shape(lambda: nnx.state(Decoder(config.model, nnx.Rngs(0)), nnx.Param))
+    target = sharding.sharded_abstract(abstract, sharding.state_shardings(abstract, mesh))
+    drop_cache(weight_files(directory))
+    start = time.perf_counter()
+    params, report = load.load_decoder(checkpoint, target)
+    jax.block_until_ready(jax.tree.leaves(params))
+    seconds = time.perf_counter() - start
+    del params
+    return report.bytes_read / seconds, report.bytes_read
+
+
+def main(argv):
+    del argv
+    for name, value in (("size_gb", _SIZE_GB.value), ("shard_gb", _SHARD_GB.value)):
+        if not value > 0:
+            sys.exit(f"bench_hf_load: error: --{name}={value} must be > 0.")
+    if _REPEATS.value < 1:
+        sys.exit(f"bench_hf_load: error: --repeats={_REPEATS.value} must be at least 1.")
+    directory = _DIR.value or tempfile.mkdtemp(prefix="bench_hf_load-")
+    os.makedirs(directory, exist_ok=True)
+    if os.listdir(directory):
+        sys.exit(f"bench_hf_load: error: --dir={directory} is not empty; the benchmark writes a checkpoint there. "
+                 "Fix: name an empty or absent directory.")
+    try:
+        start = time.perf_counter()
+        size = synthetic.write_random_checkpoint(directory, checkpoint_config(_SIZE_GB.value),
+                                                 max_shard_bytes=int(_SHARD_GB.value * 1e9))
+        print(f"wrote a {size / 1e9:.2f} GB bf16 checkpoint to {directory} in {time.perf_counter() - start:.0f} s",
+              flush=True)
+        disk, loads = [], []
+        for round_ in range(_REPEATS.value):
+            disk.append(disk_read_rate(weight_files(directory)))
+            rate, read = load_rate(directory, _PARAM_DTYPE.value)
+            loads.append(rate)
+            print(f"round {round_ + 1}: disk {disk[-1] / 1e9:.2f} GB/s, load {rate / 1e9:.2f} GB/s "
+                  f"({read / 1e9:.2f} GB read)", flush=True)
+        print(f"RESULT disk_read_gb_per_s {max(disk) / 1e9:.3f}")
+        print(f"RESULT hf_load_gb_per_s {max(loads) / 1e9:.3f}")
+        print(f"RESULT hf_load_vs_disk_ratio {max(loads) / max(disk):.3f}")
+    finally:
+        if not _KEEP.value:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

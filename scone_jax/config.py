@@ -220,8 +220,8 @@ def _check_numbers(config: ml_collections.ConfigDict) -> None:
         value = config[section][name]
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or not math.isfinite(value) or (key.rule and not _RULE_TESTS[key.rule](value)):
-            finite = "a finite number" + (" " if key.rule else "") if isinstance(key.default, float) else ""
-            raise ValueError(f"{key.name}={value!r} is not valid: it must be {finite}{key.rule}"
+            finite = (" and finite" if key.rule else "finite") if isinstance(key.default, float) else ""
+            raise ValueError(f"{key.name}={value!r} is not valid: it must be {key.rule}{finite}"
                              f"{config_keys.RULE_HINTS.get(key.name, '')}.")
 
 

@@ -65,11 +65,11 @@ def test_the_training_cli_refuses_a_misspelled_config_file_before_writing(tmp_pa
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("train.eps", float("inf"), "train.eps=inf is not valid: it must be a finite number > 0."),
-    ("model.rope_theta", float("inf"), "model.rope_theta=inf is not valid: it must be a finite number > 0."),
-    ("train.learning_rate", float("nan"), "train.learning_rate=nan is not valid: it must be a finite number > 0."),
-    ("train.weight_decay", float("inf"), "train.weight_decay=inf is not valid: it must be a finite number >= 0."),
-    ("scone.output_gain_init", float("nan"), "scone.output_gain_init=nan is not valid: it must be a finite number."),
+    ("train.eps", float("inf"), "train.eps=inf is not valid: it must be > 0 and finite."),
+    ("model.rope_theta", float("inf"), "model.rope_theta=inf is not valid: it must be > 0 and finite."),
+    ("train.learning_rate", float("nan"), "train.learning_rate=nan is not valid: it must be > 0 and finite."),
+    ("train.weight_decay", float("inf"), "train.weight_decay=inf is not valid: it must be >= 0 and finite."),
+    ("scone.output_gain_init", float("nan"), "scone.output_gain_init=nan is not valid: it must be finite."),
     ("data.shuffle_seed", -1, "data.shuffle_seed=-1 is not valid: it must be in [0, 2**63) (a seed: "),
     ("train.seed", 2**64, "train.seed=18446744073709551616 is not valid: it must be in [0, 2**63) (a seed: "),
     ("train.seed", 2**63, "train.seed=9223372036854775808 is not valid"),

@@ -7,9 +7,10 @@ given), the seed, learning rate, token budget and steps, the commit, the corpus 
 it measured (validation and test perplexity, test tokens, FLOPs, hit rate). The file is append-only: a rerun
 of the same settings adds a line and nothing already recorded is ever rewritten. Readers never choose between
 lines by their order: a seed's records of one setting are one entry (`by_seed`), a record appended twice is said
-once, and reruns that measured differently are averaged and counted. `source` names the results file a record was migrated from (null for appended runs);
-`platform` the device kind the run trained on ("cpu", "NVIDIA H200"): runs of one protocol on another platform
-are other runs (their numerics differ), never seeds of the same table row.
+once, and reruns that measured differently are averaged and counted. `source` names the results file a record
+was migrated from (null for appended runs); `platform` the device kind the run trained on ("cpu", "NVIDIA
+H200"): runs of one protocol on another platform are other runs (their numerics differ), never seeds of the same
+table row.
 
 `overrides` are relative to configs/quality.py's defaults when the run was recorded, and those defaults
 change as the study finds better ones. So a record carries `defaults_version` (DEFAULTS_VERSION when
@@ -45,7 +46,7 @@ DEFAULTS = {1: {"train.fgram_model_delay_steps": 0}, 2: {"train.fgram_model_dela
 DEFAULTS_VERSION = max(DEFAULTS)  # configs/quality.py's now: what a record appended today carries
 # Keys that say how a run was fitted to its machine (workers, job slots, logging, checkpoints), never what it
 # computes: kept in a record's overrides, left out of the settings runs are compared by.
-LOOP_KEYS = frozenset(key.name for key in config_keys.KEYS if key.role is config_keys.LOOP)
+LOOP_KEYS = frozenset(config_keys.LOOP_ONLY_KEYS)
 
 
 def read(path: str = RECORDS) -> list[dict]:

@@ -71,7 +71,8 @@ def test_the_training_cli_refuses_a_misspelled_config_file_before_writing(tmp_pa
     ("train.weight_decay", float("inf"), "train.weight_decay=inf is not valid: it must be >= 0 and finite."),
     ("scone.output_gain_init", float("nan"), "scone.output_gain_init=nan is not valid: it must be finite."),
     ("data.shuffle_seed", -1, "data.shuffle_seed=-1 is not valid: it must be in [0, 2**63) (a seed: "),
-    ("train.seed", 2**64, "train.seed=18446744073709551616 is not valid: it must be in [0, 2**63) (a seed: "),
+    ("train.seed", 2**64, "train.seed=18446744073709551616 is not valid: it must be in [0, 2**63) (a seed: a whole "
+                          "number from 0 to 2**63 - 1, what numpy's and JAX's generators both take)."),
     ("train.seed", 2**63, "train.seed=9223372036854775808 is not valid"),
     ("train.num_steps", True, "train.num_steps=True is not valid: it must be >= 1"),  # a bool is no number
 ])
@@ -91,6 +92,26 @@ def test_values_no_rule_allows_are_refused_naming_the_key(key, value, message):
     with largest.unlocked():
         largest.train.seed, largest.data.shuffle_seed = 2**63 - 1, 2**63 - 1
     config_lib.validate(largest)  # the largest seeds both generators take
+
+
+def test_a_checkpoints_unknown_key_is_noted_before_the_check_and_refused_after(caplog):
+    """saved_config.run_config on a checkpoint's metadata: without the DECLARED_ONLY flag (saved before config files
+    were checked) an unknown key is dropped with one note; with it (every key its writer declared) it is another
+    version's key, refused. Caught: the flag read the wrong way round (the pre-check run refused, the other
+    version's key dropped)."""
+    saved = small_config(num_layers=1).to_dict()
+    saved["model"]["num_layrs"] = 2
+    with caplog.at_level(logging.WARNING):
+        config = saved_config.run_config({"config": saved})
+    assert config.model.num_layers == 1 and "num_layrs" not in config.model
+    assert [r.getMessage() for r in caplog.records if "num_layrs" in r.getMessage()] == [
+        "Note: the run's config sets model.num_layrs, which no scone_jax key declares (a misspelling its config file "
+        "made before such keys were refused): the run never read it and trained with the defaults; ignored."]
+    with pytest.raises(ValueError, match=r"^The saved config has model\.num_layrs, which this code does not know"):
+        saved_config.run_config({"config": saved, saved_config.DECLARED_ONLY: True})
+    assert saved_config.run_config({"config": saved, saved_config.DECLARED_ONLY: False}).model.num_layers == 1
+    assert saved_config.run_config({"config": small_config().to_dict(), saved_config.DECLARED_ONLY: True}
+                                   ).to_dict() == config_lib.resolve(small_config()).to_dict()
 
 
 @pytest.mark.slow  # exports a run: ~20 s

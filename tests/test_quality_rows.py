@@ -126,3 +126,18 @@ def test_blank_lines_are_not_records_and_not_errors(tmp_path, committed):
     quality_records.append(dict(seed1, seed=3), str(path))
     assert [r["seed"] for r in quality_records.read(str(path))] == [1, 2, 3]
     assert quality_records.read(str(path))[0] == seed1
+
+
+def test_a_run_without_a_seed_override_is_seed_0_as_the_migrated_records_are():
+    """bench_quality records `seed` from the run's config and puts train.seed in the overrides only when given; the
+    94 migrated runs without it are seed 0. So every arm of configs/quality.py, and the declared default, must train
+    seed 0, or new runs without an override would stand in another seed's column. Caught: train.seed's declared
+    default changed to 1."""
+    from scone_jax.config import base_config, load_config_file
+    from scone_jax.study.study import ARMS, CONFIG
+    from scone_jax.study.protocol import variant
+
+    assert base_config().train.seed == 0
+    assert {load_config_file(f"{CONFIG}:{variant(arm)}").train.seed for arm in ARMS} == {0}
+    migrated = [r for r in quality_records.read() if r["source"]]
+    assert {r["seed"] for r in migrated if "train.seed" not in r["overrides"]} == {0}

@@ -2,12 +2,15 @@
 loading config files, --config overrides and validation; config files in configs/ override the defaults.
 
 Configs are ml_collections ConfigDicts, locked after construction, so a misspelled
-`--config.model.num_layrs=4` is an error listing the valid keys (see `unknown_key_message`).
+`--config.model.num_layrs=4` is an error listing the valid keys (see `unknown_key_message`); a config file's
+own `c.model.num_layrs = 4` (made before it locks) is refused the same way (`check_declared`).
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
+import math
 import os
 
 import ml_collections
@@ -45,12 +48,42 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
         raise ValueError(f"Config file {path!r} defines no get_config(arg). Fix: define one that returns the config "
                          "(see configs/tiny.py).")
     try:
-        return module.get_config(arg or None)
+        config = module.get_config(arg or None)
     except ValueError:
         raise  # the config's own message (e.g. an unknown variant): already says what to pass
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"Config file {path!r}: get_config({arg or None!r}) failed: {type(e).__name__}: {e}. "
                          "Fix: correct the config file.") from None
+    check_declared(config, f"Config file {spec!r}")
+    return config
+
+
+def undeclared_keys(config) -> list[str]:
+    """The dotted keys `config` holds that config_keys.py does not declare, in order: a misspelled key a config
+    file set (`c.model.num_layrs = 2`) or a section of its own (`c.optim = ...`). A group's entries (data.mixture's
+    components) are the config's own names, not keys."""
+    out = []
+    for section in config.keys():
+        node = config[section]
+        if not isinstance(node, ml_collections.ConfigDict):
+            out.append(section)
+            continue
+        out += [f"{section}.{name}" for name in node.keys() if f"{section}.{name}" not in config_keys.BY_NAME]
+    return out
+
+
+def check_declared(config, where: str) -> None:
+    """ValueError naming the first key of `config` that config_keys.py does not declare, as an unknown
+    --config.KEY override is refused: nothing reads such a key, so the run would silently train with the
+    default of the key that was meant."""
+    for key in undeclared_keys(config):
+        section, _, name = key.partition(".")
+        known = [k for k in config_keys.BY_NAME if k.startswith(section + ".")] if name else []
+        close = difflib.get_close_matches(key, known, n=1)
+        raise ValueError(f"{where} sets {key}, which is not a config key: "
+                         f"{unknown_key_message(base_config(), key).split(': ', 1)[1]}. Fix: "
+                         f"{f'correct it ({close[0]}?)' if close else 'remove it'}; only the keys declared in "
+                         "scone_jax/config_keys.py are read.")
 
 
 def load_beside(config_file: str, name: str):
@@ -174,16 +207,22 @@ _RULE_TESTS = {
     ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, ">= 2": lambda v: v >= 2, "> 0": lambda v: v > 0,
     ">= -1": lambda v: v >= -1, "-1 | >= 1": lambda v: v == -1 or v >= 1,
     "in (0, 1)": lambda v: 0 < v < 1, "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1,
-    "in (0, 1]": lambda v: 0 < v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 2**63)": lambda v: 0 <= v < 2**63,
 }
 
 
 def _check_numbers(config: ml_collections.ConfigDict) -> None:
-    for key, rule in NUMERIC_RULES.items():
-        section, name = key.split(".")
+    """Every numeric key's rule, and every number finite: inf passes '> 0', and nan fails no comparison."""
+    for key in config_keys.KEYS:
+        if not (key.rule or isinstance(key.default, float)):
+            continue
+        section, name = key.name.split(".")
         value = config[section][name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _RULE_TESTS[rule](value):
-            raise ValueError(f"{key}={value!r} is not valid: it must be {rule}{config_keys.RULE_HINTS.get(key, '')}.")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or (key.rule and not _RULE_TESTS[key.rule](value)):
+            finite = (" and finite" if key.rule else "finite") if isinstance(key.default, float) else ""
+            raise ValueError(f"{key.name}={value!r} is not valid: it must be {key.rule}{finite}"
+                             f"{config_keys.RULE_HINTS.get(key.name, '')}.")
 
 
 def _check_special_tokens(d: ml_collections.ConfigDict) -> None:
@@ -255,7 +294,9 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Every numeric key's range (NUMERIC_RULES), then cross-field checks that ml_collections cannot express,
-    resolve(config) (in place) among them; each error names the key and says the fix."""
+    resolve(config) (in place) among them; each error names the key and says the fix. A key config_keys.py does
+    not declare is refused first (check_declared)."""
+    check_declared(config, "The config")
     _check_numbers(config)
     m, d, t = config.model, config.data, config.train
     _check_special_tokens(d)

@@ -57,6 +57,7 @@ _SPECIAL_TOKENS = (
     "<|endoftext|> serves as all three. Else a token of its vocabulary, e.g. --config.data.pad_token='<pad>'. "
     "The resolved ids are part of the tokenizer's fingerprint (and travel into export bundles).")
 _ALL_DEVICES = " (-1 = all devices the other axes leave)"
+_SEED = " (a seed: a whole number from 0 to 2**63 - 1, what numpy's and JAX's generators both take)"
 
 KEYS = (
     # model: the decoder
@@ -195,7 +196,7 @@ KEYS = (
     Key("data.pad_token", "", SETTING, "see data.bos_token"),
     Key("data.seq_len", 128, STATE, "tokens per row", ">= 1"),
     Key("data.global_batch_size", 16, STATE, "rows per step over all processes", ">= 1"),
-    Key("data.shuffle_seed", 0, STATE, "the order of documents and of a mixture's rows"),
+    Key("data.shuffle_seed", 0, STATE, "the order of documents and of a mixture's rows", "in [0, 2**63)", _SEED),
     Key("data.worker_count", -1, LOOP,
         "processes building batches: -1 = half the host's cores (1..16); 0 = a thread of the training process. "
         "Batches do not depend on it (data/packing.py).", ">= -1",
@@ -203,7 +204,7 @@ KEYS = (
     Key("data.prefetch_buffer", 8, LOOP, "batches each worker (or the builder thread) keeps ready", ">= 1"),
 
     # train: optimizer, schedule and the loop
-    Key("train.seed", 0, SETTING, "parameter initialisation"),
+    Key("train.seed", 0, SETTING, "parameter initialisation", "in [0, 2**63)", _SEED),
     Key("train.num_steps", 1000, SETTING, "steps of the whole run (the learning-rate schedule's length)", ">= 1"),
     Key("train.max_steps_per_run", 0, LOOP,
         "stop this invocation after so many steps (0 = no limit); rerun resumes", ">= 0"),

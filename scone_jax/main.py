@@ -53,12 +53,12 @@ def parse_flags(argv):
 
 
 def _config_unloadable() -> bool:
-    """config_flags defers a missing or broken config file's error to first use; find it now."""
+    """config_flags defers a missing or broken config file's error to first use; find it now, and a key the file
+    set that config_keys.py does not declare (config_flag_error loads the file again and names it)."""
     try:
-        _CONFIG.value.keys()
+        return bool(config_lib.undeclared_keys(_CONFIG.value))
     except Exception:  # noqa: BLE001 - config_flag_error names what is wrong, in one line
         return True
-    return False
 
 
 def main(argv):

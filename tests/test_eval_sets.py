@@ -88,3 +88,49 @@ def test_training_evaluates_each_named_set_as_alone_and_logs_the_average(tmp_pat
         np.testing.assert_allclose(average[key], (records["first"][0][key] + records["second"][0][key]) / 2,
                                    rtol=1e-9)
     assert json.dumps(average)  # plain numbers in metrics.jsonl
+
+
+def test_a_path_with_an_equals_sign_read_as_a_set_says_so_and_how_to_write_it(tmp_path, monkeypatch, tokenizer_path):
+    """'run=3.txt' is the set 'run' of the files '3.txt' (NAME=GLOBS names a set). When that whole text is also a
+    file, it is refused saying so and how to write the path ('./run=3.txt', which is that file); when the set's
+    files match nothing, the held-out set's refusal names the set and the same fix. Caught: parse without its
+    whole-path check (the set 'run' of 3.txt evaluated silently, here another file); open_set not called by
+    HeldOut (a bare 'No files match the pattern 3.txt')."""
+    from scone_jax.data.tokenizer import Tokenizer
+    from scone_jax.training import evaluation
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run=3.txt").write_text("In the beginning God created the heaven and the earth.\n")
+    (tmp_path / "3.txt").write_text("And the earth was without form, and void.\n")
+    config = small_config()
+    config.data.update(dict(source="text", eval_files="run=3.txt"))
+    with pytest.raises(ValueError) as refused:
+        config_lib.validate(config)
+    assert str(refused.value) == (
+        "data.eval_files: 'run=3.txt' names the set 'run' of the files '3.txt' (NAME=GLOBS names a set), but it is "
+        "also a path. Fix: to give a path that contains '=', write it with its directory (a set's name has no '/'), "
+        "e.g. './run=3.txt'.")
+    config.data.eval_files = "./run=3.txt"
+    config_lib.validate(config)
+    assert config.data.eval_files == "./run=3.txt" and config.data.eval_sets.to_dict() == {}
+    config.data.eval_files = "held=out.txt"  # no such file: a set whose files match nothing
+    config_lib.validate(config)
+    with pytest.raises(FileNotFoundError) as missing:
+        evaluation.HeldOut(config.data, Tokenizer.load(tokenizer_path))
+    assert str(missing.value).startswith("The held-out set 'held' (data.eval_sets, or NAME=GLOBS in data.eval_files) "
+                                         "of the files 'out.txt': No files match the pattern 'out.txt'.")
+    assert str(missing.value).endswith("If held=out.txt was one path, to give a path that contains '=', write it "
+                                       "with its directory (a set's name has no '/'): './held=out.txt'.")
+
+
+def test_a_set_name_that_is_not_a_string_is_refused_in_one_line():
+    """A config file's data.eval_sets with a number for a name. Caught: the isinstance(name, str) check removed (re's
+    TypeError 'expected string or bytes-like object, got int', a traceback). The mixture's: tests/test_mixture.py."""
+    config = small_config()
+    with config.unlocked():
+        config.data.eval_sets = {1: "/d/a.txt"}
+    with pytest.raises(ValueError) as refused:
+        config_lib.validate(config)
+    assert str(refused.value) == ("data.eval_sets: the set 1 is '/d/a.txt'. Fix: a name (a string) of letters, "
+                                  "digits, _ . - and its comma-separated globs, e.g. config.data.eval_sets = "
+                                  "{'web': '/d/web/*.jsonl'}.")

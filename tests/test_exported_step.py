@@ -310,3 +310,42 @@ def test_the_exported_step_donates_the_state_like_the_jitted_step(tmp_path):
     leaves = jax.tree.leaves(state)
     step(state, batch)  # the call runs what was lowered: its state is donated
     assert all(x.is_deleted() for x in leaves)
+
+
+def test_the_key_changes_with_each_traced_librarys_version_and_the_devices(monkeypatch):
+    """A program traced by other library code (jax and jaxlib lower it, flax builds the model's graph, optax the
+    update) or for other devices (their number, kind, platform, the processes) is another program: each of these
+    changed alone gives another entry, and the same ones give the same entry. Caught: one of the libraries left out
+    of _LIBRARIES (flax tried: a flax upgrade loaded the old program), and the device count left out of "devices"."""
+    import importlib.metadata
+
+    config = scone_config({})
+    mesh = sharding.make_mesh(config.mesh)
+    state = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=sharding.batch_sharding(mesh))}
+    batch = {"inputs": jax.ShapeDtypeStruct((8, 16), np.int32, sharding=sharding.batch_sharding(mesh))}
+
+    def name():
+        return exported_step.entry_name(exported_step.key_material(config, mesh, state, batch))
+
+    base = name()
+    version = importlib.metadata.version
+    seen = {base}
+    for library in ("jax", "jaxlib", "flax", "optax"):
+        monkeypatch.setattr(importlib.metadata, "version",
+                            lambda n, lib=library: version(n) + ".post1" if n == lib else version(n))
+        seen.add(name())
+        monkeypatch.setattr(importlib.metadata, "version", version)
+    assert len(seen) == 5 and name() == base
+    devices = jax.devices()
+
+    class Device:  # another kind of device on the same platform
+        platform, device_kind = devices[0].platform, "TPU v5p"
+
+    for other in (devices[:4], devices * 2, [Device()] * len(devices)):
+        monkeypatch.setattr(jax, "devices", lambda other=other: other)
+        seen.add(name())
+    monkeypatch.setattr(jax, "devices", lambda: devices)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    seen.add(name())
+    monkeypatch.undo()
+    assert len(seen) == 9 and name() == base

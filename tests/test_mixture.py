@@ -281,3 +281,23 @@ def test_a_bad_config_file_mixture_is_refused_naming_the_component(group, messag
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         config_lib.validate(config)
     assert "Fix:" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("entry", [
+    {2: {"files": "/d/a.txt", "weight": 1.0, "order": 0}},  # a number for a name: re's TypeError, a traceback
+    {"web": {"files": "/d/a.txt", "weight": 0.0, "order": 0}},  # never dealt a row
+])
+def test_a_config_file_component_without_a_name_or_a_share_is_refused_in_one_line(entry):
+    """data.mixture set in a config file: a component named by a number, or of weight 0, is one line naming it.
+    Caught: the isinstance(name, str) check removed or joined by `and` (a TypeError traceback); the weight test
+    loosened to >= 0 (a ZeroDivisionError further on)."""
+    config = small_config()
+    with config.unlocked():
+        config.data.mixture = entry
+    [(name, fields)] = entry.items()
+    with pytest.raises(ValueError) as refused:
+        config_lib.validate(config)
+    assert str(refused.value) == (
+        f"data.mixture: component {name!r} has files '/d/a.txt' and weight {fields['weight']!r}. Fix: a name (a "
+        "string) of letters, digits, _ . -, comma-separated globs, and a positive weight (weights are relative: "
+        "they need not sum to 1).")

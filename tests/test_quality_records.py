@@ -16,9 +16,10 @@ QUALITY = os.path.join(REPO, "configs", "quality.py")
 def record(arm="scone_short", test_ppl=80.62, seed=0, rate=0.001, tokens=3006464, **overrides):
     r = dict.fromkeys(quality_records.FIELDS)
     r.update(arm=arm, overrides={**overrides, **({"train.seed": seed} if seed else {})}, seed=seed,
-             learning_rate=rate, tokens=tokens, steps=367, validation_ppl=test_ppl - 10, test_ppl=test_ppl,
-             test_tokens=413397, hit_rate=0.72 if arm.startswith("scone") else 0.0, train_flops=2.61e13,
-             inference_flops_per_token=1580032.0, commit="abc1234", corpus="linux_doc", platform="cpu")
+             learning_rate=rate, tokens=tokens, steps=tokens // 8192, validation_ppl=test_ppl - 10, test_ppl=test_ppl,
+             test_bits_per_byte=2.7, test_tokens=413397, hit_rate=0.72 if arm.startswith("scone") else 0.0,
+             train_flops=2.61e13, inference_flops_per_token=1580032.0, fgram_capacity=0, train_seconds=600.0,
+             commit="abc1234", corpus="linux_doc", platform="cpu")
     return r
 
 
@@ -80,7 +81,7 @@ def test_appending_never_rewrites_earlier_lines(tmp_path):
     assert lines[:3] == after.split(b"\n")[:3] and json.loads(lines[4])["test_ppl"] == 77.94
     with pytest.raises(ValueError, match=r"runs.jsonl:4 is not a JSON record"):
         quality_records.read(str(path))
-    with pytest.raises(ValueError, match=r"lacks the fields \['seed'\]"):
+    with pytest.raises(ValueError, match=r"lacks the fields \['seed'\]; nothing was appended"):
         quality_records.append({k: v for k, v in record().items() if k != "seed"}, str(path))
 
 
@@ -94,7 +95,7 @@ def test_the_migration_kept_every_run_of_the_old_result_files():
     per_file = Counter(os.path.basename(r["source"]) for r in migrated)
     assert len(per_file) == 32 and per_file["quality_results.json"] == 16
     assert per_file["quality_results_plain.json"] == 18 and per_file["quality_results_3m_delay.json"] == 5
-    assert sum(len(seeds) for seeds in quality_records.latest(migrated).values()) == 94  # no two share settings
+    assert sum(len(seeds) for seeds in quality_records.by_seed(migrated).values()) == 94  # no two share settings
 
     def only(source, arm):
         [r] = [r for r in migrated if r["source"] == f"docs/{source}" and r["arm"] == arm]
@@ -132,12 +133,12 @@ def test_tables_reproduce_the_recorded_figures():
 
 
 def test_fill_rebuilds_the_blocks_and_keeps_the_prose():
-    """Caught: the text after the last block dropped; a rerun of a seed counted twice (the last one wins)."""
+    """Caught: the text after the last block dropped; a rerun of a seed counted twice (it is one entry)."""
     records = [record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=50.0),
                record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=50.81),  # a rerun of seed 0
                record(arm="baseline", tokens=10002432, rate=2e-3, test_ppl=50.98, seed=1)]
     spec = quality_tables.TABLES["10m"][0]
-    assert {s: r["test_ppl"] for s, r in quality_tables.runs_of(spec, records).items()} == {0: 50.81, 1: 50.98}
+    assert {s: r["test_ppl"] for s, r in quality_tables.runs_of(spec, records).items()} == {0: 50.405, 1: 50.98}
     page = "intro\n<!-- records:all -->\nstale\n<!-- /records -->\nafter\n"
     filled = quality_tables.fill(page, records)
     assert filled.startswith("intro\n<!-- records:all -->\n| arm |") and filled.endswith("<!-- /records -->\nafter\n")

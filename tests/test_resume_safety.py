@@ -64,7 +64,7 @@ def test_every_numeric_key_out_of_range_is_a_one_line_error_naming_it():
     that key and the rule. Tried: a '>= 1' predicate written as v >= 0 (0 then passes)."""
     bad_values = {">= 0": -1, ">= 1": 0, ">= 2": 1, "> 0": 0, ">= -1": -2, "-1 | >= 1": 0,
                   "in (0, 1)": 1.0, "in [0, 1)": 1.0, "in [0, 1]": 1.5,
-                  "in (0, 1]": 0.0}
+                  "in (0, 1]": 0.0, "in [0, 2**63)": -1}
     for key, rule in config_lib.NUMERIC_RULES.items():
         config = small_config()
         section, name = key.split(".")

@@ -42,8 +42,8 @@ extra), and RESULT lines: ppl_<arm>, inference_flops_per_token_<arm>, train_flop
 Bad input (an unknown arm, a --learning_rates value that is not a positive number, a --config.KEY=VALUE with an
 unknown key or a value of the wrong type, a budget under one step, splits that share documents, a corpus
 smaller than the budget without --allow_epochs, a finished run in WORKDIR trained with other settings than
-this invocation's, a run of this invocation that another process is using) is one line and exit 2, before
-anything trains.
+this invocation's, a run of this invocation that another process is using, a WORKDIR another bench_quality is
+using) is one line and exit 2, before anything trains.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from scone_jax.config import define_override_flag, load_config_file, override_flag_error
-from scone_jax.runtime import tool_main
+from scone_jax.runtime import ownership, tool_main
 from scone_jax.study import checks, figure, records, runs as study_runs
 from scone_jax.study.protocol import best_rate, family, sweep_stopped, without_short_arms
 from scone_jax.study.study import (ARMS, CONFIG, SWEPT, Study, fgram_capacity, markdown,
@@ -123,6 +123,17 @@ def main():
                          "--tokens / --ablation_tokens.")
     checks.check_splits(probe, _TEST.value)
     os.makedirs(root, exist_ok=True)
+    # One study per WORKDIR: a second started beside it (both past the check above) would train, record and
+    # write results.json over the first's. Its lease (runtime/ownership.py, as a training job holds its workdir)
+    # refuses the second in one line, and is released however this one ends.
+    with ownership.hold(root):
+        run_study(study, probe, arms, rates)
+
+
+def run_study(study: Study, probe, arms: list[str], rates: list[str]):
+    """Train, export, score and record every planned run of `study` (the module docstring's protocol)."""
+    root = study.root
+    study.load_results()  # as it is now that this study owns WORKDIR (another may have finished meanwhile)
     if not _TOKENIZER.value:
         tok_cfg = probe.data.copy_and_resolve_references()
         tok_cfg.tokenizer_path = ""

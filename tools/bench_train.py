@@ -14,15 +14,16 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from scone_jax import sharding
+from scone_jax import config as config_lib, sharding
 from scone_jax.batch import Batch
 from scone_jax.data import pipeline
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.model import accounting
+from scone_jax.runtime import tool_main
 from scone_jax.training import run as run_lib
 from scone_jax.training.throughput import peak_flops_per_device
 
@@ -76,8 +77,9 @@ def dedup_reduction(config, tokenizer, batcher, rows: int, seq_len: int, num_bat
     return float(1.0 / np.mean([f["fgram/row_ratio"] for f in figures]))
 
 
-def main(_):
+def main():
     scone = _CONFIG.value
+    config_lib.validate(scone)  # a key the config file misspelled, a value out of range: one line, exit 2
     baseline = scone.copy_and_resolve_references()
     baseline.scone.enabled = False
     steps_per_round, rounds = (3, 3) if _QUICK.value else (5, 6)
@@ -117,4 +119,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    tool_main.run(main, program="bench_train", flag_error=config_lib.config_flag_error)

@@ -9,6 +9,7 @@ list, or '' for the embedded corpus's held-out split) is one set, reported as be
 """
 from __future__ import annotations
 
+import glob
 import math
 import re
 
@@ -33,8 +34,12 @@ def parse(eval_files: str) -> dict[str, str] | None:
         raise ValueError(f"data.eval_files: {bad.strip()!r} has no name, but other sets do. Fix: name every set, "
                          "e.g. 'web=/d/web/*.jsonl;books=/d/books/*.txt', or give one unnamed glob list.")
     sets: dict[str, str] = {}
-    for m in named:
+    for part, m in zip(parts, named):
         name, files = m.group(1), m.group(2).strip()
+        if "://" not in part and glob.glob(part.strip()):
+            raise ValueError(f"data.eval_files: {part.strip()!r} names the set {name!r} of the files {files!r} "
+                             f"(NAME=GLOBS names a set), but it is also a path. Fix: {QUOTE_PATH}, e.g. "
+                             f"'./{part.strip()}'.")
         if name == AVERAGE:
             raise ValueError(f"data.eval_files: the set name {AVERAGE!r} is reserved for the average of the sets. "
                              "Fix: rename that set.")
@@ -46,6 +51,9 @@ def parse(eval_files: str) -> dict[str, str] | None:
     return sets
 
 
+QUOTE_PATH = "to give a path that contains '=', write it with its directory (a set's name has no '/')"
+
+
 def check(group) -> dict[str, str]:
     """`group` (data.eval_sets's value, set in a config file) checked and in its plain form; ValueError naming
     the set and the fix for a bad name, the reserved name or a set without files."""
@@ -53,9 +61,9 @@ def check(group) -> dict[str, str]:
         if name == AVERAGE:
             raise ValueError(f"data.eval_sets: the set name {AVERAGE!r} is reserved for the average of the sets. "
                              "Fix: rename that set.")
-        if not _NAME.match(name) or not isinstance(files, str) or not files.strip(", "):
-            raise ValueError(f"data.eval_sets: the set {name!r} is {files!r}. Fix: a name of letters, digits, _ . - "
-                             "and its comma-separated globs, e.g. config.data.eval_sets = {'web': '/d/web/*.jsonl'}.")
+        if not isinstance(name, str) or not _NAME.match(name) or not isinstance(files, str) or not files.strip(", "):
+            raise ValueError(f"data.eval_sets: the set {name!r} is {files!r}. Fix: a name (a string) of letters, digits, "
+                             "_ . - and its comma-separated globs, e.g. config.data.eval_sets = {'web': '/d/web/*.jsonl'}.")
     return {name: files.strip() for name, files in group.items()}
 
 
@@ -73,6 +81,19 @@ def configs(data_cfg) -> dict[str, ml_collections.ConfigDict]:
             cfg.eval_sets = {}
         out[name] = cfg
     return out
+
+
+def open_set(name: str, data_cfg, make):
+    """make(data_cfg) for the held-out set `name`; a set whose files match nothing is refused naming the set, and
+    how to write a path with '=' that was read as NAME=GLOBS ('run=3.jsonl' is the set 'run' of '3.jsonl')."""
+    try:
+        return make(data_cfg)
+    except FileNotFoundError as e:
+        if name == SINGLE:
+            raise
+        raise FileNotFoundError(f"The held-out set {name!r} (data.eval_sets, or NAME=GLOBS in data.eval_files) of the "
+                                f"files {data_cfg.eval_files!r}: {e} If {name}={data_cfg.eval_files} was one path, "
+                                f"{QUOTE_PATH}: './{name}={data_cfg.eval_files}'.") from None
 
 
 def all_files(data_cfg) -> str:

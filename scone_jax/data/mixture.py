@@ -81,11 +81,11 @@ def check(group, where: str) -> dict:
                              "'order': 0}, ...}, or the shorthand --config.data.train_files='NAME=GLOBS@WEIGHT;...'.")
         files, weight, order = fields["files"], fields["weight"], fields["order"]
         number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
-        if not _NAME.match(name) or not isinstance(files, str) or not files.strip(" ,") or not number \
-                or not (math.isfinite(weight) and weight > 0):
+        if not isinstance(name, str) or not _NAME.match(name) or not isinstance(files, str) \
+                or not files.strip(" ,") or not number or not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"data.mixture: component {name!r} has files {files!r} and weight {weight!r}. Fix: a name "
-                             "of letters, digits, _ . -, comma-separated globs, and a positive weight (weights are "
-                             "relative: they need not sum to 1).")
+                             "(a string) of letters, digits, _ . -, comma-separated globs, and a positive weight "
+                             "(weights are relative: they need not sum to 1).")
         plain[name] = {"files": files.strip(), "weight": float(weight), "order": order}
     orders = [entry["order"] for entry in plain.values()]
     if any(type(o) is not int for o in orders) or sorted(orders) != list(range(len(plain))):

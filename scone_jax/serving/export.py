@@ -46,7 +46,7 @@ from scone_jax.runtime.compile_cache import CompileCache
 from scone_jax.runtime.crc import crc32_hex
 from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.prefetch import DispatchWindow
-from scone_jax.saved_config import stored_config
+from scone_jax.saved_config import run_config
 from scone_jax.serving import bundle, table_layout
 from scone_jax.training import checkpoint, run as run_lib
 
@@ -60,7 +60,7 @@ def open_run(workdir: str, config: ml_collections.ConfigDict | None = None,
     and vocabulary it was trained with, as they are) over its config's mesh. `config`: the checkpoint's own
     by default."""
     latest = latest or run_lib.Latest.open(workdir)
-    config = config or stored_config(latest.meta["config"])
+    config = config or run_config(latest.meta)
     try:
         return run_lib.build(config, workdir, sharding.make_mesh(config.mesh), start=latest)
     except checkpoint.CheckpointDamagedError as e:
@@ -243,7 +243,7 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             raise ValueError(f"--{name}={value} must be at least 1 (table rows per file / f-grams per step).")
     write_probe.check_writable(output, 120, flag="--output")
     latest = run_lib.Latest.open(workdir)
-    config = config or stored_config(latest.meta["config"])
+    config = config or run_config(latest.meta)
     cache = CompileCache(compile_cache.resolve(config.train.compilation_cache_dir, workdir))
     run = None
     try:

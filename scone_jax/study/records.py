@@ -5,22 +5,30 @@ A record names everything that tells a run apart, so no file name has to: its ar
 made on top of configs/quality.py's arm (`overrides`, dotted key -> value, `train.seed` among them when
 given), the seed, learning rate, token budget and steps, the commit, the corpus and a hash of its splits' bytes, and what
 it measured (validation and test perplexity, test tokens, FLOPs, hit rate). The file is append-only: a rerun
-of the same settings adds a line, and readers take the last one (`latest`), so nothing already recorded is
-ever rewritten. `source` names the results file a record was migrated from (null for appended runs);
-`platform` the device kind the run trained on ("cpu", "NVIDIA H200"): runs of one protocol on another platform
-are other runs (their numerics differ), never seeds of the same table row.
+of the same settings adds a line and nothing already recorded is ever rewritten. Readers never choose between
+lines by their order: a seed's records of one setting are one entry (`by_seed`), a record appended twice is said
+once, and reruns that measured differently are averaged and counted. `source` names the results file a record
+was migrated from (null for appended runs); `platform` the device kind the run trained on ("cpu", "NVIDIA
+H200"): runs of one protocol on another platform are other runs (their numerics differ), never seeds of the same
+table row.
 
 `overrides` are relative to configs/quality.py's defaults when the run was recorded, and those defaults
 change as the study finds better ones. So a record carries `defaults_version` (DEFAULTS_VERSION when
 appended; a record without it is version 1, the method's defaults), and readers compare runs by `effective`
 settings: that version's defaults plus the overrides, told as their difference from version 1. An old run
-with train.fgram_model_delay_steps=80 and a new one with no override are then the same setting.
+with train.fgram_model_delay_steps=80 and a new one with no override are then the same setting. A record keeps
+every override it was given, but runs are compared only by what changes their result: the keys config_keys.py
+declares LOOP (data.worker_count, train.max_steps_per_run: how a run was fitted to its machine and job slots)
+are left out of the effective settings.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+
+from scone_jax import config_keys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORDS = os.path.join(REPO, "experiments", "quality", "runs.jsonl")
@@ -36,24 +44,80 @@ SCONE_ONLY = ("scone.", "train.fgram_model_delay_steps")
 # Version 1: the method's (no delay); 2: the delay chosen on validation (docs/quality.md, "In short").
 DEFAULTS = {1: {"train.fgram_model_delay_steps": 0}, 2: {"train.fgram_model_delay_steps": 80}}
 DEFAULTS_VERSION = max(DEFAULTS)  # configs/quality.py's now: what a record appended today carries
+# Keys that say how a run was fitted to its machine (workers, job slots, logging, checkpoints), never what it
+# computes: kept in a record's overrides, left out of the settings runs are compared by.
+LOOP_KEYS = frozenset(config_keys.LOOP_ONLY_KEYS)
 
 
 def read(path: str = RECORDS) -> list[dict]:
-    """Every record of `path`, in the order appended. A line that is not a record is refused naming it."""
+    """Every record of `path`, in the order appended; blank lines are skipped (an editor's final newline). A
+    line that is not a record (not JSON, a field missing or of the wrong type) is refused naming it."""
     out = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
                 record = json.loads(line)
-                missing = [k for k in FIELDS if k not in record]
-            except (json.JSONDecodeError, TypeError) as e:
+            except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number} is not a JSON record ({e}). Fix: restore that line from "
                                  "git (the file is append-only).") from None
-            if missing:
-                raise ValueError(f"{path}:{number} lacks the fields {missing}. Fix: restore that line from git "
-                                 "(the file is append-only).")
+            problem = check(record)
+            if problem:
+                raise ValueError(f"{path}:{number} {problem}. Fix: restore that line from git (the file is "
+                                 "append-only).")
             out.append(record)
     return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# Each field's test and what it must be (what tables.py, figure.py and the checks read), for check()'s message.
+_TYPES = {
+    "arm": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "overrides": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v), "an object of dotted keys"),
+    "seed": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    "learning_rate": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "tokens": (lambda v: _integer(v) and v > 0, "an integer > 0"),
+    "steps": (lambda v: _integer(v) and v > 0, "an integer > 0"),
+    "validation_ppl": (lambda v: _number(v) and v >= 1, "a finite perplexity (a number >= 1)"),
+    "test_ppl": (lambda v: _number(v) and v >= 1, "a finite perplexity (a number >= 1)"),
+    "test_bits_per_byte": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "test_tokens": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    "hit_rate": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "inference_flops_per_token": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "train_flops": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "fgram_capacity": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    "train_seconds": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "commit": (lambda v: isinstance(v, str), "a string"),
+    "corpus": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "splits_sha256": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "source": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "platform": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+}
+
+
+def check(record) -> str | None:
+    """What is wrong with `record` as a record (a field missing, or of the wrong type or range: "seed": "1",
+    "test_ppl": null), None if nothing."""
+    if not isinstance(record, dict):
+        return f"is {type(record).__name__}, not a record (a JSON object)"
+    missing = [k for k in FIELDS if k not in record]
+    if missing:
+        return f"lacks the fields {missing}"
+    for field, (test, want) in _TYPES.items():
+        if not test(record[field]):
+            return f"has {field}={json.dumps(record[field])}, which must be {want}"
+    if "defaults_version" in record and record["defaults_version"] not in DEFAULTS:
+        return (f"has defaults_version={json.dumps(record['defaults_version'])}, which must be one of "
+                f"{sorted(DEFAULTS)}")
+    return None
 
 
 def version(record: dict) -> int:
@@ -63,8 +127,9 @@ def version(record: dict) -> int:
 
 def effective(record: dict) -> dict:
     """The run's settings apart from its seed, as their difference from version 1's defaults: its version's
-    defaults (SCONE arms) with its overrides on top, less what equals version 1's defaults."""
-    given = {k: v for k, v in record["overrides"].items() if k != "train.seed"}
+    defaults (SCONE arms) with its overrides on top, less what equals version 1's defaults and less the keys
+    that cannot change the result (config_keys' LOOP keys)."""
+    given = {k: v for k, v in record["overrides"].items() if k != "train.seed" and k not in LOOP_KEYS}
     defaults = DEFAULTS[version(record)] if record["arm"].startswith("scone") else {}
     merged = {**defaults, **given}
     first = DEFAULTS[1]
@@ -74,9 +139,9 @@ def effective(record: dict) -> dict:
 def append(record: dict, path: str = RECORDS) -> None:
     """Add `record` as the last line of `path` (created with its folder if missing); earlier lines are
     never rewritten. A last line cut short by a crash is ended first, so the new record stays a line."""
-    missing = [k for k in FIELDS if k not in record]
-    if missing:
-        raise ValueError(f"A quality record lacks the fields {missing}; it has {sorted(record)}.")
+    problem = check(record)
+    if problem:
+        raise ValueError(f"The quality record of {record.get('arm')!r} {problem}; nothing was appended to {path}.")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "ab") as f:
         if f.tell() and _last_byte(path) != b"\n":
@@ -157,17 +222,45 @@ def _device_kind() -> str:
 
 
 def settings(record: dict) -> tuple:
-    """What makes runs seeds of one protocol: arm, token budget, learning rate, effective settings but the
-    seed, the platform and the corpus."""
+    """What makes runs seeds of one protocol: arm, token budget (the exact tokens trained), learning rate,
+    effective settings but the seed, the platform and the corpus."""
     rest = tuple(effective(record).items())
     return record["arm"], record["tokens"], float(record["learning_rate"]), rest, record["platform"], record["corpus"]
 
 
-def latest(records: list[dict]) -> dict[tuple, dict[int, dict]]:
-    """settings(...) -> seed -> the last record appended for them (a rerun supersedes, nothing is rewritten)."""
-    out: dict[tuple, dict[int, dict]] = {}
+def _figures(record: dict) -> tuple:
+    """What a run measured: two records with these equal are one measurement, appended twice."""
+    return tuple(record[k] for k in ("validation_ppl", "test_ppl", "test_bits_per_byte", "test_tokens", "hit_rate"))
+
+
+def distinct(records: list[dict]) -> list[dict]:
+    """`records` in their order, each measurement once: a record whose setting, seed and figures equal an
+    earlier one's (the same run appended twice) is left out."""
+    seen, out = set(), []
     for record in records:
-        out.setdefault(settings(record), {})[record["seed"]] = record
+        key = (settings(record), record["seed"], _figures(record))
+        if key not in seen:
+            seen.add(key)
+            out.append(record)
     return out
 
 
+def by_seed(records: list[dict]) -> dict[tuple, dict[int, dict]]:
+    """settings(...) -> seed -> the one entry of that setting and seed (seed_entry), whatever order the records
+    were appended in."""
+    grouped: dict[tuple, dict[int, list[dict]]] = {}
+    for record in distinct(records):
+        grouped.setdefault(settings(record), {}).setdefault(record["seed"], []).append(record)
+    return {setting: {seed: seed_entry(runs) for seed, runs in seeds.items()} for setting, seeds in grouped.items()}
+
+
+def seed_entry(runs: list[dict]) -> dict:
+    """One entry for the distinct records of one setting and seed, independent of their order: the record itself
+    when there is one; else the first by its figures, with test and validation perplexity, bits per byte and hit
+    rate averaged over them and `runs` saying how many."""
+    runs = sorted(runs, key=lambda r: json.dumps(r, sort_keys=True))
+    entry = dict(runs[0], runs=len(runs))
+    if len(runs) > 1:
+        for k in ("validation_ppl", "test_ppl", "test_bits_per_byte", "hit_rate"):
+            entry[k] = sum(r[k] for r in runs) / len(runs)
+    return entry

@@ -67,9 +67,13 @@ class Study:
                           "data.vocab_size": 1024} if quick else {}
         self.overrides = {**quick_settings, **overrides}  # dotted key -> typed value; the user's --config.* win
         self.results_path = os.path.join(root, "results.json")
-        self.results = study_runs.read_json(self.results_path) or {"runs": {}, "arms": {}}
+        self.load_results()
         self.started, self.tokens_done = time.time(), 0
         self.skipped = set()  # (arm, rate) runs the sweep rule left out
+
+    def load_results(self):
+        """The runs and arms WORKDIR/results.json holds (none yet: empty), read again once the study owns WORKDIR."""
+        self.results = study_runs.read_json(self.results_path) or {"runs": {}, "arms": {}}
 
     # --- configs -----------------------------------------------------------------------------------
     def config(self, arm: str, rate: str | None = None, extra: dict | None = None, tokenizer=None):

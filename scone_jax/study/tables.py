@@ -2,13 +2,15 @@
 rows each table has (TABLES), and the `<!-- records:NAME -->` blocks of the page rebuilt from the records.
 
 A row names a setting as its difference from the method's defaults (defaults version 1), and matches the
-records whose effective settings (records.effective) are exactly that, whatever defaults they were run under.
+records whose effective settings (records.effective) are exactly that, whatever defaults they were run under,
+trained for exactly the steps its budget gives (bench_quality's --tokens: steps rounded up to whole steps), so
+runs of other budgets are other rows. Each seed is one entry (records.by_seed), never chosen by file order.
 """
 from __future__ import annotations
 
 import os
 
-from scone_jax.study.records import effective, latest
+from scone_jax.study.records import by_seed, distinct, effective
 
 DELAY40 = {"train.fgram_model_delay_steps": 40}
 DELAY80 = {"train.fgram_model_delay_steps": 80}  # configs/quality.py's default from defaults_version 2
@@ -99,18 +101,33 @@ TABLES = {
 }
 
 
-def budget(tokens: int) -> str:
-    return f"{round(tokens / 1e6)}m"
+def budget_tokens(budget: str) -> int:
+    """The tokens a row's budget names ("10m" -> 10,000,000; "8.5m", "500k" too): bench_quality's --tokens."""
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9}[budget[-1]]
+    return round(float(budget[:-1]) * scale)
+
+
+def trained_for(record: dict, budget: str) -> bool:
+    """Whether the run trained the steps `budget` gives at its rows per step: the budget rounded up to whole
+    steps (study.Study.config's train.num_steps), so 10M is 1,221 steps of 8,192 tokens, and a 9.6M or a 10.4M
+    run is not a 10M run."""
+    per_step, rest = divmod(record["tokens"], record["steps"])
+    return rest == 0 and record["steps"] == -(-budget_tokens(budget) // per_step)
 
 
 def runs_of(spec: dict, records: list[dict]) -> dict[int, dict]:
-    """seed -> the latest record of a table row's settings (none: {})."""
+    """seed -> the entry (records.seed_entry) of a table row's settings (none: {})."""
     key = (spec["arm"], spec["rate"], tuple(sorted(spec["overrides"].items())), spec["platform"], spec["corpus"])
-    out = {}
-    for (arm, tokens, rate, rest, platform, corpus), seeds in latest(records).items():
-        if (arm, rate, rest, platform, corpus) == key and budget(tokens) == spec["budget"]:
-            out.update(seeds)
-    return out
+    found = {}
+    for (arm, tokens, rate, rest, platform, corpus), seeds in by_seed(
+            [r for r in records if trained_for(r, spec["budget"])]).items():
+        if (arm, rate, rest, platform, corpus) == key:
+            found[tokens] = seeds
+    if len(found) > 1:  # the same settings at two sizes of step: the configs' defaults changed under the records
+        raise ValueError(f"The row {spec['label']!r} of budget {spec['budget']} matches runs of {sorted(found)} "
+                         "tokens: one setting cannot have two step sizes. Fix: name the batch or sequence length "
+                         "that tells them apart in the row's settings (scone_jax/study/tables.py).")
+    return next(iter(found.values()), {})
 
 
 def mean_run(seeds: dict[int, dict]) -> dict:
@@ -126,9 +143,16 @@ def _flops(x: float) -> str:
     return f"{x:.3g}".replace("e+", "e")
 
 
+def _cell(entry: dict) -> str:
+    """A seed's test (validation) perplexity; the mean of its reruns says how many, e.g. '50.90 (44.11), 2 runs'."""
+    runs = f", {entry['runs']} runs" if entry.get("runs", 1) > 1 else ""
+    return f"{entry['test_ppl']:.2f} ({entry['validation_ppl']:.2f}){runs}"
+
+
 def table(name: str, records: list[dict]) -> str:
-    """TABLES[name] as markdown: test perplexity per seed (validation in brackets), the mean over seeds,
-    training FLOPs and hit rate. A row without any record is refused: the table would silently lose it."""
+    """TABLES[name] as markdown: test perplexity per seed (validation in brackets; a seed rerun with other
+    figures: their mean, and how many), the mean over seeds, training FLOPs and hit rate. A row without any
+    record is refused: the table would silently lose it."""
     rows = [(spec, runs_of(spec, records)) for spec in TABLES[name]]
     empty = [spec["label"] for spec, seeds in rows if not seeds]
     if empty:
@@ -138,8 +162,7 @@ def table(name: str, records: list[dict]) -> str:
     lines = ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | training FLOPs | hit rate |",
              "|---|" + "---|" * (len(seeds) + 3)]
     for spec, found in rows:
-        cells = [f"{found[s]['test_ppl']:.2f} ({found[s]['validation_ppl']:.2f})" if s in found else ""
-                 for s in seeds]
+        cells = [_cell(found[s]) if s in found else "" for s in seeds]
         mean = mean_run(found)
         hit = f"{mean['hit_rate']:.2f}" if mean["arm"].startswith("scone") else ""
         lines.append(f"| {spec['label']} | " + " | ".join(cells) + f" | {mean['test_ppl']:.2f} | "
@@ -148,11 +171,11 @@ def table(name: str, records: list[dict]) -> str:
 
 
 def every_run(records: list[dict]) -> str:
-    """Every record's effective settings (beyond the method's defaults) and figures, one line per seed, in the
-    order appended."""
+    """Every run's effective settings (beyond the method's defaults) and figures, one line per run, in the order
+    appended; a record appended twice (the same setting, seed and figures) is one run, said once."""
     lines = ["| arm | corpus | tokens | learning rate | settings | seed | test (validation) | platform | commit | migrated from |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
+    for r in distinct(records):
         given = ", ".join(f"{k}={v}" for k, v in effective(r).items())
         source = os.path.basename(r["source"]) if r["source"] else ""
         lines.append(f"| `{r['arm']}` | {r['corpus']} | {r['tokens'] / 1e6:.1f}M | {r['learning_rate']:g} | {given} | {r['seed']} "

@@ -84,8 +84,8 @@ class HeldOut:
     def __init__(self, data_cfg, tokenizer, max_batches: int = 0):
         self.max_batches = max_batches
         configs = eval_sets.configs(data_cfg)
-        self.sets = {name: pipeline.make_eval_batches(cfg, tokenizer, process_index=jax.process_index(),
-                                                      process_count=jax.process_count())
+        self.sets = {name: eval_sets.open_set(name, cfg, lambda c: pipeline.make_eval_batches(
+                         c, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()))
                      for name, cfg in configs.items()}
         self.bytes = {name: countable_bytes(cfg, tokenizer, self.sets[name], max_batches)
                       for name, cfg in configs.items()}

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from scone_jax import config as config_lib, sharding
+from scone_jax import config as config_lib, saved_config, sharding
 from scone_jax.data import identity, mixture, pipeline
 from scone_jax.hf import derive as hf_derive
 from scone_jax.batch import Batch
@@ -123,7 +123,8 @@ class Run:
     @functools.cached_property
     def meta(self) -> dict:
         """What every checkpoint of this run saves beside its state (with "step"); computed once per run."""
-        return {**self.expect, "config": self.config.to_dict(), "train_data": self.data_identity}
+        return {**self.expect, "config": self.config.to_dict(), "train_data": self.data_identity,
+                saved_config.DECLARED_ONLY: not config_lib.undeclared_keys(self.config)}
 
     def save(self, step: int, state) -> None:
         """Start the checkpoint of `state` at `step` with this run's metadata (`checkpointer.wait()` ends it):

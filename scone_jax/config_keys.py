@@ -113,12 +113,13 @@ KEYS = (
         "what each block keeps for the backward pass; see model/remat.py: 'none' (everything) | 'full' (only its "
         "input) | 'save_dots' (matmul outputs without batch dims) | 'save_qkv_proj' (q/k/v/attention-output "
         "projections)"),
-    Key("model.init_from_hf", "", LOOP,
+    Key("model.init_from_hf", "", SETTING,
         "a local Hugging Face checkpoint directory (config.json, safetensors weights, tokenizer.json) a fresh run "
         "starts from (hf/derive.py, docs/training.md): the model section is derived from its config.json (a "
         "different value set here is refused), data.tokenizer_path, the special tokens and data.add_bos from its "
         "tokenizer files, and the decoder's parameters are read from its weights instead of initialised; '' = "
-        "random initialisation. A resume may change it (a moved directory): the checkpoint's state is what resumes"),
+        "random initialisation. A resume may change it (a moved directory): the checkpoint's state is what resumes. "
+        "A SETTING, not LOOP: another checkpoint starts another experiment (the study's rows tell them apart)"),
     Key("model.attention", "auto", SETTING,
         "'auto' | 'xla' | 'cudnn' | 'splash' | 'reference'; see model/attention.py"),
 

@@ -366,7 +366,8 @@ def _define_flags():
     kind = flags.DEFINE_enum("format", "bundle", ["bundle", "hf"], "bundle: this package's export (the table, "
                              "the decoder, the tokenizer); hf: the decoder as a stock Hugging Face checkpoint of its "
                              "family, for transformers (serving/hf_export.py; --dtype then sets its tensors' dtype, by "
-                             "default the imported checkpoint's or model.param_dtype).")
+                             "default the imported checkpoint's or model.param_dtype); a SCONE run's goes inside a "
+                             "trust_remote_code model with its f-gram table (--dtype too, bf16 by default).")
     join = job_flags.define()
     flags.adopt_module_key_flags(job_flags)  # listed by --help
     return types.SimpleNamespace(workdir=workdir, output=output, dtype=dtype, chunk_rows=chunk_rows,
@@ -381,9 +382,11 @@ def run(args):
         from scone_jax.serving import hf_export
 
         meta = hf_export.export_hf(args.workdir.value, args.output.value,
-                                   dtype=args.dtype.value if args.dtype.present else None)
+                                   dtype=args.dtype.value if args.dtype.present else None,
+                                   batch_rows=args.batch_rows.value)
         if jax.process_index() == 0:
-            print(f"exported step {meta['step']} as a {meta['family']} checkpoint ({meta['dtype']}) to "
+            inside = " inside the SCONE remote-code model" if meta.get("remote_code") else ""
+            print(f"exported step {meta['step']} as a {meta['family']} checkpoint ({meta['dtype']}){inside} to "
                   f"{args.output.value}")
         return
     figures = export(args.workdir.value, args.output.value, dtype=args.dtype.value, chunk_rows=args.chunk_rows.value,

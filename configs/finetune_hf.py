@@ -7,8 +7,9 @@ checkpoint"). Only fine-tuning settings live here: the model section and the tok
   python tools/import_hf.py --hf_dir=/ckpt/Qwen3-0.6B-Base --workdir=/tmp/ft   # only step 0, saved; main resumes it
   python -m scone_jax.serving.export --workdir=/tmp/ft --output=/tmp/ft-hf --format=hf   # back to transformers
 
-Without data settings it fine-tunes on the embedded KJV corpus (the checkpoint's tokenizer.json tokenizes it). The
-f-gram model of a SCONE run (--config.scone.enabled=True) starts random; the decoder starts from the checkpoint.
+Without data settings it fine-tunes on the embedded KJV corpus (the checkpoint's tokenizer.json tokenizes it) in rows
+of 128 tokens: set --config.data.seq_len (up to the checkpoint's max_position_embeddings for GPT-2) for real data.
+The f-gram model of a SCONE run (--config.scone.enabled=True) starts random; the decoder starts from the checkpoint.
 """
 import ml_collections
 
@@ -19,7 +20,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config = base_config()
     config.model.init_from_hf = arg or ""
     d = config.data
-    d.seq_len, d.global_batch_size = 256, 16
+    d.seq_len, d.global_batch_size = 128, 16  # valid with any checkpoint; raise it (e.g. 2048) for real data
     t = config.train
     t.num_steps, t.warmup_steps, t.learning_rate, t.min_lr_ratio = 200, 20, 2e-5, 0.1
     t.weight_decay, t.grad_clip_norm = 0.0, 1.0

@@ -68,11 +68,12 @@ def assert_sums_close(got, want, terms: int, scale: float | None = None, err_msg
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_tool(script: str, args, timeout: float = 600):
+def run_tool(script: str, args, timeout: float = 600, env: dict | None = None):
     """`python <script> <args>` (a tools/ script, or `-m module`) from the repository root, as a user runs it:
-    on the CPU's one device (not the suite's 8 virtual ones); the CompletedProcess with text stdout and stderr."""
+    on the CPU's one device (not the suite's 8 virtual ones), `env` over that environment; the CompletedProcess
+    with text stdout and stderr."""
     command = [sys.executable, *script.split(), *map(str, args)]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": "", **(env or {})}
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

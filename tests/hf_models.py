@@ -76,7 +76,8 @@ def tokenizer_json(path: str, family: str) -> str:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus.kjv_documents("train", 0.02)[:500], trainer)
     if family == "llama":
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
     tok.save(path)
     return path
 
@@ -151,29 +152,30 @@ def assert_logits_match(got: np.ndarray, want: np.ndarray, lengths: np.ndarray, 
     return worst
 
 
-def random_run(config, workdir: str, seed: int = 0):
-    """A run of `config` trained from scratch, saved at step 0 in `workdir` with every parameter random at
-    randomize's scales (norm scales and biases too, which a fresh run sets to 1 and 0); returns its decoder."""
+def save_run(config, workdir: str, devices: int | None = None, randomize_params: bool = False, seed: int = 0):
+    """`config`'s run built over the first `devices` devices (all by default: fewer compile faster), saved at step
+    0 in `workdir` as the loop saves it; with `randomize_params` every parameter is first made random at randomize's
+    scales (norm scales and biases too, which a fresh run sets to 1 and 0). Returns the run's decoder."""
     import jax
     from flax import nnx
 
     from scone_jax import sharding
     from scone_jax.training import run as run_lib
 
-    run = run_lib.build(config, workdir, sharding.make_mesh(config.mesh))
+    run = run_lib.build(config, workdir, sharding.make_mesh(config.mesh, jax.devices()[:devices]))
     try:
         model, optimizer = nnx.merge(run.spec.graphdef, run.state)
-        rng, new = np.random.default_rng(seed), []
-        for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-            old = variable.get_value()
-            noise = rng.standard_normal(old.shape).astype(np.float32)
-            name = path[-1]
-            value = (1 + 0.2 * noise if name == "scale" else 0.1 * noise if name == "bias" else
-                     noise if name == "embedding" else noise / np.sqrt(old.shape[-2]))
-            new.append((path, variable.replace(jax.device_put(value.astype(old.dtype), old.sharding))))
-        nnx.update(model, nnx.from_flat_state(new))
-        state = nnx.split((model, optimizer))[1]
-        run.save(0, state)
+        if randomize_params:
+            rng, new = np.random.default_rng(seed), []
+            for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+                old = variable.get_value()
+                noise = rng.standard_normal(old.shape).astype(np.float32)
+                name = path[-1]
+                value = (1 + 0.2 * noise if name == "scale" else 0.1 * noise if name == "bias" else
+                         noise if name == "embedding" else noise / np.sqrt(old.shape[-2]))
+                new.append((path, variable.replace(jax.device_put(value.astype(old.dtype), old.sharding))))
+            nnx.update(model, nnx.from_flat_state(new))
+        run.save(0, nnx.split((model, optimizer))[1])
         run.checkpointer.wait()
     finally:
         run.close()

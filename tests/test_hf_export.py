@@ -8,11 +8,14 @@ Deliberate bugs these tests were run against once (each made the named test fail
     (test_a_run_trained_here_gives_transformers_our_logits[llama]: the MLP's kernels have the wrong shape);
   - GPT-2's c_attn written with q and k swapped (test_a_run_trained_here_gives_transformers_our_logits[gpt2]);
   - the exported dtype left at model.param_dtype for an imported bf16 checkpoint
-    (test_round_trip_gives_back_bit_identical_tensors[llama-bf16]);
-  - _refuse_foreign not looking at the output (test_an_output_holding_other_files_is_refused).
+    (test_round_trip_gives_back_bit_identical_tensors[llama-bf16-shards]);
+  - _refuse_foreign not looking at the output (test_an_output_holding_other_files_is_refused);
+  - run.build starting a resumed run of an imported checkpoint from the checkpoint's weights again instead of its
+    own latest state (test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports: steps 3-4 differ).
 """
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -22,7 +25,6 @@ import torch
 from scone_jax.config import base_config
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.serving import bundle, hf_export
-from scone_jax.training import run as run_lib
 from tests import hf_models
 
 
@@ -30,7 +32,7 @@ def imported(tmp_path, family, **checkpoint):
     """(the source model, its directory, the workdir of the run imported from it at step 0)."""
     hf_dir, workdir = str(tmp_path / "hf"), str(tmp_path / "run")
     model = hf_models.save_checkpoint(hf_dir, family, **checkpoint)
-    run_lib.save_initial_state(hf_models.import_config(hf_dir), workdir, 0)
+    hf_models.save_run(hf_models.import_config(hf_dir), workdir, devices=1)  # exported on all 8
     return model, hf_dir, workdir
 
 
@@ -43,20 +45,20 @@ def stored(directory) -> dict:
     return out
 
 
+SLOW = pytest.mark.slow  # each builds and saves a whole run: the fast tier keeps one case of each kind
 ROUND_TRIPS = [  # (family, transformers overrides, checkpoint dtype, source shard size, export shard bytes)
-    ("gpt2", {}, torch.float32, None, None),
-    ("llama", {}, torch.bfloat16, "40KB", 60_000),
-    ("olmo", dict(tie=True), torch.float32, None, None),
-    ("qwen3", dict(tie=True), torch.bfloat16, None, None),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
-     torch.float32, None, None),
+    pytest.param("llama", {}, torch.bfloat16, "40KB", 60_000, id="llama-bf16-shards"),
+    pytest.param("qwen3", dict(tie=True), torch.bfloat16, None, None, id="qwen3-tied-bf16"),
+    pytest.param("gpt2", {}, torch.float32, None, None, marks=SLOW, id="gpt2-fp32"),
+    pytest.param("olmo", dict(tie=True), torch.float32, None, None, marks=SLOW, id="olmo-tied-fp32"),
+    pytest.param("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8}},
+                 torch.float32, None, None, marks=SLOW, id="llama3.1-fp32"),
 ]
 
 
-@pytest.mark.parametrize("family,overrides,dtype,source_shards,export_shards", ROUND_TRIPS,
-                         ids=lambda v: v if isinstance(v, str) else str(v).replace("torch.", "") if
-                         isinstance(v, torch.dtype) else None)
+@pytest.mark.parametrize("family,overrides,dtype,source_shards,export_shards", ROUND_TRIPS)
 def test_round_trip_gives_back_bit_identical_tensors(tmp_path, family, overrides, dtype, source_shards, export_shards):
     """HF -> import_hf's run -> --format=hf: the same tensor names, dtypes and bytes; transformers opens the export
     (AutoModelForCausalLM, no custom code) and computes the source model's logits exactly."""
@@ -88,33 +90,39 @@ def test_round_trip_gives_back_bit_identical_tensors(tmp_path, family, overrides
     assert hf_export.export_hf(workdir, out) == meta  # a finished export again: nothing to do
 
 
-def scratch_config(tokenizer, **model):
-    """A small run of our own with the model keys `model`, its parameters sharded over data x fsdp x tensor."""
+def scratch_config(tokenizer, sharded=False, **model):
+    """A small run of our own with the model keys `model`; `sharded`: its parameters sharded over data 2 x fsdp 2 x
+    tensor 2 (all 8 devices), else on whatever devices it is built over."""
     c = base_config()
     c.model.update(dict(vocab_size=512, d_model=48, num_layers=2, num_heads=4, d_ff=80, max_seq_len=32, **model))
     c.data.update(dict(tokenizer_path=tokenizer, seq_len=16, global_batch_size=8, worker_count=0))
-    c.mesh.update(dict(data=2, fsdp=2, tensor=2))
+    if sharded:
+        c.mesh.update(dict(data=2, fsdp=2, tensor=2))
     c.lock()
     return c
 
 
 LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False)
 SCRATCH = [  # (family, model keys)
-    ("gpt2", {}),
-    ("llama", LLAMA_STYLE),
-    ("olmo", dict(LLAMA_STYLE, norm="nonparametric_layernorm", tie_embeddings=True, scan_layers=False)),
-    ("qwen3", dict(LLAMA_STYLE, qk_norm=True, num_kv_heads=2, head_dim=16, norm_eps=1e-6, rope_theta=1e6)),
+    pytest.param("gpt2", {}, id="gpt2"),
+    pytest.param("qwen3", dict(LLAMA_STYLE, qk_norm=True, num_kv_heads=2, head_dim=16, norm_eps=1e-6, rope_theta=1e6),
+                 id="qwen3"),
+    pytest.param("llama", LLAMA_STYLE, marks=SLOW, id="llama"),
+    pytest.param("olmo", dict(LLAMA_STYLE, norm="nonparametric_layernorm", tie_embeddings=True, scan_layers=False),
+                 marks=SLOW, id="olmo"),
 ]
 
 
-@pytest.mark.parametrize("family,model", SCRATCH, ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("family,model", SCRATCH)
 def test_a_run_trained_here_gives_transformers_our_logits(tmp_path, tokenizer_path, family, model):
     """A run of our own (a SentencePiece tokenizer, every parameter random) exports as the family its model section
     matches; transformers' model of the export gives our decoder's logits within 1e-4 on a right-padded batch."""
     from transformers import AutoModelForCausalLM
 
     workdir, out = str(tmp_path / "run"), str(tmp_path / "out")
-    decoder = hf_models.random_run(scratch_config(tokenizer_path, **model), workdir)
+    sharded = family == "gpt2"  # its fused c_attn gathered from q, k, v sharded over fsdp and tensor
+    config = scratch_config(tokenizer_path, sharded=sharded, **model)
+    decoder = hf_models.save_run(config, workdir, devices=None if sharded else 1, randomize_params=True)
     assert hf_export.export_hf(workdir, out)["family"] == family
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
     tokens, lengths = hf_models.padded_batch(vocab=500)
@@ -126,6 +134,7 @@ def test_a_run_trained_here_gives_transformers_our_logits(tmp_path, tokenizer_pa
     assert os.path.exists(os.path.join(out, "tokenizer.model")) and tokenizer_config["eos_token"] == "</s>"
 
 
+@pytest.mark.slow
 def test_the_tokenizer_of_a_run_of_its_own_opens_with_autotokenizer(tmp_path):
     """A run trained from scratch with a tokenizer.json: tokenizer_config.json names its special tokens, and
     AutoTokenizer encodes as the run did."""
@@ -135,7 +144,7 @@ def test_the_tokenizer_of_a_run_of_its_own_opens_with_autotokenizer(tmp_path):
     workdir, out = str(tmp_path / "run"), str(tmp_path / "out")
     config = scratch_config(path, **LLAMA_STYLE)
     config.model.vocab_size = 384
-    hf_models.random_run(config, workdir)
+    hf_models.save_run(config, workdir, devices=1, randomize_params=True)
     hf_export.export_hf(workdir, out)
     tokenizer, text = Tokenizer.load(path), "In the beginning God created the heaven and the earth."
     auto = AutoTokenizer.from_pretrained(out)
@@ -177,3 +186,45 @@ def test_an_output_holding_other_files_is_refused(tmp_path):
     with pytest.raises(bundle.BundleError, match=r"differs from this one in \['step'\]"):
         hf_export.export_hf(workdir, out)
     assert meta["step"] == 0
+
+
+@pytest.mark.slow
+def test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports(tmp_path):
+    """tools/import_hf.py -> scone_jax.main (stopped after 2 steps and resumed) == an uninterrupted run, batch for
+    batch and parameter for parameter; the run then exports with --format=hf (transformers opens it) and as a
+    bundle, like any run."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.common import run_main, run_tool, step_records
+    from tests.test_train import final_params
+
+    hf_dir = str(tmp_path / "hf")
+    hf_models.save_checkpoint(hf_dir, "qwen3", tie=True)
+    flags = ["--config.data.seq_len=16", "--config.data.global_batch_size=8", "--config.train.num_steps=4",
+             "--config.train.checkpoint_every=2", "--config.train.eval_every=0", "--config.train.log_every=1",
+             "--config.data.worker_count=0"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    result = run_tool("tools/import_hf.py", [f"--hf_dir={hf_dir}", f"--workdir={straight}", *flags])
+    assert result.returncode == 0 and "imported the qwen3 checkpoint" in result.stdout, result.stderr[-3000:]
+    shutil.copytree(straight, split)
+    main_flags = [f"--config.model.init_from_hf={hf_dir}", *flags]
+    done = run_main(straight, *main_flags, config="configs/finetune_hf.py")
+    assert done.returncode == 0 and "Resumed from step 0" in done.stderr, done.stderr[-3000:]
+    first = run_main(split, *main_flags, "--config.train.max_steps_per_run=2", config="configs/finetune_hf.py")
+    second = run_main(split, *main_flags, config="configs/finetune_hf.py")
+    assert first.returncode == second.returncode == 0 and "Resumed from step 2" in second.stderr, second.stderr[-3000:]
+    a, b = step_records(straight), step_records(split)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert [a[s]["batch_crc"] for s in a] == [b[s]["batch_crc"] for s in a]
+    np.testing.assert_allclose([a[s]["loss"] for s in a], [b[s]["loss"] for s in a], rtol=1e-6)
+    config = hf_models.import_config(hf_dir)
+    from scone_jax.hf import derive
+    derive.apply(config)
+    for x, y in zip(final_params(config, straight), final_params(config, split)):
+        np.testing.assert_array_equal(x, y)
+    out = str(tmp_path / "out")
+    exported = run_tool("-m scone_jax.serving.export", [f"--workdir={straight}", f"--output={out}", "--format=hf"])
+    assert exported.returncode == 0 and "as a qwen3 checkpoint (F32)" in exported.stdout, exported.stderr[-3000:]
+    assert AutoModelForCausalLM.from_pretrained(out).config.tie_word_embeddings
+    exported = run_tool("-m scone_jax.serving.export", [f"--workdir={straight}", f"--output={tmp_path / 'bundle'}"])
+    assert exported.returncode == 0, exported.stderr[-3000:]

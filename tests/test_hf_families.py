@@ -117,7 +117,8 @@ def test_the_family_of_a_model_section():
     with pytest.raises(HfConfigError) as e:
         families.of_model(dict(gpt2, position="rope"))
     assert "gpt2 needs position='learned' (has 'rope')" in str(e.value)
-    assert "llama needs mlp='swiglu' (has 'gelu')" in str(e.value) and "norm='rmsnorm' (has 'layernorm')" in str(e.value)
+    assert "llama needs mlp='swiglu' (has 'gelu')" in str(e.value)
+    assert "norm='rmsnorm' (has 'layernorm')" in str(e.value)
     with pytest.raises(HfConfigError, match="embedding_multiplier=1.0 \\(has 2.0\\)"):
         families.of_model(dict(llama, embedding_multiplier=2.0))
     with pytest.raises(HfConfigError, match="num_kv_heads=0 \\(has 2\\)"):  # GPT-2 has no grouped-query attention

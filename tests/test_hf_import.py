@@ -6,12 +6,15 @@ loaded into a mesh that shards them; each block read once; a fresh run's state b
 Deliberate bugs these tests were run against once (each made the named test fail):
   - Tensor.hf_block ignoring a part's offset (GPT-2's c_attn: k and v read q's columns)
     (test_logits_match_transformers[gpt2-untied]);
-  - load_decoder's per-array block cache dropped (test_each_block_is_read_once_into_its_sharding: twice the bytes, once per data replica);
+  - load_decoder's per-array block cache dropped
+    (test_each_block_is_read_once_into_its_sharding: twice the bytes, once per data replica);
   - the Llama layout mapping input_layernorm to mlp_norm and post_attention_layernorm to attn_norm
     (test_logits_match_transformers[llama-untied]: norm weights randomised, as transformers leaves them at 1);
   - _create not updating the decoder with the loaded parameters (test_a_fresh_scone_run_starts_from_the_checkpoint);
   - derive._set writing the derived value over a user's different one silently
-    (test_a_model_key_set_by_the_user_that_differs_is_refused_naming_both).
+    (test_a_model_key_set_by_the_user_that_differs_is_refused_naming_both);
+  - derive.apply leaving data.add_bos at its default
+    (test_documents_start_with_a_bos_as_the_checkpoints_tokenizer_starts_them[qwen3-False, gpt2-False, olmo-False]).
 """
 import os
 
@@ -23,7 +26,6 @@ import torch
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.config import base_config
 from scone_jax.hf import derive, load as hf_load, safetensors as st
 from scone_jax.hf.checkpoint_dir import HfCheckpointError
 from scone_jax.training import run as run_lib, state as state_lib
@@ -51,16 +53,19 @@ def loaded_decoder(directory, config):
 
 
 CASES = [  # (family, tie, transformers overrides, scan_layers); 2 k/v heads for 4 query heads except GPT-2's
-    ("gpt2", False, {}, True), ("gpt2", True, {}, False),
-    ("llama", False, {}, True), ("llama", True, {"rope_parameters": LLAMA31}, False),
-    ("qwen3", False, {}, True), ("qwen3", True, {}, True),  # head_dim 16 != 48 / 4, q/k norms
-    ("qwen3", False, {"rope_parameters": YARN}, True),
-    ("olmo", False, {}, True), ("olmo", True, {}, False),
+    pytest.param("gpt2", False, {}, True, id="gpt2-untied"),
+    pytest.param("gpt2", True, {}, False, id="gpt2-tied-unscanned"),
+    pytest.param("llama", False, {}, True, id="llama-untied"),  # head_dim 16 != 48 / 4
+    pytest.param("llama", True, {"rope_parameters": LLAMA31}, False, id="llama3.1-tied-unscanned"),
+    pytest.param("qwen3", False, {}, True, id="qwen3-untied"),
+    pytest.param("qwen3", True, {}, True, id="qwen3-tied"),
+    pytest.param("qwen3", False, {"rope_parameters": YARN}, True, id="qwen3-yarn"),
+    pytest.param("olmo", False, {}, True, id="olmo-untied"),
+    pytest.param("olmo", True, {}, False, id="olmo-tied-unscanned"),
 ]
 
 
-@pytest.mark.parametrize("family,tie,overrides,scan", CASES,
-                         ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("family,tie,overrides,scan", CASES)
 def test_logits_match_transformers(tmp_path, family, tie, overrides, scan):
     model = hf_models.save_checkpoint(str(tmp_path), family, tie=tie, **overrides)
     config = mesh_config(str(tmp_path), scan_layers=scan)
@@ -106,6 +111,7 @@ def test_a_bf16_checkpoint_loads_exactly_into_fp32_parameters(tmp_path):
                                   hf_models.hf_logits(model, tokens, lengths), lengths)
 
 
+@pytest.mark.slow  # builds a whole SCONE run (its f-grams extracted, its state compiled)
 def test_a_fresh_scone_run_starts_from_the_checkpoint(tmp_path):
     """run.build (FRESH) of a SCONE run with model.init_from_hf: the decoder's parameters are the checkpoint's, the
     optimizer's moments zeros of their shapes, the f-gram model exactly the random one a run without the
@@ -165,3 +171,22 @@ def test_a_model_key_set_by_the_user_that_differs_is_refused_naming_both(tmp_pat
     same.model.d_model, same.model.num_layers = 48, 2  # the checkpoint's own values: fine
     derive.apply(same)
     assert same.model.d_model == 48
+
+
+@pytest.mark.skipif("add_bos" not in hf_models.base_config().data, reason="data.add_bos comes with the decoder's "
+                    "branch (arch); merged together")
+@pytest.mark.parametrize("family,add_bos", [("llama", True), ("qwen3", False), ("gpt2", False), ("olmo", False)])
+def test_documents_start_with_a_bos_as_the_checkpoints_tokenizer_starts_them(tmp_path, family, add_bos):
+    """data.add_bos follows tokenizer_config.json's add_bos_token (Qwen3's and OLMo's say False), else whether
+    tokenizer.json's template puts a special token first (Llama 3's does, GPT-2's has no template); and the
+    pipeline's first row then starts with the bos or with the document."""
+    from scone_jax.data import pipeline, tokenizer as tokenizer_lib
+
+    hf_models.save_checkpoint(str(tmp_path), family)
+    config = hf_models.import_config(str(tmp_path))
+    derive.apply(config)
+    assert config.data.add_bos is add_bos
+    tokenizer = tokenizer_lib.Tokenizer.load(config.data.tokenizer_path, tokenizer_lib.special_tokens_of(config.data))
+    first = pipeline.batch_builder(config.data, tokenizer)(0).inputs[0, 0]
+    if family != "gpt2":  # GPT-2's bos is its eos: nothing tells it from the document's first id
+        assert bool(first == tokenizer.bos_id) is add_bos

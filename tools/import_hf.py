@@ -29,14 +29,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from scone_jax import config as config_lib  # noqa: E402
 from scone_jax.runtime import job_flags, tool_main  # noqa: E402
+from scone_jax.runtime.errors import one_line  # noqa: E402
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                                "finetune_hf.py")
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "A local Hugging Face checkpoint directory (config.json, "
                               "model.safetensors or shards with model.safetensors.index.json, tokenizer.json).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (must hold no checkpoint yet).")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "The run's config file[:variant]; its model "
-                                          "keys are derived from the checkpoint.", lock_config=True)
+
+
+def _flag_error(argv) -> str | None:
+    """Why --config / --config.KEY flags do not parse, in one line; the default config file when none is given."""
+    if not any(a.startswith("--config=") for a in argv):
+        argv = [*argv, f"--config={_DEFAULT_CONFIG}"]
+    return config_lib.config_flag_error(argv)
+
+
+try:  # config_flags applies --config.KEY=VALUE to the default file here, at definition
+    _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "The run's config file[:variant]; its model "
+                                              "keys are derived from the checkpoint.", lock_config=True)
+except (AttributeError, KeyError, ValueError) as _error:
+    print(f"import_hf: error: {_flag_error(sys.argv) or one_line(_error)}", file=sys.stderr)
+    sys.exit(tool_main.EXIT_BAD_INPUT)
 _JOIN = job_flags.define()
 flags.adopt_module_key_flags(job_flags)
 
@@ -48,7 +62,8 @@ def prepare(config, hf_dir: str):
 
     set_dir = config.model.init_from_hf
     if set_dir and os.path.abspath(set_dir) != os.path.abspath(hf_dir):
-        raise ValueError(f"--hf_dir={hf_dir} but the config sets model.init_from_hf={set_dir!r}. Fix: pass one of them.")
+        raise ValueError(f"--hf_dir={hf_dir} but the config sets model.init_from_hf={set_dir!r}. Fix: pass one of "
+                         "them.")
     config.model.init_from_hf = hf_dir
     checkpoint = derive.apply(config)
     config_lib.validate(config)
@@ -88,7 +103,11 @@ def main():
     from scone_jax.runtime import distributed, logs
 
     logs.quiet_libraries()
-    config = _CONFIG.value
+    try:
+        config = _CONFIG.value
+        config.keys()  # a lazy placeholder until used
+    except Exception as e:  # noqa: BLE001 - config_flags defers a config file's failure to first use
+        raise ValueError(_flag_error(sys.argv) or one_line(e)) from None
     checkpoint = prepare(config, _HF_DIR.value)
     distributed.initialize(_JOIN.spec())
     import_checkpoint(config, _WORKDIR.value)
@@ -105,4 +124,4 @@ if __name__ == "__main__":
     from scone_jax.runtime import distributed as _distributed
 
     tool_main.run(main, program="import_hf", errors=(*tool_main.BAD_INPUT, _distributed.DistributedStartError),
-                  flag_error=config_lib.config_flag_error)
+                  flag_error=_flag_error)

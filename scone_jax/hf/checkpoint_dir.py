@@ -205,7 +205,8 @@ def _check_tensors(directory: str, family: Family, model: dict, files: dict) -> 
         elif not family.ignored(stored, model) and not family.ignored(name, model):
             unexpected.append(stored)
     if unexpected:
-        raise HfCheckpointError(f"{files[unexpected[0]].path} holds tensor {unexpected[0]}, which a {family.model_type} "
+        first = unexpected[0]
+        raise HfCheckpointError(f"{files[first].path} holds tensor {first}, which a {family.model_type} "
                                 f"model of its config.json has no place for ({len(unexpected)} such tensors). Fix: "
                                 "check that config.json belongs to these weights.")
     missing = [name for name in expected if name not in names]

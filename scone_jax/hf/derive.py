@@ -3,6 +3,7 @@ from config.json, the data section's tokenizer and special tokens from tokenizer
 
 `apply(config)` opens and checks the checkpoint (checkpoint_dir.py: config.json, every safetensors header, every
 tensor's name, shape and dtype) and the tokenizer, then writes into `config`:
+  model.init_from_hf its absolute path (the export reads the directory again, from wherever it runs);
   model.*            every key the checkpoint's architecture fixes (families/), vocab_size included: exactly the
                      embedding's rows. A value the user set (not the key's default) that differs is refused in one
                      line naming both; the same value is fine.
@@ -32,6 +33,7 @@ def apply(config) -> HfCheckpoint | None:
     if not directory:
         return None
     checkpoint = open_checkpoint(directory)
+    config.model.init_from_hf = checkpoint.directory  # absolute: the export reads it from wherever it runs
     derived = dict(checkpoint.model)
     for key, value in derived.items():
         _set(config, f"model.{key}", value, checkpoint, derived)

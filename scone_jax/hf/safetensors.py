@@ -166,7 +166,8 @@ def header_bytes(specs: Iterable[tuple[str, np.dtype, tuple[int, ...]]], metadat
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for name, dtype, shape in specs:
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

@@ -30,7 +30,8 @@ DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' own default max_shard_size
 
 def hf_config(family: Family, model, dtype: str, special_ids: dict) -> dict:
     """config.json for our model section: the family's fields, its class, the tensors' dtype and the token ids."""
-    ids = {f"{role}_token_id": int(special_ids[role]) for role in ("bos", "eos", "pad") if special_ids.get(role) is not None}
+    ids = {f"{role}_token_id": int(special_ids[role]) for role in ("bos", "eos", "pad")
+           if special_ids.get(role) is not None}
     return {"architectures": [family.architecture], "model_type": family.model_type, **family.hf_config(model),
             "dtype": TORCH_NAMES[dtype], "use_cache": True, **ids}
 

@@ -10,14 +10,7 @@ default) or at ('stack', 'blocks', i, ...) one per layer.
 from __future__ import annotations
 
 import dataclasses
-import math
 
-ARCH_KEYS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "max_seq_len",
-             "norm", "norm_eps", "mlp", "position", "rope_theta", "rope_scaling", "rope_scaling_factor",
-             "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast",
-             "rope_beta_slow", "use_bias", "tie_embeddings", "qk_norm", "embedding_multiplier")
-ROPE_SCALING_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len",
-                     "rope_beta_fast", "rope_beta_slow")
 BLOCKS = ("stack", "blocks")
 
 
@@ -204,8 +197,8 @@ class Family:
     fits: dict = {}  # model keys this family's architecture fixes (compared with `canonical`)
 
     def model_keys(self, hf: dict, where: str) -> dict:
-        """config.json -> every ARCH_KEYS value; HfConfigError (one line, naming the field and value) for a setting
-        outside the family or our decoder."""
+        """config.json -> every model key its architecture fixes; HfConfigError (one line, naming the field and
+        value) for a setting outside the family or our decoder."""
         raise NotImplementedError
 
     def hf_config(self, model) -> dict:

@@ -58,7 +58,8 @@ class Gpt2(base.Family):
         tensors = [table("transformer.wte.weight", v, d, ("token_embed", "embedding")),
                    table("transformer.wpe.weight", model["max_seq_len"], d, ("pos_embed", "embedding"))]
         for hf_norm, ours in (("ln_1", "attn_norm"), ("ln_2", "mlp_norm")):
-            tensors += [vector(f"{at}{hf_norm}.weight", d, (ours, "scale")), vector(f"{at}{hf_norm}.bias", d, (ours, "bias"))]
+            tensors += [vector(f"{at}{hf_norm}.weight", d, (ours, "scale")),
+                        vector(f"{at}{hf_norm}.bias", d, (ours, "bias"))]
         tensors += [Tensor(at + "attn.c_attn.weight", (d, 3 * d), qkv("kernel")),
                     Tensor(at + "attn.c_attn.bias", (3 * d,), qkv("bias"))]
         for hf_name, ours, d_in, d_out in (("attn.c_proj", ("attn", "out"), d, d), ("mlp.c_fc", ("mlp", "up"), d, f),

@@ -368,3 +368,32 @@ def test_runs_outside_a_stock_input_take_the_remote_code(change):
         section, name = key.split(".")
         config[section][name] = value
     assert hf_remote.needed(config) and hf_export.plan(config)[0].model_type == "gpt2"
+
+
+@pytest.mark.slow
+def test_the_program_exports_a_scone_run_for_transformers(scone_export, loaded, tmp_path):
+    """`python -m scone_jax.serving.export --format=hf` on the SCONE run (one CPU device): exit 0, the line saying
+    where the decoder went, and a directory transformers opens whose greedy tokens are the in-process export's; into
+    a directory holding another file, exit 2 and one line."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.common import run_tool
+
+    out = str(tmp_path / "hf")
+    done = run_tool("-m scone_jax.serving.export", [f"--workdir={scone_export['workdir']}", f"--output={out}",
+                                                    "--format=hf", "--batch_rows=256"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "as a llama checkpoint (F32) inside the SCONE remote-code model" in done.stdout, done.stdout
+    served, model = loaded["scone"]
+    again = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    prompt = torch.from_numpy(encode(served, TEXTS[1])[None].astype(np.int64))
+    model.generation_config.eos_token_id = again.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want, got = (m.generate(prompt, max_new_tokens=8, do_sample=False) for m in (model, again))
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    refused = run_tool("-m scone_jax.serving.export", [f"--workdir={scone_export['workdir']}",
+                                                       f"--output={tmp_path / 'other'}", "--format=hf"])
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 2 and "already holds 1 files (notes.txt)" in lines[-1], refused.stderr[-2000:]

@@ -381,13 +381,11 @@ def run(args):
     if args.format.value == "hf":
         from scone_jax.serving import hf_export
 
-        meta = hf_export.export_hf(args.workdir.value, args.output.value,
-                                   dtype=args.dtype.value if args.dtype.present else None,
-                                   batch_rows=args.batch_rows.value)
+        meta = hf_export.export_hf(args.workdir.value, args.output.value, batch_rows=args.batch_rows.value,
+                                   dtype=args.dtype.value if args.dtype.present else None)
         if jax.process_index() == 0:
-            inside = " inside the SCONE remote-code model" if meta.get("remote_code") else ""
-            print(f"exported step {meta['step']} as a {meta['family']} checkpoint ({meta['dtype']}){inside} to "
-                  f"{args.output.value}")
+            print(f"exported step {meta['step']} as a {meta['family']} checkpoint ({meta['dtype']})"
+                  f"{' inside the SCONE remote-code model' if meta.get('remote_code') else ''} to {args.output.value}")
         return
     figures = export(args.workdir.value, args.output.value, dtype=args.dtype.value, chunk_rows=args.chunk_rows.value,
                      batch_rows=args.batch_rows.value)

@@ -82,8 +82,11 @@ class FgramTable:
         self.rows = open_tensor(path, "rows", dtype, (num_fgrams, width))
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
-        """Rows [len(ids), d] of the f-grams `ids` (each >= 0), each distinct row read once."""
-        unique, inverse = np.unique(np.asarray(ids, np.int64), return_inverse=True)
+        """Rows [len(ids), d] of the f-grams `ids` (each >= 0); in a large batch each distinct row is read once."""
+        ids = np.asarray(ids, np.int64)
+        if len(ids) <= 64:  # decoding: sorting costs more than reading a row twice
+            return np.asarray(self.rows[ids])
+        unique, inverse = np.unique(ids, return_inverse=True)
         return np.asarray(self.rows[unique])[inverse.reshape(-1)]
 
 

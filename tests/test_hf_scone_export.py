@@ -13,7 +13,8 @@ Deliberate bugs these tests were run against once (each made the named test fail
   - scone_inputs dropping embedding_multiplier: test_padded_batches_score_as_ours[baseline];
   - open_tensor not comparing the file's size with its header: test_a_table_that_disagrees_with_config_is_refused
     [truncated] (numpy's own multi-line mmap error instead) and [appended] (accepted);
-  - hf_remote.write_table computing the rows of f-grams r+1 for row r: test_the_export_holds_the_bundles_rows_...
+  - hf_remote.write_table computing the rows of f-grams r+1 for row r: test_the_export_holds_the_bundles_rows_...;
+  - FgramTable.gather returning a large batch's rows in sorted order: test_table_rows_read_back_as_written.
 The greedy generation test does not see the short window (its prompts' matches across the step boundary are 2-grams
 and 3-grams); the decoding-windows test does.
 """
@@ -209,6 +210,22 @@ def fgram_text(vocab, rng, rows: int, length: int) -> np.ndarray:
             seq.extend(vocab.tokens[f, :vocab.lengths[f]].tolist() if rng.random() < 0.85 else [rng.integers(300)])
         out[r] = seq[:length]
     return out
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_table_rows_read_back_as_written(tmp_path, dtype):
+    """A table file written by our safetensors writer, read by the remote code: the rows of given ids, the repeated
+    and unordered ones of a large batch included, viewed in torch as the values written."""
+    from scone_jax.hf import safetensors as st
+    from scone_jax.hf.remote_code.modeling_scone import TORCH_VIEWS
+
+    rows = np.random.default_rng(0).standard_normal((300, 8)).astype(st.DTYPES[dtype])
+    path = str(tmp_path / "table.safetensors")
+    st.write_file(path, [("rows", rows.dtype, rows.shape)], lambda name: rows)
+    table = scone_fgrams.FgramTable(path, 300, 8, dtype)
+    for ids in (np.array([5, 0, 5]), np.random.default_rng(1).integers(300, size=500)):
+        got = torch.from_numpy(table.gather(ids)).view(TORCH_VIEWS[dtype]).float().numpy()
+        np.testing.assert_array_equal(got, rows[ids].astype(np.float32))
 
 
 @pytest.fixture(scope="module")

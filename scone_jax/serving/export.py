@@ -1,5 +1,6 @@
 """Export a trained SCONE run for inference: `python -m scone_jax.serving.export --workdir=RUN --output=PATH`.
-(With --format=hf: its decoder as a stock Hugging Face checkpoint instead, serving/hf_export.py.)
+(With --format=hf: its decoder as a stock Hugging Face checkpoint instead, serving/hf_export.py; a SCONE run's
+inside a transformers remote-code model with its f-gram table, serving/hf_remote.py.)
 
 Runs the f-gram model once over all S f-grams (docs/method.md §6) in large batches sharded over every
 device of every process, and writes the bundle described in scone_jax/serving/bundle.py (PATH local or
@@ -367,7 +368,7 @@ def _define_flags():
                              "the decoder, the tokenizer); hf: the decoder as a stock Hugging Face checkpoint of its "
                              "family, for transformers (serving/hf_export.py; --dtype then sets its tensors' dtype, by "
                              "default the imported checkpoint's or model.param_dtype); a SCONE run's goes inside a "
-                             "trust_remote_code model with its f-gram table (--dtype too, bf16 by default).")
+                             "trust_remote_code model with its f-gram table (--dtype sets the table's too; bf16 by default).")
     join = job_flags.define()
     flags.adopt_module_key_flags(job_flags)  # listed by --help
     return types.SimpleNamespace(workdir=workdir, output=output, dtype=dtype, chunk_rows=chunk_rows,

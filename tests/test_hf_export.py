@@ -154,8 +154,6 @@ def test_the_tokenizer_of_a_run_of_its_own_opens_with_autotokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("change,named", [
-    ({"scone.enabled": True}, "no place for a SCONE run"),
-    ({"model.embedding_multiplier": 2.0}, "model.embedding_multiplier=2.0 scales the decoder's input"),
     ({"model.position": "rope"}, "gpt2 needs position='learned' (has 'rope')"),
 ])
 def test_what_no_family_expresses_is_refused_in_one_line(change, named):

@@ -1,5 +1,6 @@
 """Export a trained SCONE run for inference: `python -m scone_jax.serving.export --workdir=RUN --output=PATH`.
-(With --format=hf: its decoder as a stock Hugging Face checkpoint instead, serving/hf_export.py.)
+(With --format=hf: its decoder as a stock Hugging Face checkpoint instead, serving/hf_export.py; a SCONE run's
+inside a transformers remote-code model with its f-gram table, serving/hf_remote.py.)
 
 Runs the f-gram model once over all S f-grams (docs/method.md §6) in large batches sharded over every
 device of every process, and writes the bundle described in scone_jax/serving/bundle.py (PATH local or
@@ -366,7 +367,8 @@ def _define_flags():
     kind = flags.DEFINE_enum("format", "bundle", ["bundle", "hf"], "bundle: this package's export (the table, "
                              "the decoder, the tokenizer); hf: the decoder as a stock Hugging Face checkpoint of its "
                              "family, for transformers (serving/hf_export.py; --dtype then sets its tensors' dtype, by "
-                             "default the imported checkpoint's or model.param_dtype).")
+                             "default the imported checkpoint's or model.param_dtype); a SCONE run's goes inside a "
+                             "trust_remote_code model with its f-gram table (--dtype sets the table's too; bf16 by default).")
     join = job_flags.define()
     flags.adopt_module_key_flags(job_flags)  # listed by --help
     return types.SimpleNamespace(workdir=workdir, output=output, dtype=dtype, chunk_rows=chunk_rows,
@@ -380,11 +382,11 @@ def run(args):
     if args.format.value == "hf":
         from scone_jax.serving import hf_export
 
-        meta = hf_export.export_hf(args.workdir.value, args.output.value,
+        meta = hf_export.export_hf(args.workdir.value, args.output.value, batch_rows=args.batch_rows.value,
                                    dtype=args.dtype.value if args.dtype.present else None)
         if jax.process_index() == 0:
-            print(f"exported step {meta['step']} as a {meta['family']} checkpoint ({meta['dtype']}) to "
-                  f"{args.output.value}")
+            print(f"exported step {meta['step']} as a {meta['family']} checkpoint ({meta['dtype']})"
+                  f"{' inside the SCONE remote-code model' if meta.get('remote_code') else ''} to {args.output.value}")
         return
     figures = export(args.workdir.value, args.output.value, dtype=args.dtype.value, chunk_rows=args.chunk_rows.value,
                      batch_rows=args.batch_rows.value)

@@ -4,8 +4,9 @@ checkpoint of its family, which `transformers.AutoModelForCausalLM.from_pretrain
 The family is the run's: the model_type of the checkpoint it was imported from (model.init_from_hf), or, for a run
 trained from scratch, the family its model section matches exactly (hf/families: a GPT-2-style config -> gpt2;
 RoPE + RMSNorm + SwiGLU -> llama, with model.qk_norm -> qwen3; non-parametric LayerNorm -> olmo); a model that
-matches none is refused in one line naming what does not fit. Refused too, for now: a SCONE run (its f-gram
-table has no place in a stock checkpoint) and model.embedding_multiplier != 1 (no family scales its input).
+matches none is refused in one line naming what does not fit. A SCONE run, or one with model.embedding_multiplier
+!= 1 (no family scales its input), is written by serving/hf_remote.py instead: the same decoder inside a
+`trust_remote_code` model that feeds it the run's input (the f-gram rows beside it).
 
 H (local) gets the weights and config.json (hf/write.py: one tensor gathered at a time, written by process 0),
 generation_config.json, and the run's tokenizer: a tokenizer.json as the run used it, with tokenizer_config.json
@@ -34,7 +35,7 @@ from scone_jax.hf import families, write as hf_write
 from scone_jax.hf.checkpoint_dir import CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG, TORCH_DTYPES, read_json
 from scone_jax.runtime import storage
 from scone_jax.saved_config import stored_config
-from scone_jax.serving import bundle
+from scone_jax.serving import bundle, hf_remote
 from scone_jax.serving.export import open_run
 from scone_jax.training import run as run_lib
 
@@ -46,13 +47,8 @@ def plan(config) -> tuple[families.Family, str | None]:
     """(the family, the imported checkpoint's safetensors dtype or None) of a run's config; ValueError in one line
     for a run outside every family's stock format."""
     m = config.model
-    if config.scone.enabled:
-        raise ValueError("--format=hf writes a stock checkpoint, which has no place for a SCONE run's f-gram model and "
-                         "table. Fix: export it as a bundle (--format=bundle), or a run without SCONE.")
-    if m.embedding_multiplier != 1.0:
-        raise ValueError(f"model.embedding_multiplier={m.embedding_multiplier} scales the decoder's input, which no "
-                         "Hugging Face family does: a stock checkpoint would compute another model. Fix: export it as "
-                         "a bundle (--format=bundle).")
+    if hf_remote.needed(config):  # the remote-code model applies the input; the decoder inside is stock
+        m = hf_remote.stock_model(m)
     source = m.get("init_from_hf", "")
     if not source:
         return families.of_model(m), None
@@ -66,10 +62,11 @@ def plan(config) -> tuple[families.Family, str | None]:
 
 
 def export_hf(workdir: str, output: str, *, dtype: str | None = None,
-              max_shard_bytes: int = hf_write.DEFAULT_SHARD_BYTES) -> dict:
+              max_shard_bytes: int = hf_write.DEFAULT_SHARD_BYTES, batch_rows: int = 8192) -> dict:
     """Write the latest checkpoint of `workdir` to the local directory `output` (module docstring). `dtype`:
-    'float32' | 'bfloat16' | None (the imported checkpoint's, else model.param_dtype). Returns the export's
-    identity (what HF_EXPORT holds)."""
+    'float32' | 'bfloat16' | None (the imported checkpoint's, else model.param_dtype); for a SCONE run it is also
+    the f-gram table's (None: bfloat16, as the bundle's), computed `batch_rows` f-grams a step (serving/hf_remote.py).
+    Returns the export's identity (what HF_EXPORT holds)."""
     if storage.is_remote(output):
         raise ValueError(f"--output={output}: --format=hf writes a local directory (what transformers opens). Fix: "
                          "export to local disk, then copy it.")
@@ -80,6 +77,7 @@ def export_hf(workdir: str, output: str, *, dtype: str | None = None,
     except BaseException:
         latest.checkpointer.close()
         raise
+    table_dtype = dtype or "bfloat16"
     dtype = PARAM_DTYPES[dtype] if dtype else source_dtype or PARAM_DTYPES[config.model.param_dtype]
     _refuse_foreign(output)
     run = open_run(workdir, config, latest)
@@ -87,11 +85,17 @@ def export_hf(workdir: str, output: str, *, dtype: str | None = None,
         params = nnx.state(run.model(), nnx.Param)
         meta = {"format": "hf", "family": family.model_type, "step": run.step, "dtype": dtype,
                 "model_fingerprint": bundle.params_fingerprint(params), **run.expect}
+        remote = hf_remote.needed(config)
+        if remote:
+            meta.update(remote_code=True, table_dtype=table_dtype if config.scone.enabled else None)
         if _prepare(output, meta):
             return meta
-        model = {**config.model.to_dict()}
-        hf_write.write_checkpoint(output, family, model, params, dtype=dtype, special_ids=run.tokenizer.special_ids,
-                                  max_shard_bytes=max_shard_bytes)
+        if remote:
+            hf_remote.write(output, family, config, run, dtype=dtype, table_dtype=table_dtype, batch_rows=batch_rows,
+                            max_shard_bytes=max_shard_bytes)
+        else:
+            hf_write.write_checkpoint(output, family, {**config.model.to_dict()}, params, dtype=dtype,
+                                      special_ids=run.tokenizer.special_ids, max_shard_bytes=max_shard_bytes)
         if jax.process_index() == 0:
             _write_tokenizer(output, run.tokenizer, config)
             _write_marker(output, {**meta, "complete": True})

@@ -5,7 +5,8 @@ rows of K tokens each (fgram/dedup.py). Host batches hold numpy arrays, device b
 Batch is a jax pytree (absent fields are None and carry no leaves), so jit, tree maps and shardings
 take it whole.
 
-  inputs        int32 [B, T]      token ids the model reads ([bos] + ids of each document, packed)
+  inputs        int32 [B, T]      token ids the model reads ([bos] + ids of each document, packed; ids alone
+                                  with data.add_bos=False)
   targets       int32 [B, T]      the next token of each position (ids + [eos])
   segment_ids   int32 [B, T]      1, 2, ... per document piece in a row; 0 = padding (never attended to)
   positions     int32 [B, T]      position inside the piece, from 0

@@ -51,7 +51,8 @@ class Group:
 
 
 _SPECIAL_TOKENS = (
-    "The pipeline's special ids (data/tokenizer.py): each document is packed as [bos] + ids + [eos]; pad fills "
+    "The pipeline's special ids (data/tokenizer.py): each document is packed as [bos] + ids + [eos] (no bos with "
+    "data.add_bos=False); pad fills "
     "only positions masked out of the loss, so it may equal eos. '' = the tokenizer's own: a SentencePiece "
     "model's pieces; a tokenizer.json's declared bos/eos/pad, and a lone special token such as GPT-2's "
     "<|endoftext|> serves as all three. Else a token of its vocabulary, e.g. --config.data.pad_token='<pad>'. "
@@ -195,6 +196,11 @@ KEYS = (
     Key("data.bos_token", "", SETTING, _SPECIAL_TOKENS),
     Key("data.eos_token", "", SETTING, "see data.bos_token"),
     Key("data.pad_token", "", SETTING, "see data.bos_token"),
+    Key("data.add_bos", True, STATE,
+        "each document is read as [bos] + ids (inputs) with targets ids + [eos]; False: its ids alone, inputs "
+        "t_1..t_n and targets t_2..t_n, eos (n positions, not n + 1), as models without a bos (Qwen) were trained. "
+        "Training and held-out batches, f-gram extraction's counts and every served prompt follow it (data/prompt.py; "
+        "serving reads it from the bundle)"),
     Key("data.seq_len", 128, STATE, "tokens per row", ">= 1"),
     Key("data.global_batch_size", 16, STATE, "rows per step over all processes", ">= 1"),
     Key("data.shuffle_seed", 0, STATE, "the order of documents and of a mixture's rows", "in [0, 2**63)", _SEED),

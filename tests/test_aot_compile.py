@@ -59,6 +59,24 @@ def test_a_batch_too_big_for_hbm_does_not_fit():
     assert run.stdout.rstrip().splitlines()[-1].startswith("DOES NOT FIT on v5e-1; try --config.model.remat=save_dots")
 
 
+@pytest.mark.slow
+def test_a_decode_step_reports_the_kv_cache_of_grouped_heads():
+    """--decode_context: one decoding step compiled for a v5e-4 slice over a 1,024-position cache of 2 sequences;
+    the cache of 2 layers x 2 key/value heads of 32 (4 query heads) in fp32 is (k, v) 2 x 2 layers x 2 x 1024 x
+    2 x 32 x 4 bytes = 2 MiB, 4 MiB with a key/value head per query head, and the compiled step fits."""
+    run = aot(*SMALL, "--topology=v5e-4", "--decode_context=1024", "--decode_batch=2", "--config.model.num_heads=4",
+              "--config.model.num_kv_heads=2", "--config.model.head_dim=32", "--config.model.num_layers=2",
+              "--config.model.vocab_size=512", "--config.model.position=rope", "--config.model.qk_norm=True",
+              "--config.model.rope_scaling=llama3", "--config.model.rope_scaling_factor=8.0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = results(run.stdout)
+    assert found["kv_cache_gib"] * 1024 == pytest.approx(2.0, rel=1e-5)
+    assert found["kv_cache_mha_gib"] * 1024 == pytest.approx(4.0, rel=1e-5)
+    assert "(2 layers, 2 key/value heads of 32, float32): 0.002 GiB; with as many key/value heads as query heads (4)" \
+        in run.stdout
+    assert 2 / 1024 < found["hbm_gib_per_chip"] < 1
+
+
 def test_a_mesh_that_does_not_divide_the_chips_is_a_clear_error():
     run = aot(*SMALL, "--topology=v5p-8", "--config.mesh.data=3")
     assert run.returncode == 2

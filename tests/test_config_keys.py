@@ -139,3 +139,22 @@ def test_the_exported_step_key_leaves_out_exactly_the_loop_keys():
     assert kept == [key.name for key in KEYS if not key.role.program] == list(exported_step.LOOP_ONLY_KEYS)
     assert {"data.eval_files", "train.log_every", "train.compilation_cache_dir"} <= set(kept)
     assert not {"model.d_model", "train.weight_decay", "train.num_steps", "data.seq_len"} & set(kept)
+
+
+def test_a_config_saved_before_the_architecture_keys_reads_as_it_ran():
+    """Checkpoints and bundles saved before model.num_kv_heads, qk_norm, norm_eps, the RoPE scaling keys and
+    data.add_bos existed read today's defaults, which are what such runs did: as many key/value heads as query
+    heads, no q/k norm, epsilon 1e-5 (layers.make_norm's old fixed value), unscaled RoPE, [bos] + ids. (The
+    model's losses, gradients and cached decoding at these defaults were also compared, by hand, bit for bit
+    with the code before the keys.) Caught: data.add_bos defaulting to False."""
+    from scone_jax.saved_config import stored_config
+
+    old = config_lib.base_config().to_dict()
+    for name in ("num_kv_heads", "qk_norm", "norm_eps", "rope_scaling", "rope_scaling_factor",
+                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast",
+                 "rope_beta_slow"):
+        del old["model"][name]
+    del old["data"]["add_bos"]
+    config = stored_config(old)
+    m = config.model
+    assert (m.num_kv_heads, m.qk_norm, m.norm_eps, m.rope_scaling, config.data.add_bos) == (0, False, 1e-5, "none", True)

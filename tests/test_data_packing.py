@@ -18,10 +18,11 @@ def corpus(lengths, seed=0):
     return docs, InMemoryDocuments(np.concatenate(docs + [np.zeros(0, np.int32)]), offsets)
 
 
-def reference_batch(docs, seed, batch_index, rows, seq_len, finite=False):
+def reference_batch(docs, seed, batch_index, rows, seq_len, finite=False, bos=BOS):
     """The spec, one position at a time: epochs of documents in the order permutation((seed, e))
-    (given order if seed is None), each document as [bos]+ids / ids+[eos], rows cut back to
-    back, segment ids counted per row, positions restarting at every piece."""
+    (given order if seed is None), each document as [bos]+ids / ids+[eos] (bos None, data.add_bos=False:
+    t_1..t_n / t_2..t_n, eos; an empty document adds nothing), rows cut back to back, segment ids counted
+    per row, positions restarting at every piece."""
     stream = []  # (input, target, starts_a_document)
     epoch = 0
     need = (batch_index + 1) * rows * seq_len
@@ -29,7 +30,8 @@ def reference_batch(docs, seed, batch_index, rows, seq_len, finite=False):
         order = range(len(docs)) if seed is None else np.random.default_rng([seed, epoch]).permutation(len(docs))
         for d in order:
             ids = list(docs[d])
-            for i, (x, y) in enumerate(zip([BOS] + ids, ids + [EOS])):
+            pairs = zip([bos] + ids, ids + [EOS]) if bos is not None else zip(ids, ids[1:] + [EOS])
+            for i, (x, y) in enumerate(pairs):
                 stream.append((x, y, i == 0))
         epoch += 1
         if finite:
@@ -53,26 +55,29 @@ def reference_batch(docs, seed, batch_index, rows, seq_len, finite=False):
     return out
 
 
-def built(docs_store, lengths, seed, batch_index, rows, seq_len, finite=False):
-    stream = packing.Stream(np.asarray(lengths) + 1, seed=seed)
+def built(docs_store, lengths, seed, batch_index, rows, seq_len, finite=False, bos=BOS):
+    stream = packing.Stream(packing.example_lengths(lengths, bos), seed=seed)
     size = rows * seq_len
-    return pipeline.window(docs_store, stream, batch_index * size, size, rows, seq_len, BOS, EOS, PAD,
+    return pipeline.window(docs_store, stream, batch_index * size, size, rows, seq_len, bos, EOS, PAD,
                            stream_end=stream.epoch_positions if finite else None)
 
 
+@pytest.mark.parametrize("bos", [BOS, None], ids=["bos", "no_bos"])
 @pytest.mark.parametrize("lengths,rows,seq_len", [
     ([3, 0, 7, 1, 12, 5, 2], 2, 8),     # an empty document, pieces across rows
     ([40, 3, 25], 2, 16),               # documents longer than a row and than a batch
     (list(range(1, 30)), 4, 32),        # many short documents per row
 ])
-def test_batches_equal_the_position_by_position_reference(lengths, rows, seq_len):
-    """Batches 0..11 (several epochs, windows starting inside documents) equal the reference.
-    Catches positions that continue across a row break instead of restarting, a new epoch in
-    the previous epoch's order, and a window offset by the first piece's start (all seen to fail)."""
+def test_batches_equal_the_position_by_position_reference(lengths, rows, seq_len, bos):
+    """Batches 0..11 (several epochs, windows starting inside documents) equal the reference, with a bos
+    and without (data.add_bos=False). Catches positions that continue across a row break instead of
+    restarting, a new epoch in the previous epoch's order, and a window offset by the first piece's start
+    (all seen to fail); without bos: a document's last target left at its own last id instead of eos,
+    targets running into the next document, and streams still counting n + 1 positions (each seen)."""
     docs, store = corpus(lengths)
     for b in range(12):
-        got = built(store, lengths, 7, b, rows, seq_len)
-        want = reference_batch(docs, 7, b, rows, seq_len)
+        got = built(store, lengths, 7, b, rows, seq_len, bos=bos)
+        want = reference_batch(docs, 7, b, rows, seq_len, bos=bos)
         assert sorted(got.arrays()) == sorted(BASE_DTYPES)
         for key, array in got.arrays().items():
             np.testing.assert_array_equal(array, want[key], err_msg=f"batch {b} {key}")
@@ -90,6 +95,16 @@ def test_a_finite_stream_pads_its_last_row_and_stops():
     assert (got.inputs[2, 3:] == PAD).all() and (got.positions[2, 3:] == 0).all()
     empty = built(store, lengths, None, 1, 3, 8, finite=True)
     assert empty.loss_mask.sum() == 0 and (empty.inputs == PAD).all()
+
+
+def test_without_bos_a_document_is_its_ids_then_eos_by_hand():
+    """[5, 9, 2]-token documents without bos: 16 positions (n each, not n + 1), by hand for the first two."""
+    docs, store = corpus([5, 9, 2])
+    got = built(store, [5, 9, 2], None, 0, 2, 8, finite=True, bos=None)
+    d0, d1 = (list(d) for d in docs[:2])
+    assert got.inputs[0].tolist() == d0 + d1[:3] and got.targets[0].tolist() == d0[1:] + [EOS] + d1[1:4]
+    assert got.segment_ids[0].tolist() == [1] * 5 + [2] * 3 and got.positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert got.loss_mask.sum() == 16 and BOS not in got.inputs
 
 
 def test_every_epoch_visits_each_document_once_in_a_new_order():
@@ -112,5 +127,6 @@ def test_gather_returns_the_documents_in_the_asked_order():
 
 
 def test_a_stream_needs_documents():
-    with pytest.raises(ValueError, match="at least one document"):
-        packing.Stream(np.zeros(0, np.int64), seed=0)
+    for lengths in (np.zeros(0, np.int64), np.zeros(3, np.int64)):  # none; only empty ones (no bos)
+        with pytest.raises(ValueError, match="documents of at least one position in all"):
+            packing.Stream(lengths, seed=0)

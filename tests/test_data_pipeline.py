@@ -14,7 +14,7 @@ from scone_jax.data import corpus, documents, pipeline, sources
 def _data_cfg(**overrides):
     cfg = dict(source="kjv", train_files="", eval_files="", text_field="text", document_unit="line",
                eval_fraction=0.02, tokenizer_path="", vocab_size=500, seq_len=32, global_batch_size=4,
-               shuffle_seed=3, worker_count=0, prefetch_buffer=2)
+               shuffle_seed=3, worker_count=0, prefetch_buffer=2, add_bos=True)
     cfg.update(overrides)
     return ml_collections.ConfigDict(cfg)
 
@@ -56,20 +56,24 @@ def test_train_batches_shapes_dtypes_and_packing(tok):
     assert all(b.loss_mask.all() for b in batches)  # an endless stream has no padding
 
 
-def test_rows_unpack_to_the_shuffled_tokenized_documents(tok, tmp_path):
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_rows_unpack_to_the_shuffled_tokenized_documents(tok, tmp_path, add_bos):
     """The pipeline end to end on a text file: process 1 of 2 reads its share of the documents
     (documents.process_share), in epoch order permutation((shuffle_seed, epoch)), as
-    [bos] + ids / ids + [eos] back to back."""
+    [bos] + ids / ids + [eos] back to back; with data.add_bos=False as ids / ids[1:] + [eos]. Caught: the
+    training stream still counting len + 1 positions per document without bos (pipeline.batch_builder)."""
     docs = sorted(corpus.kjv_documents("eval", 0.02), key=len)[:12]  # short ones: several fit in a row
     (tmp_path / "docs.txt").write_text("\n".join(docs) + "\n")
-    cfg = _data_cfg(source="text", train_files=str(tmp_path / "docs.txt"), seq_len=256, global_batch_size=6)
+    cfg = _data_cfg(source="text", train_files=str(tmp_path / "docs.txt"), seq_len=256, global_batch_size=6,
+                    add_bos=add_bos)
     batches = pipeline.first_batches(pipeline.make_train_dataset(cfg, tok, process_index=1, process_count=2), 2)
     mine = documents.process_share(len(docs), cfg.shuffle_seed, 1, 2)  # 6 documents
     order = np.concatenate([mine[np.random.default_rng([cfg.shuffle_seed, e]).permutation(6)] for e in range(4)])
-    expected = [docs[i] for i in order]
+    expected = [tok.encode(docs[i]) for i in order]
+    bos = [tok.bos_id] if add_bos else []
     for key, stream in [
-        ("inputs", np.concatenate([np.append(tok.bos_id, tok.encode(d)) for d in expected])),
-        ("targets", np.concatenate([np.append(tok.encode(d), tok.eos_id) for d in expected])),
+        ("inputs", np.concatenate([np.concatenate([bos, d]) for d in expected])),
+        ("targets", np.concatenate([np.append(d if add_bos else d[1:], tok.eos_id) for d in expected])),
     ]:
         rows = np.concatenate([getattr(b, key) for b in batches]).reshape(-1)  # 6 rows of 256
         np.testing.assert_array_equal(rows, stream[: rows.size])
@@ -150,11 +154,15 @@ def test_eval_covers_every_held_out_document_once(tok, single_token_docs):
     assert totals == {tokens} == {20}
 
 
-def test_eval_on_kjv_pads_the_last_batch_and_counts_tokens(tok):
-    cfg = _data_cfg(seq_len=64, global_batch_size=8)
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_eval_on_kjv_pads_the_last_batch_and_counts_tokens(tok, add_bos):
+    """Held-out documents count len + 1 positions each, len without bos (data.add_bos=False), and then no
+    input is a bos. Caught: EvalBatches counting len + 1 whatever add_bos says."""
+    cfg = _data_cfg(seq_len=64, global_batch_size=8, add_bos=add_bos)
     ev = pipeline.make_eval_batches(cfg, tok)
     batches = list(ev)
-    expected_tokens = sum(len(tok.encode(d)) + 1 for d in corpus.kjv_documents("eval", 0.02))
+    expected_tokens = sum(len(tok.encode(d)) + add_bos for d in corpus.kjv_documents("eval", 0.02))
+    assert add_bos or not any((b.inputs == tok.bos_id).any() for b in batches)
     assert ev.num_tokens == ev.local_num_tokens == expected_tokens
     assert sum(b.loss_mask.sum() for b in batches) == expected_tokens
     assert len(batches) == ev.num_batches == -(-expected_tokens // (64 * 8))

@@ -43,18 +43,27 @@ def test_bad_input_is_one_line(tmp_path):
         "error: --source=kjv is text: pass --tokenizer=<model> (tools/train_tokenizer.py).")
 
 
-def test_text_corpus_counts_what_the_training_run_counts(tmp_path, tokenizer_path):
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_text_corpus_counts_what_the_training_run_counts(tmp_path, tokenizer_path, add_bos):
     """The tool and the run's own extraction (training/assets.ensure_vocab) read one stream, [bos] + ids of each
-    training document, so they build the same vocabulary. Catches the tool counting documents without bos, as
-    it did before the two shared data/tokenize.model_documents (tried: the fingerprints differ)."""
+    training document (ids alone with data.add_bos=False and the tool's --noadd_bos), so they build the same
+    vocabulary; f-grams hold the bos exactly when documents start with it. Catches the tool counting documents
+    without bos, as it did before the two shared data/tokenize.model_documents (tried: the fingerprints differ),
+    ensure_vocab counting [bos] + ids whatever data.add_bos says, and the tool ignoring --noadd_bos (each tried:
+    the no-bos case fails)."""
     config = small_config()
     config.data.tokenizer_path = tokenizer_path
+    config.data.add_bos = add_bos
     config.scone.update(dict(max_len=4, num_fgrams=500, min_count=3, extract_max_tokens=60_000))
-    run_vocab = assets.ensure_vocab(config.scone, config.data, Tokenizer.load(tokenizer_path), str(tmp_path / "run"))
+    tok = Tokenizer.load(tokenizer_path)
+    run_vocab = assets.ensure_vocab(config.scone, config.data, tok, str(tmp_path / "run"))
     out = run_tool("--source=kjv", f"--eval_fraction={config.data.eval_fraction}", f"--tokenizer={tokenizer_path}",
                    "--max_len=4", "--num_fgrams=500", "--min_count=3", "--max_tokens=60000", "--num_workers=1",
-                   f"--output={tmp_path}/tool", "--stats_batch=2", "--stats_seq_len=256", "--stats_tokens=2000")
+                   f"--output={tmp_path}/tool", "--stats_batch=2", "--stats_seq_len=256", "--stats_tokens=2000",
+                   "--add_bos" if add_bos else "--noadd_bos")
     assert out.returncode == 0, out.stderr[-2000:]
     tool_vocab = load_vocab(str(tmp_path / "tool"))
     assert tool_vocab.tokens_counted == run_vocab.tokens_counted == 60_000
     assert tool_vocab.fingerprint == run_vocab.fingerprint
+    with_bos = (run_vocab.tokens == tok.bos_id).any(axis=1).sum()  # f-grams that open a document
+    assert with_bos > 0 if add_bos else with_bos == 0

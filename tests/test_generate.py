@@ -146,3 +146,38 @@ def test_decoding_runs_the_training_modules(served, monkeypatch, module):
     assert np.abs(full - before).max() > 1.0  # the change is part of the model
     out = generate.Generator(served).generate(ids[:, :6], num_tokens=18, forced=ids[:, 6:])
     np.testing.assert_allclose(out["logits"], full[:, 5:23], rtol=1e-4, atol=1e-4)
+
+
+def without_bos(served):
+    """`served` as a bundle of a run trained with data.add_bos=False would load (its stored config says so)."""
+    config = served.config.copy_and_resolve_references()
+    with config.unlocked():
+        config.data.add_bos = False
+    return dataclasses.replace(served, config=config)
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_the_prompt_follows_the_bundles_add_bos(served, monkeypatch, capsys, add_bos):
+    """`generate --prompt=TEXT` decodes from [bos] + ids, or from the ids alone when the bundle's run had
+    data.add_bos=False (data/prompt.py); the printed text is the prompt and its continuation either way.
+    Caught: the program's old prompt, bos prepended whatever the bundle says (the no-bos case)."""
+    import types
+
+    from scone_jax.data import prompt as prompt_lib
+
+    bundle_served = served if add_bos else without_bos(served)
+    monkeypatch.setattr(inference, "load", lambda *a, **k: bundle_served)
+    prompts = []
+    original = generate.Generator.generate
+    monkeypatch.setattr(generate.Generator, "generate",
+                        lambda self, p, *a, **k: prompts.append(np.asarray(p)) or original(self, p, *a, **k))
+    value = types.SimpleNamespace
+    args = value(export=value(value="bundle"), prompt=value(value="And God said"), num_tokens=value(value=4),
+                 num_samples=value(value=1), temperature=value(value=0.0), top_k=value(value=0), seed=value(value=0),
+                 table=value(value="ram"), max_table_bytes=value(value=None))
+    generate.run(args)
+    tok = served.tokenizer
+    ids = list(tok.encode("And God said"))
+    assert prompts[0].tolist() == [([tok.bos_id] if add_bos else []) + ids]
+    assert prompt_lib.prompt_ids(tok, "", False).tolist() == [tok.eos_id]  # no text, no bos: the previous eos
+    assert capsys.readouterr().out.startswith("And God said")

@@ -256,6 +256,22 @@ def test_a_vocabulary_larger_than_the_model_is_a_one_line_error(gpt2_json, tmp_p
     assert config.model.vocab_size == 512
 
 
+def test_an_explicit_model_vocab_size_is_kept_exactly(tok):
+    """A checkpoint's embedding rows are model.vocab_size as set (GPT-2's 50,257, not a multiple of 128; Qwen3's
+    151,936), never rounded; 0 rounds the tokenizer's size up to 128. Caught: rounding applied to explicit
+    sizes too (50,257 -> 50,304)."""
+    config = small_config()
+    for rows in (50_257, 151_936):
+        with config.unlocked():
+            config.model.vocab_size = rows
+        assets.resolve_vocab_size(config, tok)
+        assert config.model.vocab_size == rows and tok.vocab_size == 500
+    with config.unlocked():
+        config.model.vocab_size = 0
+    assets.resolve_vocab_size(config, tok)
+    assert config.model.vocab_size == 512
+
+
 def test_pretokenize_records_the_fingerprint_and_training_refuses_another_tokenizer(gpt2_json, llama_json,
                                                                                    tmp_path):
     docs = list(corpus.kjv_documents("eval", 0.02)[:30]) + [t for t in AWKWARD_TEXTS[1:] if "\n" not in t]

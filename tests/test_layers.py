@@ -124,13 +124,17 @@ def test_default_norm_eps_is_the_old_fixed_epsilon():
 
 
 def test_the_kv_cache_holds_only_the_key_value_heads():
-    from scone_jax.model.transformer import init_cache
+    """init_cache: [layers, B, S, num_kv_heads, head_dim] (scanned) or one [B, S, K, H] per layer; cache_bytes (what
+    tools/aot_compile.py --decode_context prints) is the arrays' size: 2 x 2 x 2 x 8 x 2 x 16 x 2 bytes in bf16.
+    Caught: the cache sized by num_heads (twice the bytes here)."""
+    from scone_jax.model.transformer import cache_bytes, init_cache
 
-    cfg = qwen3_cfg()
-    assert init_cache(cfg, 2, 8).key.shape == (2, 2, 8, 2, 16)
+    cfg = qwen3_cfg(dtype="bfloat16")
+    cache = init_cache(cfg, 2, 8)
+    assert cache.key.shape == (2, 2, 8, 2, 16) and cache.key.dtype == jnp.bfloat16
+    assert cache_bytes(cfg, 2, 8) == cache.key.nbytes + cache.value.nbytes == 2 * 2 * 2 * 8 * 2 * 16 * 2
     cfg.scan_layers = False
     assert [v.shape for v in init_cache(cfg, 2, 8).value] == [(2, 8, 2, 16)] * 2
-    jax.block_until_ready(init_cache(cfg, 1, 1).index)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -103,6 +103,38 @@ def test_rolling_loglikelihood_equals_evaluate_on_the_same_document(lm, served, 
     np.testing.assert_allclose(text_only, total - eos_logp, rtol=1e-6)
 
 
+def test_a_run_without_bos_is_scored_without_bos(served, docs, tmp_path):
+    """A bundle whose run had data.add_bos=False: evaluate packs the held-out document as its ids alone
+    (len(ids) positions, not len(ids) + 1), the adapter's rolling total equals it, contexts carry no bos and
+    an empty one is [eos] (data/prompt.py); loglikelihood equals the plain reference on the context's ids.
+    Caught, each tried: the adapter's windows still [bos] + ids (rolling total 0.19% off evaluate's, rtol 1e-6);
+    tok_encode prepending bos whatever the bundle says."""
+    import dataclasses
+
+    config = served.config.copy_and_resolve_references()
+    with config.unlocked():
+        config.data.add_bos = False
+    plain = dataclasses.replace(served, config=config)
+    lm = harness.SconeHarnessLM(plain, batch_size=8)
+    tok = served.tokenizer
+    text = docs["long"]
+    ids = list(tok.encode(text))
+    path = tmp_path / "one_document.txt"
+    path.write_text(text + "\n")
+    data = evaluate.data_config(plain, {"data.source": "text", "data.eval_files": str(path)}).data
+    result = evaluate.evaluate(plain, data)
+    assert result["tokens"] == len(ids)
+    [total] = rolling(lm, [text])
+    np.testing.assert_allclose(total, -result["loss"] * result["tokens"], rtol=1e-6)
+    assert lm.tok_encode("In the beginning") == list(tok.encode("In the beginning"))
+    assert lm.prefix_token_id == tok.eos_id
+    context, continuation = "In the beginning God created", " the heaven and the earth."
+    [(ll, _)] = loglikelihood(lm, [(context, continuation)])
+    whole = list(tok.encode(context + continuation))
+    n = len(whole) - len(tok.encode(context))
+    np.testing.assert_allclose(ll, reference_logprobs(served, whole)[0][-n:].sum(), rtol=1e-5)
+
+
 def test_loglikelihood_equals_the_plain_reference(lm, served, docs):
     """(context, continuation) -> sum of the continuation's log-probs after [bos] + context, and
     is_greedy; a context longer than seq_len keeps its newest tokens (the reference scores that window).

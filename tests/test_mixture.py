@@ -140,7 +140,8 @@ def _cfg(tmp_path, **overrides):
     """The data config of `--config.data.train_files='a=...@3;b=...@1'`, resolved (data.mixture) as a run's is."""
     cfg = dict(source="arrayrecord", train_files=f"a={tmp_path}/a.arrayrecord@3;b={tmp_path}/b.arrayrecord@1",
                eval_files="", text_field="text", document_unit="line", eval_fraction=0.02, tokenizer_path="",
-               vocab_size=500, seq_len=16, global_batch_size=4, shuffle_seed=3, worker_count=0, prefetch_buffer=2)
+               vocab_size=500, seq_len=16, global_batch_size=4, shuffle_seed=3, worker_count=0, prefetch_buffer=2,
+               add_bos=True)
     cfg.update(overrides)
     return ml_collections.ConfigDict(config_lib.resolve_data(cfg))
 

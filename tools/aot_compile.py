@@ -18,6 +18,18 @@ every start. The last lines are `RESULT name value` for scripts (compile_s, hbm_
 step_flops, predicted_step_s) and FITS or DOES NOT FIT; the exit status is 0 if it fits, 1 if
 not, 2 for bad input. When the compiler itself runs out of HBM there is no program to
 measure: only `RESULT hbm_gib_per_chip` (the compiler's need for temporaries) is printed.
+
+With --decode_context=N the program is instead one decoding step of the main decoder (one new token for each
+of --decode_batch sequences over a KV cache of N positions: what scone_jax.serving.generate runs per token),
+compiled for the slice; it prints the KV cache's size (`RESULT kv_cache_gib`, all chips together) beside what
+it would be with as many key/value heads as query heads (`RESULT kv_cache_mha_gib`), then the step's HBM per
+chip. E.g. Qwen3-8B's shapes (36 layers, 32 query and 8 key/value heads of 128, bf16) at 8k context:
+  python tools/aot_compile.py --topology=v5e-8 --decode_context=8192 --config=configs/tiny.py:baseline \
+      --config.model.d_model=4096 --config.model.num_layers=36 --config.model.num_heads=32 \
+      --config.model.num_kv_heads=8 --config.model.head_dim=128 --config.model.d_ff=12288 \
+      --config.model.vocab_size=151936 --config.model.position=rope --config.model.norm=rmsnorm \
+      --config.model.mlp=swiglu --config.model.qk_norm=True --config.model.use_bias=False \
+      --config.model.tie_embeddings=False --config.model.dtype=bfloat16 --config.model.param_dtype=bfloat16
 """
 from __future__ import annotations
 
@@ -41,6 +53,9 @@ from scone_jax import config as config_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:variant], e.g. configs/olmo_paper.py:1b.", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-128, v4-64, v5e-256, v6e-64.")
+_DECODE_CONTEXT = flags.DEFINE_integer("decode_context", 0, "> 0: compile one decoding step over a KV cache of this "
+                                       "many positions instead of the train step, and print the cache's size.")
+_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences decoded together (with --decode_context).")
 
 GIB = 1024**3
 EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 1, 2
@@ -136,6 +151,74 @@ def compile_train_step(config, devices):
     return compiled, mesh, abstract.spec, timings
 
 
+def compile_decode_step(config, devices, context: int, batch: int):
+    """One token per sequence through the decoder over a cache of `context` positions (Decoder.decode with a
+    KVCache, as serving/generate.py runs it), lowered for the slice: parameters in their training shardings,
+    the cache's rows over (data, fsdp) and its key/value heads over 'tensor' where each divides, else whole.
+    Returns (compiled, mesh, timings)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from scone_jax import sharding
+    from scone_jax.model.layers import kv_heads_of
+    from scone_jax.model.transformer import Decoder, init_cache
+
+    mesh = sharding.make_mesh(config.mesh, devices=devices)
+    graphdef, abstract = nnx.eval_shape(lambda: nnx.split(Decoder(config.model, nnx.Rngs(0)), nnx.Param))
+    params = sharding.sharded_abstract(abstract, sharding.state_shardings(abstract, mesh))
+    rows = sharding.BATCH_AXES if batch % sharding.num_batch_shards(mesh) == 0 else None
+    heads = "tensor" if kv_heads_of(config.model) % mesh.shape["tensor"] == 0 else None
+    cache_spec = NamedSharding(mesh, P(None, rows, None, heads, None) if config.model.scan_layers
+                               else P(rows, None, heads, None))
+    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cache_spec if a.ndim else None),
+                         jax.eval_shape(lambda: init_cache(config.model, batch, context)))
+    token = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=NamedSharding(mesh, P(rows)))
+
+    def step(params, cache, tokens, positions):
+        decoder = nnx.merge(graphdef, params)
+        h, cache = decoder.decode(decoder.input_tokens(tokens), None, positions, cache)
+        return decoder.logits(h), cache
+
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(step, donate_argnums=1).lower(params, cache, token, token)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, mesh, {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
+
+
+def report_decode(config, tpu: Slice, compiled, mesh, timings, context: int, batch: int) -> bool:
+    """Print the KV cache's size (grouped and as multi-head) and the decode step's HBM per chip."""
+    from scone_jax.model.transformer import cache_bytes
+
+    m = config.model
+    cache = cache_bytes(m, batch, context)
+    mha_cfg = m.copy_and_resolve_references()
+    with mha_cfg.unlocked():
+        mha_cfg.num_kv_heads = 0
+    mha = cache_bytes(mha_cfg, batch, context)
+    mem = compiled.memory_analysis()
+    used = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    heads = m.num_kv_heads or m.num_heads
+    print(f"{tpu.name}: {tpu.chips} chips, mesh {dict(mesh.shape)}; decode step lowered in {timings['lower_s']:.1f} s, "
+          f"compiled in {timings['compile_s']:.1f} s")
+    print(f"KV cache for {batch} x {context} positions ({m.num_layers} layers, {heads} key/value heads of "
+          f"{m.head_dim or m.d_model // m.num_heads}, {m.dtype}): {cache / GIB:.3f} GiB; with as many key/value "
+          f"heads as query heads ({m.num_heads}): {mha / GIB:.3f} GiB ({mha / cache:.0f}x)")
+    print(f"decode step HBM per chip: arguments (parameters + cache) {mem.argument_size_in_bytes / GIB:.2f} GiB, "
+          f"temporaries {mem.temp_size_in_bytes / GIB:.2f} GiB, total {used / GIB:.2f} of {tpu.hbm_bytes / GIB:.0f}")
+    print(f"RESULT kv_cache_gib {cache / GIB:.6g}")
+    print(f"RESULT kv_cache_mha_gib {mha / GIB:.6g}")
+    print(f"RESULT hbm_gib_per_chip {used / GIB:.3f}")
+    fits = used <= tpu.hbm_bytes
+    print(f"{'FITS' if fits else 'DOES NOT FIT'}: {used / GIB:.2f} GiB of {tpu.hbm_bytes / GIB:.0f} GiB HBM per chip "
+          f"on {tpu.name}")
+    return fits
+
+
 def report(config, tpu: Slice, devices, compiled, mesh, spec, timings) -> bool:
     """Print memory, FLOPs and predicted step time per chip; return whether it fits in HBM."""
     from scone_jax import sharding
@@ -219,7 +302,23 @@ def main(argv):
         tpu = parse_slice(_TOPOLOGY.value)
         config = _CONFIG.value
         config_lib.validate(config)
+        if _DECODE_CONTEXT.value < 0 or _DECODE_BATCH.value < 1:
+            raise ValueError(f"--decode_context={_DECODE_CONTEXT.value} and --decode_batch={_DECODE_BATCH.value}: "
+                             "pass a context of >= 1 positions (0 = compile the train step) and >= 1 sequences.")
+        if _DECODE_CONTEXT.value and config.model.vocab_size <= 0:
+            raise ValueError("--decode_context builds the decoder alone, without the run's tokenizer: set "
+                             "--config.model.vocab_size (e.g. 151936 for Qwen3).")
+        m = config.model
+        if _DECODE_CONTEXT.value and m.position == "learned" and _DECODE_CONTEXT.value > m.max_seq_len:
+            raise ValueError(f"--decode_context={_DECODE_CONTEXT.value} exceeds model.max_seq_len={m.max_seq_len}, "
+                             "the learned positions the model has. Fix: a shorter context, or a larger max_seq_len.")
         devices = tpu_devices(tpu)
+        if _DECODE_CONTEXT.value:
+            context, batch = _DECODE_CONTEXT.value, _DECODE_BATCH.value
+            compiled, mesh, timings = compile_decode_step(config, devices, context, batch)
+            if not report_decode(config, tpu, compiled, mesh, timings, context, batch):
+                sys.exit(EXIT_DOES_NOT_FIT)
+            return
         compiled, mesh, spec, timings = compile_train_step(config, devices)
     except (ValueError, OSError) as e:  # OSError: config_flags reports a missing config file late
         print(f"aot_compile: error: {e}", file=sys.stderr)

@@ -27,6 +27,7 @@ from absl import app, flags
 
 from scone_jax import sharding
 from scone_jax.data import pipeline
+from scone_jax.data.prompt import prompt_ids
 from scone_jax.serving import bundle, evaluate, export, generate, inference, table as table_lib
 from scone_jax.serving.bench_bundles import make_run, write_table_bundle
 from scone_jax.training import run as run_lib
@@ -114,7 +115,7 @@ def main(argv):
     print(f"RESULT eval_table_vs_baseline_ratio {with_table['tokens_per_s'] / baseline['tokens_per_s']:.3f}")
     print(f"RESULT eval_table_vs_onthefly_ratio {with_table['tokens_per_s'] / onthefly:.3f}")
 
-    prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode("And God said, Let there be light")])[None]
+    prompt = prompt_ids(tokenizer, "And God said, Let there be light", served.config.data.add_bos)[None]
     new_tokens = 32 if quick else 96
     gens = {use_table: generate.Generator(served, use_table=use_table) for use_table in (True, False)}
     for gen in gens.values():

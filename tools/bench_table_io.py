@@ -40,6 +40,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from scone_jax.data.prompt import prompt_ids
 from scone_jax.runtime import aio
 from scone_jax.serving import bundle, table as table_lib
 from scone_jax.serving.bench_bundles import make_run, write_table_bundle
@@ -382,8 +383,7 @@ def decode_tokens(ram_served, disk_served, quick: bool) -> None:
     context, beside the decoder's step (best of alternating rounds)."""
     from scone_jax.serving import generate
 
-    tok = ram_served.tokenizer
-    prompt = np.concatenate([[tok.bos_id], tok.encode("And God said, Let there be light")])[None].astype(np.int32)
+    prompt = prompt_ids(ram_served.tokenizer, "And God said, Let there be light", ram_served.config.data.add_bos)[None]
     gens = {name: generate.Generator(served) for name, served in (("RAM", ram_served), ("disk", disk_served))}
     best = {name: float("inf") for name in gens}
     for _ in range(3 if quick else 5):

@@ -21,7 +21,7 @@ import numpy as np
 from absl import flags
 
 from scone_jax.batch import Batch
-from scone_jax.data import sources, tokenize, tokenizer_flags
+from scone_jax.data import prompt, sources, tokenize, tokenizer_flags
 from scone_jax.fgram import stats
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
@@ -36,10 +36,12 @@ flags.DEFINE_string("text_field", "text", "JSONL field holding the text.")
 flags.DEFINE_enum("document_unit", "line", ["line", "file"], "Text files: one document per line or per file.")
 flags.DEFINE_float("eval_fraction", 0.02, "kjv: fraction of documents held out (not counted).")
 TOKENIZER = tokenizer_flags.define("its fingerprint goes into the vocabulary and each document is "
-                                    "counted as [bos] + ids, as the training run reads it.")
+                                    "counted as [bos] + ids (--add_bos), as the training run reads it.")
 flags.adopt_module_key_flags(tokenizer_flags)  # listed by --help
 flags.DEFINE_integer("vocab_size", 0, "arrayrecord without --tokenizer: the tokenizer's vocabulary size (the "
                      "documents are then counted without bos).")
+flags.DEFINE_bool("add_bos", True, "With --tokenizer: count each document as [bos] + ids, as a run with "
+                  "data.add_bos=True (the default) reads it; --noadd_bos: its ids alone (data.add_bos=False).")
 flags.DEFINE_integer("max_len", 5, "K: longest f-gram, in tokens (>= 2).")
 flags.DEFINE_integer("num_fgrams", 1_000_000, "S: f-grams kept.")
 flags.DEFINE_integer("min_count", 5, "Minimum count of every f-gram.")
@@ -68,10 +70,10 @@ def open_documents():
 
 
 def token_documents(source, tok, workers: int):
-    """The documents as the model reads them ([bos] + ids, as the training run's own extraction counts them;
-    no bos without --tokenizer), up to --max_tokens tokens."""
-    return tokenize.model_documents(source, tok, bos_id=tok.bos_id if tok else None, max_tokens=FLAGS.max_tokens,
-                                    workers=workers)
+    """The documents as the model reads them ([bos] + ids, or ids alone with --noadd_bos, as the training run's own
+    extraction counts them; no bos without --tokenizer), up to --max_tokens tokens."""
+    bos = prompt.document_bos(tok, FLAGS.add_bos) if tok else None
+    return tokenize.model_documents(source, tok, bos_id=bos, max_tokens=FLAGS.max_tokens, workers=workers)
 
 
 class ProgressPrinter:

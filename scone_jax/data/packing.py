@@ -1,7 +1,9 @@
 """Concatenate-then-split packing, computed per batch from document lengths alone.
 
 A process's documents form one endless stream of examples: document i (token ids t_1..t_n)
-becomes n+1 positions with inputs [bos, t_1..t_n] and targets [t_1..t_n, eos]. Epoch e
+becomes n+1 positions with inputs [bos, t_1..t_n] and targets [t_1..t_n, eos]; with
+data.add_bos=False (models trained without a bos, as Qwen) n positions, inputs [t_1..t_n] and
+targets [t_2..t_n, eos] (a document of no tokens has none). Epoch e
 visits the process's documents in its own shuffled order; epochs follow each other without
 a gap. Rows of seq_len positions are cut from the stream back to back, and batch b is rows
 b*R .. b*R+R-1, i.e. stream positions [b*R*T, (b+1)*R*T). So a batch is a pure function of
@@ -34,14 +36,14 @@ class Pieces:
 class Stream:
     """One process's endless stream of examples over its documents (module docstring).
 
-    `example_lengths[i]` = tokens of local document i + 1. Epoch e's order is a permutation
+    `example_lengths[i]` = positions of local document i (example_lengths). Epoch e's order is a permutation
     drawn from (seed, e) alone (seed: an int, or a tuple of ints such as a mixture component's
     (shuffle_seed, component)); seed=None keeps the documents in their given order (eval)."""
 
     def __init__(self, example_lengths: np.ndarray, seed: int | tuple[int, ...] | None):
         self.lengths = np.asarray(example_lengths, np.int64)
-        if len(self.lengths) == 0 or (self.lengths < 1).any():
-            raise ValueError("a stream needs at least one document, each of at least one position")
+        if (self.lengths < 0).any() or self.lengths.sum() < 1:
+            raise ValueError("a stream needs documents of at least one position in all")
         self.seed = seed
         self.epoch_positions = int(self.lengths.sum())
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -74,21 +76,33 @@ class Stream:
         return Pieces(np.concatenate(docs).astype(np.int64), first_offset)
 
 
-def examples(ids: np.ndarray, lengths: np.ndarray, bos: int, eos: int):
+def example_lengths(doc_lengths: np.ndarray, bos: int | None) -> np.ndarray:
+    """Stream positions of documents of `doc_lengths` tokens: one more each for a bos."""
+    return np.asarray(doc_lengths, np.int64) + (bos is not None)
+
+
+def examples(ids: np.ndarray, lengths: np.ndarray, bos: int | None, eos: int):
     """Token ids of consecutive documents (flat, with their lengths) -> their examples back to
-    back: (inputs, targets, starts), starts = True at each example's first position."""
-    total = int(lengths.sum()) + len(lengths)
+    back: (inputs, targets, starts), starts = True at each example's first position. bos None:
+    no bos (data.add_bos=False), each document's inputs are its ids."""
+    lengths = np.asarray(lengths, np.int64)
+    sizes = example_lengths(lengths, bos)
+    total = int(sizes.sum())
     begin = np.zeros(len(lengths), np.int64)
-    np.cumsum(lengths[:-1] + 1, out=begin[1:])
+    np.cumsum(sizes[:-1], out=begin[1:])
     starts = np.zeros(total, bool)
-    starts[begin] = True
+    starts[begin[sizes > 0]] = True
+    ends = np.zeros(total, bool)
+    ends[(begin + sizes - 1)[sizes > 0]] = True
+    targets = np.empty(total, np.int32)
+    targets[ends] = eos
+    if bos is None:
+        inputs = np.asarray(ids, np.int32).copy()
+        targets[:-1][~ends[:-1]] = inputs[1:][~ends[:-1]]  # the next id, inside the document
+        return inputs, targets, starts
     inputs = np.empty(total, np.int32)
     inputs[starts] = bos
     inputs[~starts] = ids
-    ends = np.zeros(total, bool)
-    ends[begin + lengths] = True
-    targets = np.empty(total, np.int32)
-    targets[ends] = eos
     targets[~ends] = ids
     return inputs, targets, starts
 

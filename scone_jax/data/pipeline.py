@@ -5,7 +5,8 @@ A batch is a dict of numpy arrays of shape [local_batch, seq_len]:
   segment_ids      int32    1, 2, ... per document piece in the row; 0 = padding
   positions        int32    position inside the document piece, restarting at 0
   loss_mask        float32  1 where the target is a real token of the same document
-packing.py defines the layout: documents become [bos] + ids + [eos], rows are cut from their
+packing.py defines the layout: documents become [bos] + ids + [eos] (no bos with data.add_bos=False:
+data/prompt.py), rows are cut from their
 concatenation, and batch b is a pure function of b. Training batches are built by grain:
 a MapDataset over batch numbers, mapped by `_BuildBatch` (which also runs the batch
 transform, e.g. f-gram matching), in `data.worker_count` processes. Batch b is the same
@@ -24,7 +25,7 @@ import numpy as np
 from absl import logging
 
 from scone_jax.batch import Batch
-from scone_jax.data import documents, mixture, packing
+from scone_jax.data import documents, mixture, packing, prompt
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.runtime import parent_watch
 
@@ -65,10 +66,10 @@ def worker_count(data_cfg) -> int:
 class _BuildBatch:
     """Batch number -> host batch (packing, then the batch transform). Runs in grain workers."""
 
-    def __init__(self, docs, stream: packing.Stream, rows: int, seq_len: int, tokenizer: Tokenizer,
+    def __init__(self, docs, stream: packing.Stream, rows: int, seq_len: int, tokens: tuple,
                  transform: Callable[[Batch], Batch] | None):
         self._docs, self._stream, self._rows, self._seq_len = docs, stream, rows, seq_len
-        self._bos, self._eos, self._pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+        self._bos, self._eos, self._pad = tokens
         self._transform = transform
 
     def __call__(self, index: int) -> Batch:
@@ -78,9 +79,14 @@ class _BuildBatch:
         return self._transform(batch) if self._transform is not None else batch
 
 
+def special_ids(data_cfg, tokenizer: Tokenizer) -> tuple:
+    """(bos or None, eos, pad) as packing reads them: no bos with data.add_bos=False (data/prompt.py)."""
+    return prompt.document_bos(tokenizer, data_cfg.add_bos), tokenizer.eos_id, tokenizer.pad_id
+
+
 def window(docs, stream: packing.Stream, start: int, size: int, rows: int, seq_len: int,
-           bos: int, eos: int, pad: int, stream_end: int | None = None) -> Batch:
-    """Stream positions [start, start + size) (cut at stream_end, if finite) as batch arrays."""
+           bos: int | None, eos: int, pad: int, stream_end: int | None = None) -> Batch:
+    """Stream positions [start, start + size) (cut at stream_end, if finite) as batch arrays (bos None: no bos)."""
     stop = start + size if stream_end is None else min(start + size, stream_end)
     if stop <= start:
         return packing.rows(*(np.zeros(0, t) for t in (np.int32, np.int32, bool)), rows, seq_len, pad)
@@ -95,10 +101,10 @@ class _BuildMixtureBatch:
     """Batch number -> host batch of a training mixture (data/mixture.py): each row from its component's
     stream, at that component's next rows; `row_source` says which. Runs in grain workers."""
 
-    def __init__(self, parts: list, schedule: mixture.Schedule, rows: int, seq_len: int, tokenizer: Tokenizer,
+    def __init__(self, parts: list, schedule: mixture.Schedule, rows: int, seq_len: int, tokens: tuple,
                  transform: Callable[[Batch], Batch] | None):
         self._parts, self._schedule, self._rows, self._seq_len = parts, schedule, rows, seq_len
-        self._bos, self._eos, self._pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+        self._bos, self._eos, self._pad = tokens
         self._transform = transform
 
     def __call__(self, index: int) -> Batch:
@@ -124,19 +130,20 @@ def batch_builder(data_cfg, tokenizer: Tokenizer, *, process_index: int = 0, pro
     """batch number -> this process's training batch: its documents loaded (text tokenized
     here, once, with all cores) and the packing stream set up; with a mixture, per component."""
     batch_size = _local_batch_size(data_cfg, process_index, process_count)
+    tokens = special_ids(data_cfg, tokenizer)
 
     def load(cfg, seed):
         docs = documents.load(cfg, "train", tokenizer,
                               lambda n: documents.process_share(n, cfg.shuffle_seed, process_index, process_count))
-        return docs, packing.Stream(docs.lengths + 1, seed=seed)
+        return docs, packing.Stream(packing.example_lengths(docs.lengths, tokens[0]), seed=seed)
 
     components = mixture.components(data_cfg)
     if components is None:
         docs, stream = load(data_cfg, data_cfg.shuffle_seed)
-        return _BuildBatch(docs, stream, batch_size, data_cfg.seq_len, tokenizer, batch_transform)
+        return _BuildBatch(docs, stream, batch_size, data_cfg.seq_len, tokens, batch_transform)
     parts = [load(mixture.component_config(data_cfg, c), (data_cfg.shuffle_seed, i)) for i, c in enumerate(components)]
     schedule = mixture.Schedule([c.weight for c in components], data_cfg.shuffle_seed)
-    return _BuildMixtureBatch(parts, schedule, batch_size, data_cfg.seq_len, tokenizer, batch_transform)
+    return _BuildMixtureBatch(parts, schedule, batch_size, data_cfg.seq_len, tokens, batch_transform)
 
 
 def make_train_dataset(
@@ -283,17 +290,18 @@ class EvalBatches:
     def __init__(self, data_cfg, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1):
         self._rows = _local_batch_size(data_cfg, process_index, process_count)
         self._seq_len = data_cfg.seq_len
-        self._tokens = (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+        self._tokens = special_ids(data_cfg, tokenizer)
         everything = documents.load(data_cfg, "eval", tokenizer, np.arange)
-        positions = everything.lengths.astype(np.int64) + 1
+        positions = packing.example_lengths(everything.lengths, self._tokens[0])
         # Concat-then-split fills every row but the last, so a process needs ceil(positions / seq_len) rows.
         rows = [math.ceil(positions[p::process_count].sum() / self._seq_len) for p in range(process_count)]
         self.num_batches = max(math.ceil(r / self._rows) for r in rows)
         self.num_tokens = int(positions.sum())
         self.local_num_tokens = int(positions[process_index::process_count].sum())
         mine = np.arange(process_index, len(positions), process_count)
-        self._docs = _Slice(everything, mine) if len(mine) else None
-        self._stream = packing.Stream(positions[mine], seed=None) if len(mine) else None
+        held = positions[mine].sum() > 0  # this process holds a position (documents without bos may have none)
+        self._docs = _Slice(everything, mine) if held else None
+        self._stream = packing.Stream(positions[mine], seed=None) if held else None
 
     def __len__(self) -> int:
         return self.num_batches

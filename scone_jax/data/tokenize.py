@@ -149,7 +149,8 @@ def run_pool(function, tasks: Iterable, processes: int, initializer, initargs, a
 
 def model_documents(source, tokenizer, *, bos_id: int | None, max_tokens: int = 0, workers: int = 1,
                     chunk_docs: int = DEFAULT_CHUNK_DOCS) -> Iterator[np.ndarray]:
-    """Each document as the model reads it, [bos] + ids (no bos if `bos_id` is None), in corpus order, until
+    """Each document as the model reads it, [bos] + ids (no bos if `bos_id` is None: data.add_bos=False, or ids
+    without a tokenizer; data/prompt.document_bos), in corpus order, until
     `max_tokens` tokens (0: all; the last document is cut): the token stream f-gram extraction counts
     (docs/method.md §1), the same for the training run's own extraction and tools/extract_fgrams.py.
 

@@ -97,6 +97,14 @@ def init_cache(cfg, batch: int, length: int) -> KVCache:
     return KVCache(zeros(), zeros(), jnp.zeros((), jnp.int32))
 
 
+def cache_bytes(cfg, batch: int, length: int) -> int:
+    """Bytes of init_cache(cfg, batch, length)'s keys and values: 2 x layers x batch x length x key/value
+    heads x head width x the compute dtype's size (what grouped-query attention divides by
+    num_heads / num_kv_heads)."""
+    item = jnp.dtype(dtype_of(cfg.dtype)).itemsize
+    return 2 * cfg.num_layers * batch * length * kv_heads_of(cfg) * head_dim_of(cfg) * item
+
+
 class Decoder(nnx.Module):
     """GPT-2 style (learned positions, LayerNorm, GELU) or OLMo style (RoPE, RMSNorm, SwiGLU)."""
 

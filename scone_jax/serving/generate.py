@@ -24,6 +24,7 @@ from flax import nnx
 
 from scone_jax import sharding
 from scone_jax.batch import Batch
+from scone_jax.data.prompt import prompt_ids
 from scone_jax.model import scone, transformer
 from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import inference
@@ -125,7 +126,7 @@ def run(args):
     tool_main.require(export=path)
     served = inference.load(path, table=args.table.value, max_table_bytes=args.max_table_bytes.value)
     tok = served.tokenizer
-    prompt = np.concatenate([[tok.bos_id], tok.encode(args.prompt.value)]).astype(np.int32)
+    prompt = prompt_ids(tok, args.prompt.value, served.config.data.add_bos)  # [bos] + ids unless the run had none
     generator = Generator(served, temperature=args.temperature.value, top_k=args.top_k.value)
     out = generator.generate(np.tile(prompt, (args.num_samples.value, 1)), args.num_tokens.value, seed=args.seed.value)
     for row in out["tokens"]:

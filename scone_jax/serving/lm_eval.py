@@ -6,9 +6,12 @@ scone_jax/serving/inference.py loads it: the decoder on the devices, the f-gram 
 table (in host RAM or read from disk: --table) for the longest match at each position (docs/method.md §2 and §7), never the f-gram
 model:
   loglikelihood          log P(continuation | [bos] + context), batched in padded buckets of lengths;
-                         contexts longer than data.seq_len lose their oldest tokens.
+                         contexts longer than data.seq_len lose their oldest tokens. A run trained
+                         without bos (data.add_bos=False, read from the export) reads the context
+                         alone, and an empty one as [eos] (data/prompt.py).
   loglikelihood_rolling  a document's log-likelihood in the windows scone_jax.serving.evaluate cuts
-                         from a held-out set of that one document ([bos] + ids, back-to-back windows of
+                         from a held-out set of that one document ([bos] + ids or ids, as the run packed
+                         its documents (data/packing.py), back-to-back windows of
                          data.seq_len, each matched and scored on its own; the last one gets no extra
                          context, unlike the harness's usual rolling windows), so the total is the one
                          evaluate reports; by default it counts the end-of-document prediction as
@@ -38,6 +41,7 @@ from flax import nnx
 
 from scone_jax import sharding
 from scone_jax.batch import Batch
+from scone_jax.data import packing, prompt
 from scone_jax.model import scone
 from scone_jax.runtime import logs, tool_main
 from scone_jax.runtime.errors import one_line
@@ -81,13 +85,13 @@ def bucket_length(n: int, max_length: int) -> int:
     return min(max_length, max(_MIN_BUCKET, 1 << max(n - 1, 0).bit_length()))
 
 
-def document_windows(ids: Sequence[int], bos: int, eos: int, window: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(inputs, targets) of one document as evaluation packs it (data/packing.py): inputs [bos] + ids,
-    targets ids + [eos], cut into back-to-back windows of `window` positions; each window is a fresh
-    row (positions from 0, no match reaching back into the previous window)."""
+def document_windows(ids: Sequence[int], bos: int | None, eos: int, window: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(inputs, targets) of one document as evaluation packs it (data/packing.examples): inputs [bos] + ids,
+    targets ids + [eos] (bos None: inputs ids, targets ids[1:] + [eos]), cut into back-to-back windows of
+    `window` positions; each window is a fresh row (positions from 0, no match reaching back into the
+    previous window)."""
     ids = np.asarray(ids, np.int32)
-    inputs = np.concatenate([[bos], ids]).astype(np.int32)
-    targets = np.concatenate([ids, [eos]]).astype(np.int32)
+    inputs, targets, _ = packing.examples(ids, np.array([len(ids)]), bos, eos)
     return [(inputs[s:s + window], targets[s:s + window]) for s in range(0, len(inputs), window)]
 
 
@@ -125,6 +129,7 @@ class SconeHarnessLM(TemplateLM):
             raise ValueError(f"{PROGRAM} runs on one host; this job has {jax.process_count()} JAX processes.")
         model = served.config.model
         self.served = served
+        self.add_bos = served.config.data.add_bos  # how the run's documents started (data/prompt.py)
         self.max_length = max_length or served.config.data.seq_len
         if model.position == "learned" and self.max_length > model.max_seq_len:
             raise ValueError(f"max_length={self.max_length} exceeds model.max_seq_len={model.max_seq_len}, the "
@@ -145,14 +150,17 @@ class SconeHarnessLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        """Every training document starts with bos, so an empty context is [bos], not eos."""
-        return self.served.tokenizer.bos_id
+        """Every training document starts with bos, so an empty context is [bos], not eos (without bos: eos,
+        data/prompt.start_id)."""
+        return prompt.start_id(self.served.tokenizer, self.add_bos)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """The export's tokenizer; [bos] first unless add_special_tokens is False (the harness passes False
-        for a continuation it scores after prefix_token_id)."""
-        ids = [int(i) for i in self.served.tokenizer.encode(string)]
-        return ids if add_special_tokens is False else [self.served.tokenizer.bos_id] + ids
+        """The export's tokenizer; a context as the run's documents start (data/prompt.prompt_ids: [bos] first
+        unless the run had none) unless add_special_tokens is False (the harness passes False for a
+        continuation it scores after prefix_token_id)."""
+        if add_special_tokens is False:
+            return [int(i) for i in self.served.tokenizer.encode(string)]
+        return prompt.prompt_ids(self.served.tokenizer, string, self.add_bos).tolist()
 
     def tok_decode(self, ids) -> str:
         return self.served.tokenizer.decode(ids)
@@ -245,7 +253,8 @@ class SconeHarnessLM(TemplateLM):
         tok = self.served.tokenizer
         rows, owner = [], []
         for d, request in enumerate(requests):
-            for window in document_windows(tok.encode(request.args[0]), tok.bos_id, tok.eos_id, self.max_length):
+            bos = prompt.document_bos(tok, self.add_bos)
+            for window in document_windows(tok.encode(request.args[0]), bos, tok.eos_id, self.max_length):
                 rows.append(window)
                 owner.append(d)
         totals = np.zeros(len(requests), np.float64)
@@ -288,7 +297,7 @@ class SconeHarnessLM(TemplateLM):
         return self._generators[key]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Continue each context with the KV-cache Generator: [bos] + context (oldest tokens dropped so that
+        """Continue each context with the KV-cache Generator: [bos] + context (tok_encode; oldest tokens dropped so that
         context + new tokens fit max_length), at most max_gen_toks new tokens, cut at end of document and
         before the first `until` string. Requests with the same settings and prompt length decode together."""
         jobs = {}

@@ -3,7 +3,7 @@ vocabulary size from it, and the f-gram vocabulary (load `scone.vocab_path`, or 
 once) with the batch transform that uses it.
 
 Extraction counts the same token stream the model sees: each training document as
-[bos] + ids (the packed `inputs`), up to `scone.extract_max_tokens` tokens.
+[bos] + ids (the packed `inputs`; ids alone with data.add_bos=False), up to `scone.extract_max_tokens` tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jax
 from absl import logging
 
 from scone_jax import sharding
-from scone_jax.data import mixture, sources, tokenize, tokenizer as tokenizer_lib, tokenizer_training
+from scone_jax.data import mixture, prompt, sources, tokenize, tokenizer as tokenizer_lib, tokenizer_training
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
@@ -100,7 +100,8 @@ def ensure_vocab(scone_cfg, data_cfg, tokenizer, workdir: str, is_chief: bool = 
         start = time.time()
         # A mixture is counted with its weights (docs/method.md §1: the f-grams of the training data).
         docs = itertools.chain.from_iterable(
-            tokenize.model_documents(sources.open_source(cfg, "train"), tokenizer, bos_id=tokenizer.bos_id,
+            tokenize.model_documents(sources.open_source(cfg, "train"), tokenizer,
+                                     bos_id=prompt.document_bos(tokenizer, data_cfg.add_bos),
                                      max_tokens=max(1, round(scone_cfg.extract_max_tokens * weight)))
             for cfg, weight in _components(data_cfg))
         vocab = extract_fgrams(

@@ -94,6 +94,7 @@ WHY = {
     "data.bos_token": ("start", "the special ids, part of the tokenizer's fingerprint"),
     "data.eos_token": ("start", "the special ids, part of the tokenizer's fingerprint"),
     "data.pad_token": ("start", "the special ids, part of the tokenizer's fingerprint"),
+    "data.add_bos": ("data", "each document's positions: [bos] + ids, or the ids alone"),
     "data.seq_len": ("data", "the rows' length"),
     "data.global_batch_size": ("data", "the rows per step: which documents each step sees"),
     "data.shuffle_seed": ("data", "the order of the documents"),

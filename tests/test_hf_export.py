@@ -195,7 +195,7 @@ def test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports(tmp_path)
     bundle, like any run."""
     from transformers import AutoModelForCausalLM
 
-    from tests.common import run_main, run_tool, step_records
+    from tests.common import REPO, run_main, run_tool, step_records
     from tests.test_train import final_params
 
     hf_dir = str(tmp_path / "hf")
@@ -206,6 +206,10 @@ def test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports(tmp_path)
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     result = run_tool("tools/import_hf.py", [f"--hf_dir={hf_dir}", f"--workdir={straight}", *flags])
     assert result.returncode == 0 and "imported the qwen3 checkpoint" in result.stdout, result.stderr[-3000:]
+    # The command it prints is the one that resumes it (the default config named, the flags as given).
+    assert result.stdout.split("Fine-tune it: ")[1].strip() == " ".join([
+        "python -m scone_jax.main", f"--config={os.path.join(REPO, 'configs', 'finetune_hf.py')}", *flags,
+        f"--config.model.init_from_hf={hf_dir}", f"--workdir={straight}"])
     shutil.copytree(straight, split)
     main_flags = [f"--config.model.init_from_hf={hf_dir}", *flags]
     done = run_main(straight, *main_flags, config="configs/finetune_hf.py")

@@ -173,8 +173,7 @@ class LocalFiles(TableFiles):
                            _raise_errors)
         except OSError as e:
             self._close_direct()
-            logging.warning("Note: %s cannot be read with O_DIRECT and kernel AIO (%s); table rows are read through "
-                            "the page cache instead, from threads.", self.path, os.strerror(e.errno or errno.EINVAL))
+            logging.warning("%s", no_direct_note(self.path, e.errno or errno.EINVAL))
             return
         for c in range(len(self.fds)):
             if c:
@@ -279,6 +278,13 @@ class LocalFiles(TableFiles):
         for fd in self.fds[self.fds >= 0].tolist():
             os.close(fd)
         self.fds[:] = -1
+
+
+def no_direct_note(path: str, error: int) -> str:
+    """The note for a filesystem that refuses O_DIRECT or kernel AIO (`error`: its errno): reads then go through
+    the page cache, from threads (tools/bench_table_io.py gives the same note for its raw reads)."""
+    return (f"Note: {path} cannot be read with O_DIRECT and kernel AIO ({os.strerror(error)}); table rows are read "
+            "through the page cache instead, from threads.")
 
 
 def _raise_errors(done, results):

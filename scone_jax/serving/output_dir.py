@@ -57,7 +57,7 @@ def claim(path: str, *, names: Iterable[str], prefixes: Iterable[str] = (), mark
                                  f"there. {fix}")
     raw = bundle_files.read_bytes(path, marker) if marker in present else None
     if raw is None or not is_ours(raw):
-        what = f"no {marker}" if raw is None else f"a {marker} that is not {kind}'s"
+        what = f"no {marker}" if raw is None else f"the {marker} there is not {kind}'s"
         raise OutputNotFreeError(f"{flag}={path} holds {', '.join(present)} but {what}: not {kind} this program "
                                  f"wrote, so it would be overwritten; nothing was written there. {fix}")
     return True

@@ -96,8 +96,8 @@ def test_the_head_read_at_open_refuses_a_damaged_block(damaged):
 def test_the_head_holds_what_the_budget_leaves_after_the_index_in_whole_blocks(bf16_export, budget_rows, head):
     """--max_table_bytes = the block index + budget_rows rows (plus 3 bytes, less than a row): the head is that many
     rows rounded down to whole blocks, capped at the table, worked out here from the layout alone. Its rows cost no
-    read; the next row does. Caught: the index left out of the sum (a budget of the index + 63 rows gave 64); the
-    head not rounded to whole blocks (63: its last block read partly); the budget in blocks taken as rows."""
+    read; the next row does. Caught: the index left out of the sum (a budget of the index + 31 rows gave a head of
+    32); the head not rounded to whole blocks."""
     table = table_lib.open_table(bundle.Bundle.open(bf16_export), table="disk",
                                  max_bytes=INDEX_BYTES + budget_rows * ROW_BYTES + 3)
     want = min(ROWS, (budget_rows // BLOCK_ROWS) * BLOCK_ROWS)

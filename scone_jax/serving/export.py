@@ -12,8 +12,10 @@ if a done marker was deleted (what readers ask for when a piece is missing or da
 tokenizer.model differs from the run's, COMPLETE is withdrawn and those pieces are rewritten.
 A run trained without SCONE (a baseline) exports the same bundle with an empty f-gram set (S = 0: a
 table of no rows), so it is served, evaluated and compared by exactly the same programs.
-Exit status: 0 done, 2 bad input (no checkpoint, a different export at PATH, peers that never arrived), 130 / 143
-stopped by SIGINT / SIGTERM (one line says how many chunks are kept; rerunning resumes).
+PATH must be new, empty or an export (serving/output_dir.py): anything else there is refused before a byte is
+written, and export.json is the first file written, so a stopped export is always recognised as one.
+Exit status: 0 done, 2 bad input (no checkpoint, a different export or anything else at PATH, peers that never
+arrived), 130 / 143 stopped by SIGINT / SIGTERM (one line says how many chunks are kept; rerunning resumes).
 
 On a pod, run the same command on every host (like training: the Cloud TPU environment is detected,
 elsewhere pass --coordinator_address, --num_processes and --process_id); every device computes rows

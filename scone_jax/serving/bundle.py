@@ -20,8 +20,10 @@
                      decoder/ and tokenizer.model
 
 Readers open a bundle once with Bundle.open, which reads export.json and COMPLETE and refuses an unfinished
-or altered bundle; the table (serving/table.py), tokenizer, vocabulary and decoder (serving/inference.py)
-are read from the opened Bundle, never from export.json again.
+or altered bundle, or one holding a field no export writes (every size a reader allocates from is checked
+there); the table (serving/table.py), tokenizer, vocabulary and decoder (serving/inference.py,
+saved_decoder.py) are read from the opened Bundle, never from export.json again. A local bundle's files are
+read only inside it and only as regular files (serving/bundle_files.py).
 
 Integrity: each done/<chunk> marker holds the CRC-32s of that file's rows and block index, computed
 from the rows in memory before they were written; done/decoder holds the CRC-32 of each decoder

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from scone_jax.runtime import stop_signals, tool_main
 from tests.common import REPO
 
 pytestmark = pytest.mark.slow  # every test here starts a process
@@ -40,6 +41,26 @@ def body():
 
 tool_main.run(body, program="probe", stopped=lambda: "nothing to keep")
 """
+
+
+def test_the_hook_sends_a_dropped_stop_again_and_passes_on_anything_else(monkeypatch):
+    """In this process: the handler's exception carries its signal and puts our hook in front; the hook asks for the
+    signal again for that exception, with the count of raises so far, and hands any other to the hook it replaced.
+    Caught: the exception raised untagged (the hook passed it on, printed and lost); the hook passing every
+    exception on (nothing sent again)."""
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # put back after the test
+    sent, passed = [], []
+    monkeypatch.setattr(stop_signals, "_requests", type("Requests", (), {"put": staticmethod(sent.append)}))
+    with pytest.raises(tool_main.Terminated) as raised:
+        stop_signals.raising(tool_main.Terminated)(signal.SIGTERM, None)
+    assert getattr(raised.value, stop_signals.STOP_SIGNAL) == signal.SIGTERM
+    assert sys.unraisablehook is stop_signals._hook
+    monkeypatch.setattr(stop_signals, "_previous_hook", passed.append)
+    dropped = type("Unraisable", (), {"exc_value": raised.value, "object": None})
+    other = type("Unraisable", (), {"exc_value": RuntimeError("something else"), "object": None})
+    stop_signals._hook(dropped)
+    stop_signals._hook(other)
+    assert sent == [(signal.SIGTERM, stop_signals._raises[0])] and passed == [other]
 
 
 def run(code: str, timeout: float = 120) -> tuple[int, str, str, float]:

@@ -127,3 +127,13 @@ def test_ranged_reads_from_gcs_and_the_remote_head_refuse_a_damaged_block(tmp_pa
     table.close()
     with pytest.raises(bundle.BundleError, match=DAMAGED):
         table_lib.open_table(bundle.Bundle.open(output), table="disk", max_bytes=INDEX_BYTES + 704 * ROW_BYTES)
+
+
+@pytest.mark.parametrize("mode", ["auto", "disk", "ram"])
+def test_a_negative_budget_is_refused_in_one_line(bf16_export, mode):
+    """--max_table_bytes=-1 names itself and what it takes, whatever --table says. Caught: no check of its own (auto
+    and disk then blame the block index, 'less than the 252 bytes the block index ... must keep in RAM'; ram says
+    the table is 'more than --max_table_bytes=-1')."""
+    with pytest.raises(ValueError, match=r"^--max_table_bytes=-1 is negative\. Fix: the host RAM the table may take, in "
+                                         r"bytes, or 0 for no limit\.$"):
+        table_lib.open_table(bundle.Bundle.open(bf16_export), table=mode, max_bytes=-1)

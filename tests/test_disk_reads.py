@@ -137,3 +137,20 @@ def test_a_negative_budget_is_refused_in_one_line(bf16_export, mode):
     with pytest.raises(ValueError, match=r"^--max_table_bytes=-1 is negative\. Fix: the host RAM the table may take, in "
                                          r"bytes, or 0 for no limit\.$"):
         table_lib.open_table(bundle.Bundle.open(bf16_export), table=mode, max_bytes=-1)
+
+
+def test_a_table_the_host_cannot_allocate_is_one_line_naming_the_disk(bf16_export, monkeypatch):
+    """A table larger than the host can allocate, loaded into RAM (no budget given): one line naming --table=disk,
+    not a MemoryError traceback. (numpy's allocation is made to fail for the table's array only.) Caught: the
+    allocation unguarded (MemoryError escaped)."""
+    real_empty = np.empty
+
+    def short_of_memory(shape, *args, **kwargs):
+        if shape == (ROWS, 64):
+            raise MemoryError("Unable to allocate")
+        return real_empty(shape, *args, **kwargs)
+
+    monkeypatch.setattr(np, "empty", short_of_memory)
+    with pytest.raises(ValueError, match=f"^The table of {bf16_export} is 256,000 bytes, more than this host can "
+                                         r"allocate\. Fix: --table=disk"):
+        table_lib.open_table(bundle.Bundle.open(bf16_export), table="ram")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from scone_jax.runtime.crc import crc32_hex
-from scone_jax.serving import bundle, bundle_files, inference, table as table_lib
+from scone_jax.serving import bundle, bundle_files, inference, saved_decoder, table as table_lib
 from tests import serving_run
 from tests.test_table import file_rows
 
@@ -197,6 +197,26 @@ def test_a_crafted_layer_count_is_refused_before_the_model_is_built(bundle_copy)
     assert isinstance(error, bundle.BundleError), error
     assert "export.json's model config has num_layers=100000, but the decoder's files hold 2 layers" in str(error)
     assert time.monotonic() - start < 60
+
+
+def test_the_layers_of_an_unscanned_stack_are_counted_from_its_numbered_blocks(tmp_path_factory, tmp_path):
+    """An export of a model with model.scan_layers=False keeps one array per block (stack.blocks.0.*, .1.*): its
+    layers are counted from those numbers, and a config asking for another count is refused before the model is
+    built, as for a scanned stack. Caught: an off-by-one in the arrays' names (found by tools/mutate_diff.py: no
+    test read an unscanned stack; every name then missed, and the count was taken as absent)."""
+    original = serving_run.exported_variant(tmp_path_factory, "unscanned", scan_layers=False)
+    path = str(tmp_path / "bundle")
+    shutil.copytree(original, path)
+    sums = bundle.Bundle.open(path).checksums
+    shapes = saved_decoder.saved_shapes(path, sums)
+    assert any(name.startswith("stack.blocks.1.") for name in shapes) and saved_decoder.saved_layers(shapes) == 2
+    load_all(path)  # the config builds what is saved
+    config = read_json(path, bundle.META)["config"]
+    config["model"]["num_layers"] = 3
+    forge(path, {"config": config})
+    with pytest.raises(bundle.BundleError, match="export.json's model config has num_layers=3, but the decoder's "
+                                                 "files hold 2 layers"):
+        load_all(path)
 
 
 def test_a_config_whose_shapes_differ_from_the_saved_arrays_is_refused_naming_the_array(bundle_copy):

@@ -277,7 +277,9 @@ def test_the_open_file_limit_makes_room_for_what_the_table_needs_and_no_more(tmp
     monkeypatch.setattr(table_files.resource, "setrlimit", lambda which, value: raised.append(value))
     monkeypatch.setattr(table_files, "_open_descriptors", lambda: 40)
     with pytest.raises(OSError, match=f"the table at {path} needs 600 open files, and with the 40 this process has "
-                                      r"open that is more than it may open \(hard limit 640\)\. Fix: raise the limit"):
+                                      r"open that is more than it may open \(hard limit 640\)\. Fix: raise the limit "
+                                      r"\(`ulimit -Hn`, limits\.conf\), or export with a larger --chunk_rows \(fewer, "
+                                      r"larger files\)\.$"):
         table_lib.open_table(bundle.Bundle.open(path), table="disk")
     assert raised == []
     limits["hard"] = 700

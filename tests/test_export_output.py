@@ -61,7 +61,7 @@ def users_directory(path, *, notes=True, meta=None):
                           "wrote, so it would be overwritten; nothing was written there"),
     ("foreign_export_json", "holds decoder, export.json, tokenizer.model but the export.json there is not a "
                             "scone_jax export's"),
-    ("a_file", "is a file, not a directory; nothing was written"),
+    ("a_file", "is a file, not a directory; nothing was written. Fix: pass a new or empty directory for the export."),
 ])
 def test_an_output_holding_anything_else_is_refused_before_anything_is_written(run, tmp_path, case, words):
     """Caught: the export without its output check (the user's tokenizer.model replaced by the run's, decoder/'s

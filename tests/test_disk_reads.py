@@ -152,5 +152,6 @@ def test_a_table_the_host_cannot_allocate_is_one_line_naming_the_disk(bf16_expor
 
     monkeypatch.setattr(np, "empty", short_of_memory)
     with pytest.raises(ValueError, match=f"^The table of {bf16_export} is 256,000 bytes, more than this host can "
-                                         r"allocate\. Fix: --table=disk"):
+                                         r"allocate\. Fix: --table=disk \(or auto with --max_table_bytes\) to serve it "
+                                         r"from disk\.$"):
         table_lib.open_table(bundle.Bundle.open(bf16_export), table="ram")

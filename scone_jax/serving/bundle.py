@@ -274,9 +274,9 @@ def _checked_layout(path: str, meta: dict) -> Layout:
     return layout
 
 
-def _crcs(value, count: int | None) -> bool:
-    """A list of `count` CRC-32s as COMPLETE records them (8 hex digits)."""
-    return isinstance(value, list) and (count is None or len(value) == count) and all(map(_is_crc, value))
+def _crcs(value) -> bool:
+    """A list of CRC-32s as COMPLETE records them (8 hex digits)."""
+    return isinstance(value, list) and all(map(_is_crc, value))
 
 
 def _is_crc(value) -> bool:
@@ -288,7 +288,7 @@ def _checked_sums(path: str, record: dict, layout: Layout) -> Checksums:
     index, and a CRC per file (of tokenizer.model and decoder/: their readers check that each is recorded)."""
     where = storage.join(path, COMPLETE)
     for key in ("table", "table_index"):
-        if not _crcs(record.get(key), None):
+        if not _crcs(record.get(key)):
             raise BundleError(f"{where} has no list of table CRCs under {key!r}; {_ALTERED}")
         if len(record[key]) != layout.num_chunks:
             raise BundleError(f"{path!r}: {COMPLETE} records {len(record[key])} table files, the table has "

@@ -10,7 +10,7 @@ import pytest
 
 from scone_jax import saved_config
 from scone_jax.runtime import storage
-from scone_jax.serving import bundle, inference, table as table_lib
+from scone_jax.serving import bundle, bundle_files, inference, table as table_lib
 from tests import serving_run
 from tests.test_table import file_rows
 
@@ -99,12 +99,13 @@ def test_load_reads_export_json_and_complete_once(original, monkeypatch):
     """inference.load reads export.json and COMPLETE exactly once each, and what it serves carries that bundle.
     Catches (tried): load's model half re-reading export.json (bundle.read_export_meta(path): 2 reads)."""
     reads = []
-    read_bytes = storage.read_bytes
+    read_bytes = bundle_files.read_bytes
 
     def counted(path, key, *args, **kwargs):
         reads.append(key)
         return read_bytes(path, key, *args, **kwargs)
 
+    monkeypatch.setattr(bundle_files, "read_bytes", counted)
     monkeypatch.setattr(storage, "read_bytes", counted)
     served = inference.load(original)
     try:

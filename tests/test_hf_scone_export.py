@@ -314,7 +314,7 @@ def test_an_output_holding_other_files_is_refused(scone_export, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(bundle.BundleError, match=r"already holds 1 files \(notes.txt\)"):
+    with pytest.raises(ValueError, match=r"holds 'notes.txt', which a Hugging Face export of scone_jax does not write"):
         hf_export.export_hf(scone_export["workdir"], str(out))
     assert os.listdir(out) == ["notes.txt"]
 
@@ -385,4 +385,4 @@ def test_the_program_exports_a_scone_run_for_transformers(scone_export, loaded, 
     refused = run_tool("-m scone_jax.serving.export", [f"--workdir={scone_export['workdir']}",
                                                        f"--output={tmp_path / 'other'}", "--format=hf"])
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
-    assert refused.returncode == 2 and "already holds 1 files (notes.txt)" in lines[-1], refused.stderr[-2000:]
+    assert refused.returncode == 2 and "holds 'notes.txt', which a Hugging Face export" in lines[-1], refused.stderr[-2000:]

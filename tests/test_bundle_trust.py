@@ -31,21 +31,14 @@ def original(tmp_path_factory):
 
 @pytest.fixture
 def bundle_copy(original, tmp_path):
-    path = str(tmp_path / "bundle")
-    shutil.copytree(original, path)
-    return path
-
-
-def read_json(path, name):
-    with open(os.path.join(path, name)) as f:
-        return json.load(f)
+    return serving_run.copy_of(original, tmp_path)
 
 
 def forge(path: str, meta_changes: dict | None = None, record_changes: dict | None = None) -> None:
     """export.json with `meta_changes` and COMPLETE with `record_changes` (None: key removed), the seal forged:
     COMPLETE's export_fingerprint is that of the new export.json."""
-    meta = read_json(path, bundle.META) | (meta_changes or {})
-    record = read_json(path, bundle.COMPLETE) | {"export_fingerprint": bundle.meta_fingerprint(meta)}
+    meta = serving_run.read_json(path, bundle.META) | (meta_changes or {})
+    record = serving_run.read_json(path, bundle.COMPLETE) | {"export_fingerprint": bundle.meta_fingerprint(meta)}
     for key, value in (record_changes or {}).items():
         if value is None:
             record.pop(key, None)
@@ -177,7 +170,7 @@ def test_a_complete_without_its_lists_is_refused_at_open(bundle_copy, changes, w
 def test_export_json_whose_fingerprint_differs_from_completes_is_refused(bundle_copy):
     """One field of export.json changed (the step), the seal left as it was: refused at open, whichever field
     (every field is in the fingerprint). Caught: the fingerprint comparison dropped (the bundle opened as step 99)."""
-    meta = read_json(bundle_copy, bundle.META)
+    meta = serving_run.read_json(bundle_copy, bundle.META)
     with open(os.path.join(bundle_copy, bundle.META), "w") as f:
         json.dump(meta | {"step": 99}, f)
     with pytest.raises(bundle.BundleError, match=r"export\.json and COMPLETE do not match; one was changed or "
@@ -189,7 +182,7 @@ def test_a_crafted_layer_count_is_refused_before_the_model_is_built(bundle_copy)
     """export.json's config (seal forged) asking for 100,000 unscanned blocks, against files holding 2 layers:
     refused in seconds by the layer count. Caught: the layers not compared before the abstract model is built
     (the 100,000 blocks took minutes to trace; the test's 120 s ran out)."""
-    config = read_json(bundle_copy, bundle.META)["config"]
+    config = serving_run.read_json(bundle_copy, bundle.META)["config"]
     config["model"] |= {"num_layers": 100_000, "scan_layers": False}
     forge(bundle_copy, {"config": config})
     start = time.monotonic()
@@ -211,7 +204,7 @@ def test_the_layers_of_an_unscanned_stack_are_counted_from_its_numbered_blocks(t
     shapes = saved_decoder.saved_shapes(path, sums)
     assert any(name.startswith("stack.blocks.1.") for name in shapes) and saved_decoder.saved_layers(shapes) == 2
     load_all(path)  # the config builds what is saved
-    config = read_json(path, bundle.META)["config"]
+    config = serving_run.read_json(path, bundle.META)["config"]
     config["model"]["num_layers"] = 3
     forge(path, {"config": config})
     with pytest.raises(bundle.BundleError, match="export.json's model config has num_layers=3, but the decoder's "
@@ -223,7 +216,7 @@ def test_a_config_whose_shapes_differ_from_the_saved_arrays_is_refused_naming_th
     """model.d_ff 128 -> 256 behind a forged seal: the layers match, the MLP's arrays do not; refused before orbax
     reads a parameter, naming the array and both shapes. Caught: no shape comparison (orbax's restore refused in its
     own words, 'Requested shape: (2, 256) is not compatible with the stored shape: (2, 128)', naming no array)."""
-    config = read_json(bundle_copy, bundle.META)["config"]
+    config = serving_run.read_json(bundle_copy, bundle.META)["config"]
     config["model"]["d_ff"] = 256
     forge(bundle_copy, {"config": config})
     with pytest.raises(bundle.BundleError, match=r"export\.json's model config builds stack\.blocks\.mlp\.\w+\.\w+\.value "

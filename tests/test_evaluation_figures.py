@@ -7,7 +7,6 @@ import math
 import os
 import time
 
-import numpy as np
 import pytest
 
 from scone_jax.data import pipeline

@@ -12,73 +12,79 @@ tensor's name, shape and dtype) and the tokenizer, then writes into `config`:
   data.add_bos       False when the checkpoint's tokenizer starts no document with BOS (tokenizer_config.json's
                      add_bos_token, else tokenizer.json's post-processor): Qwen, GPT-2 and OLMo pack documents
                      without one, Llama 3 with one.
+Then scone.init_from_hf, the f-gram model's source, derives the scone section (hf/fgram_source.py).
 It is idempotent (a derived config derives to itself) and touches neither the workdir nor a device, so a bad
 checkpoint is refused before a run writes anything. A checkpoint opened once per process is kept (keyed by the
 directory's files' sizes and times), so the train loop's and the run builder's calls cost one check.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 from scone_jax import config_keys
 from scone_jax.data import tokenizer as tokenizer_lib
-from scone_jax.hf.checkpoint_dir import HfCheckpoint, HfCheckpointError
-from scone_jax.hf.families.base import canonical
+from scone_jax.hf import families, fgram_source
+from scone_jax.hf.checkpoint_dir import CONFIG, HfCheckpoint, HfCheckpointError, open_cached, read_json
+from scone_jax.hf.families.base import Family, HfConfigError, canonical
 
 
 def apply(config) -> HfCheckpoint | None:
-    """Derive `config` (changed in place, locked or not) from model.init_from_hf; None when it is ''."""
+    """Derive `config` (changed in place, locked or not) from model.init_from_hf, then the f-gram model's section
+    from scone.init_from_hf (hf/fgram_source.py); the main checkpoint, None when model.init_from_hf is ''."""
     directory = config.model.get("init_from_hf", "")
-    if not directory:
-        return None
-    checkpoint = open_checkpoint(directory)
-    config.model.init_from_hf = checkpoint.directory  # absolute: the export reads it from wherever it runs
-    derived = dict(checkpoint.model)
-    for key, value in derived.items():
-        _set(config, f"model.{key}", value, checkpoint, derived)
-    data = config.data
-    if not data.tokenizer_path:
-        if checkpoint.tokenizer_path is None:
-            raise HfCheckpointError(f"{directory} has no tokenizer.json and data.tokenizer_path is ''. Fix: set "
-                                    "data.tokenizer_path to the tokenizer.json the checkpoint was trained with.")
-        data.tokenizer_path = checkpoint.tokenizer_path
-    for role in ("eos", "bos"):
-        if not data.get(f"{role}_token", "") and checkpoint.special_token(role):
-            data[f"{role}_token"] = checkpoint.special_token(role)
-    if "add_bos" in data and not checkpoint.adds_bos():
-        data.add_bos = False
-    _check_tokenizer(config, checkpoint)
+    checkpoint = open_checkpoint(directory) if directory else None
+    if checkpoint is not None:
+        config.model.init_from_hf = checkpoint.directory  # absolute: the export reads it from wherever it runs
+        apply_model_keys(config, checkpoint.model, checkpoint.path(CONFIG))
+        data = config.data
+        if not data.tokenizer_path:
+            if checkpoint.tokenizer_path is None:
+                raise HfCheckpointError(f"{directory} has no tokenizer.json and data.tokenizer_path is ''. Fix: set "
+                                        "data.tokenizer_path to the tokenizer.json the checkpoint was trained with.")
+            data.tokenizer_path = checkpoint.tokenizer_path
+        for role in ("eos", "bos"):
+            if not data.get(f"{role}_token", "") and checkpoint.special_token(role):
+                data[f"{role}_token"] = checkpoint.special_token(role)
+        if "add_bos" in data and not checkpoint.adds_bos():
+            data.add_bos = False
+        _check_tokenizer(config, checkpoint)
+    fgram_source.apply(config)
     return checkpoint
 
 
 def open_checkpoint(directory: str) -> HfCheckpoint:
     """HfCheckpoint.open, once per process for unchanged files."""
-    return _open_cached(os.path.abspath(directory), _signature(directory))
+    return open_cached(directory)
 
 
-@functools.lru_cache(maxsize=4)
-def _open_cached(directory: str, signature: tuple) -> HfCheckpoint:
-    del signature  # part of the cache key only
-    return HfCheckpoint.open(directory)
-
-
-def _signature(directory: str) -> tuple:
+def config_json(path: str) -> tuple[Family, dict, str]:
+    """(family, model keys, where) of a config.json alone, or of the one in directory `path`: what an ahead-of-time
+    compile needs (tools/aot_compile.py), without weights or a tokenizer. HfCheckpointError in one line."""
+    where = os.path.join(path, CONFIG) if os.path.isdir(path) else path
+    hf = read_json(os.path.dirname(where) or ".", os.path.basename(where), required=True)
     try:
-        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory)))
-    except OSError:
-        return ()
+        family = families.of_config(hf, where)
+        return family, family.model_keys(hf, where), where
+    except HfConfigError as e:
+        raise HfCheckpointError(str(e)) from None
 
 
-def _set(config, key: str, value, checkpoint: HfCheckpoint, derived: dict) -> None:
+def apply_model_keys(config, derived: dict, where: str) -> None:
+    """config.model's keys set to `derived` (a family's model keys of the config.json at `where`), refusing a value
+    the user set (not the key's default) that differs."""
+    for key, value in derived.items():
+        _set(config, f"model.{key}", value, where, derived)
+
+
+def _set(config, key: str, value, where: str, derived: dict) -> None:
     """config[key] = value, refusing a user's value that differs (module docstring)."""
     section, name = key.split(".")
     have, default = config[section][name], config_keys.BY_NAME[key].default
     model = {**derived, **{k: config.model[k] for k in ("d_model", "num_heads") if k not in derived}}
     if have != default and canonical(name, have, model) != canonical(name, value, model):
-        raise HfCheckpointError(f"{key}={have!r} conflicts with {checkpoint.path('config.json')}, from which "
-                                f"model.init_from_hf derives {key}={value!r}. Fix: leave {key} unset (the checkpoint "
-                                "sets it), or drop model.init_from_hf.")
+        raise HfCheckpointError(f"{key}={have!r} conflicts with {where}, from which model.init_from_hf derives "
+                                f"{key}={value!r}. Fix: leave {key} unset (the checkpoint sets it), or drop "
+                                "model.init_from_hf.")
     config[section][name] = type(default)(value) if isinstance(default, float) else value
 
 

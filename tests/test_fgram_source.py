@@ -198,3 +198,58 @@ def test_bad_sources_are_refused_in_one_line(checkpoints, tmp_path, kind):
     assert named in text and "Fix:" in text and "\n" not in text, text
     if kind == "capacity":  # one more parameter allowed: accepted
         derive.apply(scone_config(main, source, max_source_params=116_256))
+
+
+@pytest.mark.slow  # builds, saves, restores and exports a run: about a minute on 2 cores
+def test_a_run_grown_from_a_source_resumes_and_exports_its_rows(checkpoints, tmp_path):
+    """A SCONE run of a Qwen3 main model with its f-gram model from a wider Qwen3 (g set to 0.5, as training would
+    move it), saved at step 0: the bundle's table rows are, for each f-gram, (1 - g) T(last token) + g out_proj(h)
+    with h transformers' last hidden state of the source for the f-gram and T the main checkpoint's embed_tokens;
+    --format=hf writes the same rows; a resume restores the saved state (g = 0.5, not the source's weights read
+    again), from a moved copy of the source too, and without the source it is refused naming scone.source_model.
+    Caught: run.build re-reading the source into a resumed run (init_state for RESUME): g back to 0."""
+    from safetensors.numpy import load_file
+
+    from scone_jax.serving import export, hf_export
+    from scone_jax.training import checkpoint as checkpoint_lib, run as run_lib
+    from tests import serving_run
+
+    main, source, reference = checkpoints("qwen3")
+    settings = dict(num_fgrams=200, min_count=3, extract_max_tokens=100_000)
+    workdir = str(tmp_path / "run")
+    mesh = sharding.make_mesh(hf_models.import_config(main).mesh, jax.devices()[:2])
+    run = run_lib.build(scone_config(main, source, **settings), workdir, mesh)
+    try:
+        model, optimizer = nnx.merge(run.spec.graphdef, run.state)
+        model.fgram_model.gate[...] = jnp.asarray(0.5, jnp.float32)
+        out_proj = np.asarray(model.fgram_model.out_proj.kernel[...])
+        run.save(1, nnx.split((model, optimizer))[1])
+        run.checkpointer.wait()
+        vocab = run.vocab
+    finally:
+        run.close()
+    bundle_dir, hf_dir = str(tmp_path / "bundle"), str(tmp_path / "hf")
+    export.export(workdir, bundle_dir, dtype="float32", chunk_rows=64, batch_rows=512)
+    table = serving_run.ram_table(bundle_dir).gather(np.arange(vocab.num_fgrams))
+    from scone_jax.hf.safetensors import SafetensorsFile
+    embed = SafetensorsFile(os.path.join(main, "model.safetensors")).read("model.embed_tokens.weight", ())
+    picks = [0, 1, 2, 50, 100, vocab.num_fgrams - 1]
+    for i in picks:
+        n = int(vocab.lengths[i])
+        tokens = torch.from_numpy(vocab.tokens[i:i + 1, :n].astype(np.int64))
+        with torch.no_grad():
+            h = reference.model(input_ids=tokens).last_hidden_state[0, n - 1].numpy()
+        want = 0.5 * embed[vocab.tokens[i, n - 1]] + 0.5 * (h @ out_proj)
+        np.testing.assert_allclose(table[i], want, rtol=1e-4, atol=1e-5, err_msg=f"row {i}")
+    hf_export.export_hf(workdir, hf_dir, dtype="float32", batch_rows=512)
+    np.testing.assert_array_equal(load_file(os.path.join(hf_dir, "fgram_table.safetensors"))["rows"], table)
+
+    moved = str(tmp_path / "moved")
+    shutil.copytree(source, moved)
+    resumed = run_lib.build(scone_config(main, moved, **settings), workdir, mesh)
+    try:
+        assert resumed.step == 1 and float(resumed.model().fgram_model.gate[...]) == 0.5
+    finally:
+        resumed.close()
+    with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="scone.source_model"):
+        run_lib.build(scone_config(main, "", **settings), workdir, mesh)

@@ -69,6 +69,29 @@ def config_json(path: str) -> tuple[Family, dict, str]:
         raise HfCheckpointError(str(e)) from None
 
 
+def from_config_files(config, hf_config: str = "", fgram_hf_config: str = "") -> None:
+    """The model section from the main checkpoint's config.json and the f-gram model's from its source's, as apply
+    derives them, from the config.json files alone (a path to one, or to a directory holding one): what an
+    ahead-of-time compile needs (tools/aot_compile.py), without weights or tokenizers. A given path replaces the
+    directory the config names (model.init_from_hf, scone.init_from_hf), which need not exist on this machine; ''
+    = that directory's config.json, if it names one. HfCheckpointError in one line."""
+    for flag, section, path in (("--hf_config", "model", hf_config), ("--fgram_hf_config", "scone", fgram_hf_config)):
+        named = config[section].get("init_from_hf", "")
+        if not path and named and not os.path.exists(named):
+            raise HfCheckpointError(f"{section}.init_from_hf={named!r} does not exist on this machine. Fix: pass "
+                                    f"{flag}=DIR with its config.json alone (configs/hf/ holds Qwen3's), or copy the "
+                                    "checkpoint here.")
+        path = path or named
+        if not path:
+            continue
+        family, keys, where = config_json(path)
+        config[section].init_from_hf = os.path.abspath(os.path.dirname(where))
+        if section == "model":
+            apply_model_keys(config, keys, where)
+        else:
+            fgram_source.derive_architecture(config, family, keys, where)
+
+
 def apply_model_keys(config, derived: dict, where: str) -> None:
     """config.model's keys set to `derived` (a family's model keys of the config.json at `where`), refusing a value
     the user set (not the key's default) that differs."""

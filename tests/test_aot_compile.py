@@ -120,7 +120,8 @@ def test_a_run_grown_from_a_source_compiles_from_config_json_files_alone(tmp_pat
     """configs/finetune_paper.py's shape of run (main model and f-gram model from Hugging Face config.json files,
     own token table, RoPE, gate) shrunk to tiny Qwen3 configs: compiled for a v5e-4 slice from the two config.json
     files, the directories the config names (/ckpt/...) absent here; the f-gram model's 3 layers of 64 and the
-    table's size (200 f-grams x 48 x 2 bytes) printed."""
+    table's size (200 f-grams x 48 x 2 bytes) printed. Caught: the table sized by the f-gram model's width (64)
+    instead of the main model's, whose rows the table holds."""
     main, source = _tiny_hf_configs(tmp_path)
     run = aot("--config=configs/finetune_paper.py", "--topology=v5e-4", f"--hf_config={main}",
               f"--fgram_hf_config={source}", "--config.data.seq_len=32", "--config.data.global_batch_size=8",
@@ -135,7 +136,8 @@ def test_a_run_grown_from_a_source_compiles_from_config_json_files_alone(tmp_pat
 
 def test_a_checkpoint_directory_missing_here_asks_for_its_config_json():
     """configs/finetune_paper.py names /ckpt/Qwen3-4B-Base, absent on this machine: one line saying to pass
-    --hf_config (exit 2), not a compile of the default model's shapes."""
+    --hf_config (exit 2), not a compile of the default model's shapes. Caught: from_config_files reading the
+    missing directory as a config.json path ("/ckpt has no Qwen3-4B-Base", no word of --hf_config)."""
     run = aot("--config=configs/finetune_paper.py", "--topology=v5p-8")
     assert run.returncode == 2
     assert ("model.init_from_hf='/ckpt/Qwen3-4B-Base' does not exist on this machine. Fix: pass --hf_config=DIR"

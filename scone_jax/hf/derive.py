@@ -60,6 +60,9 @@ def open_checkpoint(directory: str) -> HfCheckpoint:
 def config_json(path: str) -> tuple[Family, dict, str]:
     """(family, model keys, where) of a config.json alone, or of the one in directory `path`: what an ahead-of-time
     compile needs (tools/aot_compile.py), without weights or a tokenizer. HfCheckpointError in one line."""
+    if not os.path.exists(path):
+        raise HfCheckpointError(f"{path} does not exist. Fix: give a Hugging Face config.json, or the directory that "
+                                "holds one.")
     where = os.path.join(path, CONFIG) if os.path.isdir(path) else path
     hf = read_json(os.path.dirname(where) or ".", os.path.basename(where), required=True)
     try:

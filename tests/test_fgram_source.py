@@ -32,9 +32,10 @@ from flax import nnx
 
 from scone_jax import config as config_lib, sharding
 from scone_jax.batch import Batch
+from scone_jax.model import fgram_model
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
-from scone_jax.hf import derive
+from scone_jax.hf import derive, fgram_source
 from scone_jax.hf.checkpoint_dir import HfCheckpointError
 from scone_jax.training import state as state_lib, steps
 from tests import hf_models
@@ -87,7 +88,11 @@ def test_the_fgram_model_computes_what_the_source_computes(checkpoints, family):
     over the padding; positions 0..n-1). Qwen3 with q/k norm and GQA, Llama with its own epsilon, GPT-2 with the
     first K rows of its learned positions."""
     main, source, reference = checkpoints(family)
-    model, _ = built(scone_config(main, source))
+    config = scone_config(main, source)
+    model, _ = built(config)
+    block = fgram_model.fgram_block_config(config.model, config.scone)  # the source's kind of block, K positions
+    assert (block.d_model, block.num_layers, block.position, block.max_seq_len) == \
+        (64, 3, "learned" if family == "gpt2" else "rope", K)
     tokens, _ = hf_models.padded_batch(seed=3, rows=4, length=K)
     lengths = np.array([4, 3, 2, 1])
     ours = np.asarray(model.fgram_model.hidden(model.fgram_inputs(jnp.asarray(tokens)), jnp.asarray(lengths)))
@@ -200,8 +205,12 @@ def test_bad_sources_are_refused_in_one_line(checkpoints, tmp_path, kind):
         derive.apply(scone_config(main, source, **settings))
     text = str(e.value)
     assert named in text and "Fix:" in text and "\n" not in text, text
-    if kind == "capacity":  # one more parameter allowed: accepted
-        derive.apply(scone_config(main, source, max_source_params=116_256))
+    if kind == "capacity":  # one more parameter allowed: accepted, and the count is what the run builds
+        config = scone_config(main, source, max_source_params=116_256)
+        checkpoint = derive.apply(config) and derive.open_checkpoint(source)
+        assert fgram_source.source_params(checkpoint.family, checkpoint.model, config) == 116_256
+        model = nnx.eval_shape(lambda: state_lib.build_model(config))
+        assert sum(x.size for x in jax.tree.leaves(nnx.state(model.fgram_model, nnx.Param))) == 116_256 + 1  # + g
 
 
 @pytest.mark.slow  # builds, saves, restores and exports a run: about a minute on 2 cores

@@ -5,6 +5,13 @@
   python tools/aot_compile.py --config=configs/gpt2_paper.py:419m --topology=v5e-256 \
       --config.train.grad_accum_steps=2
 
+A run that starts from Hugging Face checkpoints (model.init_from_hf, scone.init_from_hf) takes its shapes from their
+config.json files; --hf_config and --fgram_hf_config give those files (or directories holding them) where the
+checkpoints are not on this machine, e.g. the paper's fine-tuning setting from the published configs in configs/hf/:
+  python tools/aot_compile.py --config=configs/finetune_paper.py --topology=v5p-128 \
+      --hf_config=configs/hf/qwen3_4b_base --fgram_hf_config=configs/hf/qwen3_8b_base
+A SCONE run also prints the size of its exported table in bf16 (`RESULT table_gb`: host RAM or disk at serving).
+
 The slice is named as Cloud TPU names it: v4-N and v5p-N count TensorCores (two per chip),
 v5e-N (or v5litepod-N) and v6e-N count chips. The step is the one training runs
 (scone_jax.training.steps.make_train_step over the config's mesh, lowered for the shapes of the state and

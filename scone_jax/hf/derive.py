@@ -31,24 +31,30 @@ from scone_jax.hf.families.base import Family, HfConfigError, canonical
 def apply(config) -> HfCheckpoint | None:
     """Derive `config` (changed in place, locked or not) from model.init_from_hf, then the f-gram model's section
     from scone.init_from_hf (hf/fgram_source.py); the main checkpoint, None when model.init_from_hf is ''."""
-    directory = config.model.get("init_from_hf", "")
-    checkpoint = open_checkpoint(directory) if directory else None
-    if checkpoint is not None:
-        config.model.init_from_hf = checkpoint.directory  # absolute: the export reads it from wherever it runs
-        apply_model_keys(config, checkpoint.model, checkpoint.path(CONFIG))
-        data = config.data
-        if not data.tokenizer_path:
-            if checkpoint.tokenizer_path is None:
-                raise HfCheckpointError(f"{directory} has no tokenizer.json and data.tokenizer_path is ''. Fix: set "
-                                        "data.tokenizer_path to the tokenizer.json the checkpoint was trained with.")
-            data.tokenizer_path = checkpoint.tokenizer_path
-        for role in ("eos", "bos"):
-            if not data.get(f"{role}_token", "") and checkpoint.special_token(role):
-                data[f"{role}_token"] = checkpoint.special_token(role)
-        if "add_bos" in data and not checkpoint.adds_bos():
-            data.add_bos = False
-        _check_tokenizer(config, checkpoint)
+    checkpoint = _apply_main(config)
     fgram_source.apply(config)
+    return checkpoint
+
+
+def _apply_main(config) -> HfCheckpoint | None:
+    directory = config.model.get("init_from_hf", "")
+    if not directory:
+        return None
+    checkpoint = open_checkpoint(directory)
+    config.model.init_from_hf = checkpoint.directory  # absolute: the export reads it from wherever it runs
+    apply_model_keys(config, checkpoint.model, checkpoint.path(CONFIG))
+    data = config.data
+    if not data.tokenizer_path:
+        if checkpoint.tokenizer_path is None:
+            raise HfCheckpointError(f"{directory} has no tokenizer.json and data.tokenizer_path is ''. Fix: set "
+                                    "data.tokenizer_path to the tokenizer.json the checkpoint was trained with.")
+        data.tokenizer_path = checkpoint.tokenizer_path
+    for role in ("eos", "bos"):
+        if not data.get(f"{role}_token", "") and checkpoint.special_token(role):
+            data[f"{role}_token"] = checkpoint.special_token(role)
+    if "add_bos" in data and not checkpoint.adds_bos():
+        data.add_bos = False
+    _check_tokenizer(config, checkpoint)
     return checkpoint
 
 

@@ -47,7 +47,6 @@ def apply(config) -> HfCheckpoint | None:
     directory = config.scone.get("init_from_hf", "")
     if not directory:
         return None
-    config_lib.check_fgram_source(config)
     checkpoint = open_cached(directory)
     config.scone.init_from_hf = checkpoint.directory
     derive_architecture(config, checkpoint.family, checkpoint.model, checkpoint.path(CONFIG))

@@ -240,20 +240,56 @@ def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
     s, t = config.scone, config.train
     if not s.enabled:
         for key, value, default in (("learning_rate_multiplier", s.learning_rate_multiplier, 1.0),
-                                    ("gate", s.gate, False)):
+                                    ("gate", s.gate, False), ("own_token_embedding", s.own_token_embedding, False)):
             if value != default:
                 raise ValueError(f"scone.{key}={value!r} is set on a run without SCONE (scone.enabled=False): it "
                                  "applies to the f-gram model only. Fix: set --config.scone.enabled=True, or leave "
                                  f"scone.{key} at {default!r}.")
+    if s.gate_learning_rate_multiplier != 1.0 and not s.gate:
+        raise ValueError(f"scone.gate_learning_rate_multiplier={s.gate_learning_rate_multiplier!r} is set without "
+                         "scone.gate: there is no gate to train. Fix: set --config.scone.gate=True, or leave the "
+                         "multiplier at 1.0.")
     if t.fgram_model_delay_steps and t.fgram_model_delay_steps_per_layer:
         raise ValueError(f"train.fgram_model_delay_steps={t.fgram_model_delay_steps} and "
                          f"train.fgram_model_delay_steps_per_layer={t.fgram_model_delay_steps_per_layer} are both set; "
                          "they are two ways to give the one delay. Fix: set one of them to 0.")
 
 
+def check_fgram_source(config: ml_collections.ConfigDict) -> None:
+    """scone.init_from_hf needs SCONE and scone.gate: with g = 0 at step 0 the decoder receives T(token) at every
+    position, so the run starts exactly as the plain fine-tune of the main model does (docs/training.md), instead
+    of feeding it a random projection of the source's states. scone.source_model, derived from the source, must
+    parse and agree with the f-gram model's sizes."""
+    s = config.scone
+    if s.get("init_from_hf", ""):
+        for key, value, fix in (("enabled", s.enabled, "--config.scone.enabled=True"),
+                                ("gate", s.gate, "--config.scone.gate=True (g = 0 at step 0: the run starts as the "
+                                                 "plain fine-tune of the main model)")):
+            if not value:
+                raise ValueError(f"scone.init_from_hf={s.init_from_hf!r} is set with scone.{key}=False. Fix: set "
+                                 f"{fix}, or drop scone.init_from_hf.")
+    if not s.get("source_model", ""):
+        return
+    try:
+        source = json.loads(s.source_model)
+        sizes = {key: source[key] for key in ("num_layers", "d_model", "num_heads", "d_ff", "vocab_size")}
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(f"scone.source_model={s.source_model[:80]!r} is not the JSON object of model keys that "
+                         "scone.init_from_hf derives. Fix: leave it '' (scone.init_from_hf sets it).") from None
+    differ = [f"scone.{key}={s[key]!r} (the source has {sizes[key]!r})" for key in ("num_layers", "d_model",
+                                                                                 "num_heads", "d_ff")
+              if s[key] != sizes[key]]
+    if differ:
+        raise ValueError(f"{', '.join(differ)}: the f-gram model's sizes must be its source's (scone.source_model). "
+                         "Fix: leave them unset; scone.init_from_hf derives them.")
+
+
 def _check_fgram_heads(config: ml_collections.ConfigDict) -> None:
-    """The f-gram model shares model.num_kv_heads (model/fgram_model.py), so its own heads must be a multiple."""
+    """The f-gram model shares model.num_kv_heads (model/fgram_model.py), so its own heads must be a multiple (a
+    source checkpoint's heads are its own, with its own key/value heads)."""
     m, s = config.model, config.scone
+    if s.get("source_model", ""):
+        return
     if s.enabled and s.num_heads and m.num_kv_heads and s.num_heads % m.num_kv_heads:
         raise ValueError(f"scone.num_heads={s.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}, "
                          "which the f-gram model shares. Fix: a multiple of it, or 0 (the main model's heads).")
@@ -301,6 +337,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     m, d, t = config.model, config.data, config.train
     _check_special_tokens(d)
     _check_fgram_training(config)
+    check_fgram_source(config)
     resolve(config)  # the shorthand into its groups: a set or component without files, a bad weight, a name twice
     if t.profile_steps:
         start, sep, end = t.profile_steps.partition(":")

@@ -154,6 +154,30 @@ KEYS = (
         "(docs/training.md). A run trained at two ratios of the rates would be neither experiment's, so a resume "
         "may not change it", "> 0",
         " (the f-gram model's learning rate over train.learning_rate; 1 = the same)"),
+    Key("scone.init_from_hf", "", SETTING,
+        "a local Hugging Face checkpoint directory (Llama, Qwen3, GPT-2, OLMo; config.json, safetensors weights, "
+        "tokenizer.json) whose blocks and final norm become the f-gram model (hf/fgram_source.py, docs/training.md "
+        "'SCONE on a pretrained model'): scone.source_model, num_layers, d_model, num_heads and d_ff are derived from "
+        "its config.json (a different value set here is refused), its weights are read at a fresh start, and its "
+        "tokenizer must be the run's (same ids for the same tokens, else refused). Needs enabled and gate. '' = the "
+        "f-gram model starts random. A resume may point it elsewhere (a moved directory); the checkpoint resumes"),
+    Key("scone.source_model", "", STATE,
+        "derived from scone.init_from_hf, not set by hand: the source checkpoint's architecture as a JSON object of "
+        "model.* keys (norm, epsilon, MLP, biases, key/value heads, head_dim, q/k norm, positions and RoPE's "
+        "settings, vocab_size), which the f-gram model's blocks take instead of the main model's; '' = the main "
+        "model's block kind with learned positions over K (docs/method.md §4)"),
+    Key("scone.own_token_embedding", False, STATE,
+        "the f-gram model reads a token table of its own (the source checkpoint's embed_tokens with "
+        "scone.init_from_hf, else random), not the main model's T through in_proj; a training-only parameter, "
+        "nothing of it is exported. False = the method (T shared)"),
+    Key("scone.max_source_params", 0, LOOP,
+        "refuse a scone.init_from_hf source whose f-gram model (its blocks, final norm, own token table and the "
+        "projections, as this run would build it) has more parameters than this; 0 = no bound. A guard checked "
+        "before anything is read, set from what tools/aot_compile.py showed fits the slice", ">= 0"),
+    Key("scone.gate_learning_rate_multiplier", 1.0, STATE,
+        "scone.gate's g trains at this multiple of the f-gram model's rate (on top of learning_rate_multiplier): at "
+        "a fine-tune's learning rate (4e-5) Adam moves g by about that per step, too slow to reach 1 in a run. "
+        "Only with gate", "> 0"),
     Key("scone.gate", False, STATE,
         "the method (False): a matched position's input is the f-gram embedding f. True: a learned scalar g, "
         "starting at 0, mixes it with the token's own input, (1 - g) T(token) + g f, so training starts as the "

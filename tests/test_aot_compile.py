@@ -102,3 +102,43 @@ def test_slice_names_map_to_libtpu_topologies():
         ("v5p:8x8x8", 512, "default", 95), ("v5e:1x1", 1, "default", 16), ("v5e:4x4", 16, "default", 16),
         ("v5e:16x16", 256, "default", 16), ("v6e:2x4", 8, "default", 32), ("v6e:8x8", 64, "default", 32),
     ]
+
+
+def _tiny_hf_configs(tmp_path) -> tuple[str, str]:
+    """config.json files alone (no weights, no tokenizer) of a 2-layer Qwen3 main model of width 48 and a 3-layer
+    Qwen3 source of width 64, as transformers writes them."""
+    from tests import hf_models
+
+    main, source = tmp_path / "main", tmp_path / "source"
+    hf_models.tiny_config("qwen3").save_pretrained(main)
+    hf_models.tiny_config("qwen3", hidden_size=64, num_hidden_layers=3, intermediate_size=96).save_pretrained(source)
+    return str(main), str(source)
+
+
+@pytest.mark.slow
+def test_a_run_grown_from_a_source_compiles_from_config_json_files_alone(tmp_path):
+    """configs/finetune_paper.py's shape of run (main model and f-gram model from Hugging Face config.json files,
+    own token table, RoPE, gate) shrunk to tiny Qwen3 configs: compiled for a v5e-4 slice from the two config.json
+    files, the directories the config names (/ckpt/...) absent here; the f-gram model's 3 layers of 64 and the
+    table's size (200 f-grams x 48 x 2 bytes) printed. Caught: the table sized by the f-gram model's width (64)
+    instead of the main model's, whose rows the table holds."""
+    main, source = _tiny_hf_configs(tmp_path)
+    run = aot("--config=configs/finetune_paper.py", "--topology=v5e-4", f"--hf_config={main}",
+              f"--fgram_hf_config={source}", "--config.data.seq_len=32", "--config.data.global_batch_size=8",
+              "--config.scone.fgram_capacity=16", "--config.scone.num_fgrams=200", "--config.model.remat=none")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "3 layers of width 64, from " + source in run.stdout, run.stdout
+    found = results(run.stdout)
+    assert found["table_gb"] == pytest.approx(200 * 48 * 2 / 1e9)
+    assert 0 < found["hbm_gib_per_chip"] < 1
+    assert run.stdout.rstrip().splitlines()[-1].startswith("FITS: ")
+
+
+def test_a_checkpoint_directory_missing_here_asks_for_its_config_json():
+    """configs/finetune_paper.py names /ckpt/Qwen3-4B-Base, absent on this machine: one line saying to pass
+    --hf_config (exit 2), not a compile of the default model's shapes. Caught: from_config_files reading the
+    missing directory as a config.json path ("/ckpt has no Qwen3-4B-Base", no word of --hf_config)."""
+    run = aot("--config=configs/finetune_paper.py", "--topology=v5p-8")
+    assert run.returncode == 2
+    assert ("model.init_from_hf='/ckpt/Qwen3-4B-Base' does not exist on this machine. Fix: pass --hf_config=DIR"
+            in run.stderr.strip().splitlines()[-1]), run.stderr[-2000:]

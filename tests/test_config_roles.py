@@ -79,6 +79,12 @@ WHY = {
     "scone.output_norm": ("shape", "the f-gram model's final norm exists or not"),
     "scone.learning_rate_multiplier": ("meaning", "a run trained at two ratios of the rates is neither experiment"),
     "scone.gate": ("shape", "the learned gate exists or not"),
+    "scone.init_from_hf": ("start", "the f-gram model's initial weights a fresh run reads; a resume keeps the "
+                                    "checkpoint's (scone.source_model pins the architecture)"),
+    "scone.source_model": ("shape", "the f-gram model's blocks take the source's kind (RoPE: no position table)"),
+    "scone.own_token_embedding": ("shape", "the f-gram model's own token table exists or not"),
+    "scone.max_source_params": ("loop", "a check of the source before a fresh start; nothing trains by it"),
+    "scone.gate_learning_rate_multiplier": ("meaning", "a gate trained at two rates is neither experiment"),
     "data.source": ("data", "where the documents come from"),
     "data.train_files": ("data", "the training documents"),
     "data.mixture": ("data", "the training documents and the order of their rows"),
@@ -132,7 +138,8 @@ WHY = {
 _OTHER = {"model.norm": "rmsnorm", "model.mlp": "swiglu", "model.position": "rope", "model.dtype": "bfloat16",
           "model.param_dtype": "bfloat16", "model.remat": "full", "model.attention": "reference",
           "model.num_heads": 2, "model.head_dim": 32, "scone.num_heads": 2, "scone.d_model": 32,
-          "train.profile_steps": "1:2", "data.eval_sets": {"web": "/d/web/*.jsonl"}}
+          "train.profile_steps": "1:2", "data.eval_sets": {"web": "/d/web/*.jsonl"},
+          "scone.source_model": '{"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "use_bias": false}'}
 _MESH_BASE = {"mesh.data": {"mesh.data": 2, "mesh.fsdp": -1}, "mesh.fsdp": {"mesh.fsdp": 2},
               "mesh.tensor": {"mesh.tensor": 2}}
 

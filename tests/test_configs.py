@@ -12,6 +12,7 @@ from flax import nnx
 from ml_collections.config_flags import config_flags
 
 from scone_jax import config as config_lib
+from scone_jax.hf import derive
 from scone_jax.model.accounting import param_counts
 from scone_jax.training.state import build_model
 from tests.common import REPO
@@ -35,6 +36,10 @@ PAPER_PARAMS_M = {
     ("configs/olmo_paper.py", "1.9b"): 1915,
 }
 PAPER_FFW = {"configs/gpt2_paper.py": None, "configs/olmo_paper.py": 8192}  # None: 4 * d
+# Configs that name checkpoints (model.init_from_hf, scone.init_from_hf) not on this machine: their shapes come from
+# the config.json files in configs/hf/, as tools/aot_compile.py derives them.
+HF_SHAPES = {("configs/finetune_paper.py", "8b"): ("configs/hf/qwen3_4b_base", "configs/hf/qwen3_8b_base"),
+             ("configs/finetune_paper.py", "14b"): ("configs/hf/qwen3_4b_base", "configs/hf/qwen3_14b_base")}
 
 
 def variants_of(path):
@@ -68,6 +73,8 @@ def test_all_config_files_are_covered():
 @pytest.mark.parametrize("path,variant", CASES, ids=[f"{p}:{v}" for p, v in CASES])
 def test_config_loads_locked_validates_and_builds(path, variant):
     config = load(path, variant)
+    if (path, variant) in HF_SHAPES:
+        derive.from_config_files(config, *(os.path.join(REPO, p) for p in HF_SHAPES[path, variant]))
     config_lib.validate(config)
     with pytest.raises(AttributeError):
         config.model.num_layrs = 2  # locked: a typo is an error, not a new field
@@ -200,3 +207,17 @@ def test_paper_configs_pin_their_tokenizers_and_refuse_another(tokenizer_path):
         with pytest.raises(ValueError, match=rf"has 512 tokens but data.tokenizer_size={tokens}: the config was made "
                                              r"for another tokenizer. Fix: point data.tokenizer_path at"):
             assets.resolve_vocab_size(config, tok)
+
+
+@pytest.mark.parametrize("name,non_embedding,total", [
+    ("qwen3_4b_base", 3.6e9, 4.0e9), ("qwen3_8b_base", 6.95e9, 8.2e9), ("qwen3_14b_base", 13.2e9, 14.8e9)])
+def test_the_qwen3_config_files_have_the_published_sizes(name, non_embedding, total):
+    """configs/hf/*/config.json, written from the published configs, give the decoders Qwen's model cards count
+    (non-embedding parameters 3.6B, 6.95B, 13.2B; in all 4.0B tied, 8.2B and 14.8B untied). Caught: 14B's
+    intermediate_size written as 13824 (Qwen2.5-14B's): 11.0B non-embedding."""
+    config = config_lib.base_config()
+    derive.from_config_files(config, os.path.join(REPO, "configs", "hf", name))
+    counts = param_counts(nnx.eval_shape(lambda: build_model(config)))
+    assert counts["total"] - counts["embedding"] - config.model.vocab_size * config.model.d_model * \
+        (not config.model.tie_embeddings) == pytest.approx(non_embedding, rel=0.01)
+    assert counts["total"] == pytest.approx(total, rel=0.01)

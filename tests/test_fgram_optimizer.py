@@ -118,6 +118,40 @@ def test_grad_clip_norm_0_passes_a_huge_gradient_unchanged():
         np.testing.assert_allclose(mu[name], (1 - config.train.b1) * g, rtol=1e-3, atol=1e-6 * scale, err_msg=name)
 
 
+def test_the_gate_trains_at_its_own_multiple_of_the_fgram_models_rate():
+    """scone.gate_learning_rate_multiplier G on top of scone.learning_rate_multiplier M: g moves by lr x M x G a
+    step (its gradient is not 0 at g = 0), the rest of the f-gram model by lr x M once g is no longer 0 (at g = 0
+    nothing of it reaches the loss, so it does not move at step 1), the decoder by lr. Caught: the gate's scale
+    applied to the whole f-gram model (its blocks moved by 10 lr); roles.is_gate matching nothing (g moved by 2
+    lr)."""
+    config = scone_config()
+    config.scone.update(dict(gate=True, learning_rate_multiplier=2.0, gate_learning_rate_multiplier=5.0))
+    config_lib.validate(config)
+    mesh = sharding.make_mesh(config.mesh)
+    spec = state_lib.state_spec(config, mesh)
+    state = state_lib.init_state(config, spec)
+    step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    batch = sharding.global_batch(production_batch(num_shards=sharding.num_batch_shards(mesh), capacity=48)[0]
+                                  .for_device(), mesh)
+
+    def params(state):
+        return {jax.tree_util.keystr(p): np.asarray(x, np.float64)
+                for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(state_lib.model_of(spec.graphdef, state),
+                                                                          nnx.Param))}
+
+    moves = []
+    for _ in range(2):
+        before = params(state)
+        state, _ = step(state, batch)
+        after = params(state)
+        move = {name: np.abs(after[name] - before[name]).max() / LR for name in before}
+        gate = [n for n in move if n.startswith("['fgram_model']['gate']")]
+        assert len(gate) == 1
+        moves.append((move[gate[0]], max(v for n, v in move.items() if n.startswith("['fgram_model']") and n != gate[0]),
+                      max(v for n, v in move.items() if not n.startswith("['fgram_model']"))))
+    np.testing.assert_allclose(moves, [(10.0, 0.0, 1.0), (10.0, 2.0, 1.0)], atol=1e-4)
+
+
 # --- the config's refusals -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,value,message", [
@@ -127,6 +161,9 @@ def test_grad_clip_norm_0_passes_a_huge_gradient_unchanged():
                                             r"\(scone\.enabled=False\).*Fix: set --config\.scone\.enabled=True, or "
                                             r"leave scone\.learning_rate_multiplier at 1\.0\.$"),
     ("scone.gate", True, r"^scone\.gate=True is set on a run without SCONE .*leave scone\.gate at False\.$"),
+    ("scone.own_token_embedding", True, r"^scone\.own_token_embedding=True is set on a run without SCONE "),
+    ("scone.gate_learning_rate_multiplier", 5.0, r"^scone\.gate_learning_rate_multiplier=5\.0 is set without "
+                                                 r"scone\.gate: there is no gate to train\. Fix: "),
     ("train.fgram_model_delay_steps_per_layer", 10, r"^train\.fgram_model_delay_steps=40 and "
                                                     r"train\.fgram_model_delay_steps_per_layer=10 are both set.*Fix: "
                                                     r"set one of them to 0\.$"),
@@ -143,7 +180,8 @@ def test_fgram_settings_that_mean_nothing_are_refused_in_one_line(key, value, me
     with pytest.raises(ValueError, match=message) as e:
         config_lib.validate(config)
     assert "\n" not in str(e.value)
-    config.scone.enabled = True  # with SCONE on, the gate and a multiplier > 0 are fine
+    config.scone.enabled = True  # with SCONE on (and the gate for its multiplier), these are fine
+    config.scone.gate = config.scone.gate or name == "gate_learning_rate_multiplier"
     if key == "scone.gate" or value > 0 and section == "scone":
         config_lib.validate(config)
 

@@ -5,6 +5,13 @@
   python tools/aot_compile.py --config=configs/gpt2_paper.py:419m --topology=v5e-256 \
       --config.train.grad_accum_steps=2
 
+A run that starts from Hugging Face checkpoints (model.init_from_hf, scone.init_from_hf) takes its shapes from their
+config.json files; --hf_config and --fgram_hf_config give those files (or directories holding them) where the
+checkpoints are not on this machine, e.g. the paper's fine-tuning setting from the published configs in configs/hf/:
+  python tools/aot_compile.py --config=configs/finetune_paper.py --topology=v5p-128 \
+      --hf_config=configs/hf/qwen3_4b_base --fgram_hf_config=configs/hf/qwen3_8b_base
+A SCONE run also prints the size of its exported table in bf16 (`RESULT table_gb`: host RAM or disk at serving).
+
 The slice is named as Cloud TPU names it: v4-N and v5p-N count TensorCores (two per chip),
 v5e-N (or v5litepod-N) and v6e-N count chips. The step is the one training runs
 (scone_jax.training.steps.make_train_step over the config's mesh, lowered for the shapes of the state and
@@ -56,6 +63,11 @@ _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p-128, v4-6
 _DECODE_CONTEXT = flags.DEFINE_integer("decode_context", 0, "> 0: compile one decoding step over a KV cache of this "
                                        "many positions instead of the train step, and print the cache's size.")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences decoded together (with --decode_context).")
+_HF_CONFIG = flags.DEFINE_string("hf_config", "", "A Hugging Face config.json (or a directory holding one) the main "
+                                 "model's shapes are derived from, as model.init_from_hf derives them, without weights "
+                                 "or a tokenizer; '' = the config.json of the config's model.init_from_hf, if any.")
+_FGRAM_HF_CONFIG = flags.DEFINE_string("fgram_hf_config", "", "The same for the f-gram model's source "
+                                       "(scone.init_from_hf); '' = the config.json of the config's scone.init_from_hf.")
 
 GIB = 1024**3
 EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 1, 2
@@ -238,8 +250,13 @@ def report(config, tpu: Slice, devices, compiled, mesh, spec, timings) -> bool:
 
     print(f"{tpu.name}: {tpu.chips} chips ({devices[0].device_kind}, topology {tpu.topology_name}), "
           f"mesh {dict(mesh.shape)}; lowered in {timings['lower_s']:.1f} s, compiled in {timings['compile_s']:.1f} s")
-    scone = f" (SCONE, f-gram model {config.scone.num_layers} layers)" if config.scone.enabled else ""
-    m = config.model
+    s, m = config.scone, config.model
+    scone = ""
+    if s.enabled:
+        fgram = accounting.param_counts(spec.abstract[0]["fgram_model"])["total"]
+        source = f", from {s.init_from_hf}" if s.get("init_from_hf", "") else ""
+        scone = (f" (SCONE: {fgram:,} of them the f-gram model's, {s.num_layers} layers of width "
+                 f"{s.d_model or m.d_model}{source}; U = {s.fgram_capacity} f-grams per data shard)")
     print(f"model: {counts['total']:,} parameters{scone}; batch {config.data.global_batch_size} x {config.data.seq_len} "
           f"= {tokens:,} tokens; scan_layers={m.scan_layers}, remat={m.remat}, attention={m.attention}, "
           f"grad_accum_steps={config.train.grad_accum_steps}")
@@ -258,6 +275,11 @@ def report(config, tpu: Slice, devices, compiled, mesh, spec, timings) -> bool:
     print()
     print(f"Step time at the {peak / 1e12:.0f} TFLOP/s bf16 peak: {step_s:.3g} s "
           f"({tokens / step_s:,.0f} tokens/s over the slice; a lower bound)")
+    if s.enabled:  # what the export's table needs on the serving host (docs/method.md §6), in bf16
+        table = s.num_fgrams * m.d_model * 2
+        print(f"Exported table: {s.num_fgrams:,} f-grams x {m.d_model} x 2 bytes (bfloat16) = {table / 1e9:.1f} GB of "
+              "host RAM (--table=ram) or disk (--table=disk)")
+        print(f"RESULT table_gb {table / 1e9:.6g}")
     print(f"RESULT compile_s {timings['compile_s']:.1f}")
     print(f"RESULT hbm_gib_per_chip {used / GIB:.3f}")
     print(f"RESULT step_flops {step_flops:.6g}")
@@ -301,6 +323,10 @@ def main(argv):
             raise ValueError("pass --config=configs/<name>.py[:variant] and --topology=<slice>, e.g. v5p-128")
         tpu = parse_slice(_TOPOLOGY.value)
         config = _CONFIG.value
+        from scone_jax.hf import derive
+
+        with config.unlocked():
+            derive.from_config_files(config, _HF_CONFIG.value, _FGRAM_HF_CONFIG.value)
         config_lib.validate(config)
         if _DECODE_CONTEXT.value < 0 or _DECODE_BATCH.value < 1:
             raise ValueError(f"--decode_context={_DECODE_CONTEXT.value} and --decode_batch={_DECODE_BATCH.value}: "

@@ -111,6 +111,25 @@ class HfCheckpoint:
         return False
 
 
+def open_cached(directory: str) -> HfCheckpoint:
+    """HfCheckpoint.open, once per process for unchanged files (keyed by the directory's files' sizes and times), so
+    the train loop's and the run builder's calls cost one check."""
+    return _open_cached(os.path.abspath(directory), _signature(directory))
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(directory: str, signature: tuple) -> HfCheckpoint:
+    del signature  # part of the cache key only
+    return HfCheckpoint.open(directory)
+
+
+def _signature(directory: str) -> tuple:
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory)))
+    except OSError:
+        return ()
+
+
 def read_json(directory: str, name: str, required: bool = False) -> dict | None:
     """A JSON object file of the directory; None if absent (HfCheckpointError if `required`), and one line if it
     does not parse."""

@@ -119,15 +119,16 @@ def _to_ours(transpose: bool, dtype, sharding: jax.sharding.NamedSharding):
     return jax.jit(convert, out_shardings=sharding, donate_argnums=0)
 
 
-def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State, *,
-                 by_rows: bool | None = None) -> tuple[nnx.State, LoadReport]:
-    """`abstract` (the decoder's nnx.Param state as ShapeDtypeStructs with shardings) filled from the checkpoint,
-    every array created in its sharding from the blocks this process's devices hold. `by_rows`: how blocks are
-    read (_read_sharding); None = by rows on accelerators, by the target's blocks where the devices are CPUs
-    (their collectives would hold whole arrays in host memory). ValueError naming a parameter the checkpoint has
-    nothing for, or whose shape differs from the family's."""
+def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State, *, by_rows: bool | None = None,
+                 where: dict | None = None) -> tuple[nnx.State, LoadReport]:
+    """`abstract` (the decoder's nnx.Param state as ShapeDtypeStructs with shardings, or any part of a state laid
+    out like it: the f-gram model's, hf/fgram_source.py) filled from the checkpoint, every array created in its
+    sharding from the blocks this process's devices hold. `by_rows`: how blocks are read (_read_sharding); None =
+    by rows on accelerators, by the target's blocks where the devices are CPUs (their collectives would hold whole
+    arrays in host memory). `where`: placement(checkpoint) unless given. ValueError naming a parameter the
+    checkpoint has nothing for, or whose shape differs from the family's."""
     report, start = LoadReport(), time.time()
-    where, layers = placement(checkpoint), checkpoint.model["num_layers"]
+    where, layers = where or placement(checkpoint), checkpoint.model["num_layers"]
     out = []
     for path, variable in nnx.to_flat_state(abstract):
         spec = variable.get_value()

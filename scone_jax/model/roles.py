@@ -33,6 +33,12 @@ def in_fgram_model(path) -> bool:
     return "fgram_model" in _names(path)
 
 
+def is_gate(path) -> bool:
+    """True for scone.gate's scalar g (the f-gram model's `gate`), whose rate scone.gate_learning_rate_multiplier
+    scales on top of the f-gram model's."""
+    return _names(path)[-2:] == ["fgram_model", "gate"]
+
+
 def is_decayed(path) -> bool:
     """True for weight matrices (module docstring): the parameters AdamW's weight decay applies to."""
     names = _names(path)

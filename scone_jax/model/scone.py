@@ -29,7 +29,7 @@ from scone_jax.model.transformer import Decoder
 
 
 class SconeModel(nnx.Module):
-    """The main decoder and the f-gram model, trained jointly (they share T)."""
+    """The main decoder and the f-gram model, trained jointly (they share T, unless scone.own_token_embedding)."""
 
     def __init__(self, main_cfg, scone_cfg, rngs: nnx.Rngs):
         self.decoder = Decoder(main_cfg, rngs)
@@ -40,11 +40,18 @@ class SconeModel(nnx.Module):
         so the export's table holds it and serving replaces T(token) by it as the method does. That is the
         f-gram model's output (sharing T with the decoder), mixed by scone.gate with the decoder's input for
         the f-gram's last token, the token at that position."""
-        rows = self.fgram_model(self.decoder.embed(fgram_tokens), fgram_lengths)
+        rows = self.fgram_model(self.fgram_inputs(fgram_tokens), fgram_lengths)
         if self.fgram_model.gate is None:
             return rows
         last = jnp.take_along_axis(fgram_tokens, jnp.maximum(fgram_lengths - 1, 0)[:, None], axis=1)[:, 0]
         return self.matched_inputs(rows, self.decoder.input_tokens(last))
+
+    def fgram_inputs(self, fgram_tokens: jax.Array) -> jax.Array:
+        """The f-gram model's token inputs [..., K, *]: the decoder's T (the method, shared with the decoder), or
+        with scone.own_token_embedding its own table's rows (a pretrained source's embed_tokens)."""
+        if self.fgram_model.token_embed is not None:
+            return self.fgram_model.embed(fgram_tokens)
+        return self.decoder.embed(fgram_tokens)
 
     def matched_inputs(self, rows: jax.Array, token_inputs: jax.Array) -> jax.Array:
         """The decoder's input at matched positions from the f-gram model's rows: the rows themselves (the
@@ -71,7 +78,7 @@ def trained_fgram_rows(model: SconeModel, batch) -> tuple[jax.Array, jax.Array]:
     """The trained provider: (f-gram embedding per position [B, T, d], matched [B, T])."""
     groups, capacity, k = batch.fgram_tokens.shape
     tokens = batch.fgram_tokens.reshape(groups * capacity, k)
-    slots = model.fgram_model.all_positions(model.decoder.embed(tokens), batch.fgram_lengths.reshape(-1))
+    slots = model.fgram_model.all_positions(model.fgram_inputs(tokens), batch.fgram_lengths.reshape(-1))
     b, t = batch.fgram_slot.shape
     per_group = slots.reshape(groups, capacity * k, -1)
     index_per_group = batch.fgram_slot.reshape(groups, (b // groups) * t)

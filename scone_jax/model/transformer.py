@@ -105,6 +105,16 @@ def cache_bytes(cfg, batch: int, length: int) -> int:
     return 2 * cfg.num_layers * batch * length * kv_heads_of(cfg) * head_dim_of(cfg) * item
 
 
+def embedding_lookup(embed: nnx.Embed, tokens: jax.Array, dtype) -> jax.Array:
+    """embed's rows for `tokens` ([..., n] int -> [..., n, d] in `dtype`), staying on the devices holding `tokens`.
+
+    The table is gathered over FSDP first (as for any weight) so the lookup is local; left
+    to itself XLA may shard the output like the table and reshuffle rows across devices."""
+    table = constrain(embed.embedding[...], ("vocab", None))
+    x = jnp.take(table, tokens, axis=0).astype(dtype)
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
 class Decoder(nnx.Module):
     """GPT-2 style (learned positions, LayerNorm, GELU) or OLMo style (RoPE, RMSNorm, SwiGLU)."""
 
@@ -149,13 +159,8 @@ class Decoder(nnx.Module):
             )
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """T(tokens): [..., n] int -> [..., n, d], rows staying on the devices holding `tokens`.
-
-        The table is gathered over FSDP first (as for any weight) so the lookup is local; left
-        to itself XLA may shard the output like the table and reshuffle rows across devices."""
-        table = constrain(self.token_embed.embedding[...], ("vocab", None))
-        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
-        return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+        """T(tokens): [..., n] int -> [..., n, d], rows staying on the devices holding `tokens`."""
+        return embedding_lookup(self.token_embed, tokens, self.dtype)
 
     def input_tokens(self, tokens: jax.Array) -> jax.Array:
         """The decoder's input at token positions: T(tokens) times model.embedding_multiplier (1 in the

@@ -1,6 +1,7 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping; optionally the f-gram model's updates
-held back for the first steps (train.fgram_model_delay_steps) and its learning rate a multiple of the rest's
-(scone.learning_rate_multiplier), docs/training.md."""
+"""AdamW with linear warmup, cosine decay to a floor and global-norm clipping; optionally the f-gram model's
+updates held back for the first steps (train.fgram_model_delay_steps), its learning rate a multiple of the rest's
+(scone.learning_rate_multiplier) and scone.gate's a further multiple of that (scone.gate_learning_rate_multiplier),
+docs/training.md."""
 from __future__ import annotations
 
 import jax
@@ -56,7 +57,8 @@ def make_optimizer(config) -> optax.GradientTransformation:
     learning rate and decoupled weight decay: by scone.learning_rate_multiplier (the f-gram model's rate is
     that multiple of the rate) and the delay's ramp. With a delay > 0 the state holds one more counter, so a
     run cannot switch between no delay and a delay on resume (the checkpoint's shape check says so); other
-    delay values may change. The clipping before it sees the whole model's gradient, unscaled."""
+    delay values may change. scone.gate_learning_rate_multiplier scales the gate's update once more. The clipping
+    before them sees the whole model's gradient, unscaled."""
     t = config.train
     parts = []
     if t.grad_clip_norm > 0:
@@ -78,4 +80,8 @@ def make_optimizer(config) -> optax.GradientTransformation:
     if fgram_scale is not None:
         parts.append(optax.masked(fgram_scale, lambda params: jax.tree_util.tree_map_with_path(
             lambda path, _: roles.in_fgram_model(path), params)))
+    gate = float(config.scone.get("gate_learning_rate_multiplier", 1.0))
+    if gate != 1.0:  # the gate's own factor, on top of the f-gram model's (its multiplier and delay)
+        parts.append(optax.masked(optax.scale(gate), lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, _: roles.is_gate(path), params)))
     return optax.chain(*parts)

@@ -12,7 +12,7 @@ from absl import logging
 from flax import nnx
 
 from scone_jax import sharding
-from scone_jax.hf import derive as hf_derive, load as hf_load
+from scone_jax.hf import derive as hf_derive, fgram_source, load as hf_load
 from scone_jax.model import layout
 from scone_jax.model.scone import SconeModel
 from scone_jax.model.transformer import Decoder
@@ -28,12 +28,13 @@ def build_model(config) -> nnx.Module:
     return Decoder(config.model, rngs)
 
 
-def _create(config, decoder_params: nnx.State | None = None):
-    """(graphdef, state) of the model and its optimizer; with `decoder_params`, the decoder's parameters are those
-    (the optimizer's state is made from them; the random ones are never computed under jit: nothing uses them)."""
+def _create(config, loaded: dict | None = None):
+    """(graphdef, state) of the model and its optimizer; with `loaded` ({'decoder': ..., 'fgram_model': ...}, either
+    optional), those parameters are the ones loaded from Hugging Face checkpoints (the optimizer's state is made from
+    them; the random ones they replace are never computed under jit: nothing uses them)."""
     model = build_model(config)
-    if decoder_params is not None:
-        nnx.update(model.decoder if config.scone.enabled else model, decoder_params)
+    for part, params in (loaded or {}).items():
+        nnx.update(getattr(model, part) if config.scone.enabled else model, params)
     optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
     return nnx.split((model, optimizer))
 
@@ -60,19 +61,32 @@ def state_spec(config, mesh) -> StateSpec:
 
 def init_state(config, spec: StateSpec) -> nnx.State:
     """Materialize parameters and optimizer state, each array created in its own sharding. With
-    model.init_from_hf the decoder's parameters are read from that Hugging Face checkpoint instead, each straight
-    into its sharding (hf/load.py), and the state is built from them; the f-gram model of a SCONE run stays
-    randomly initialised."""
-    if not config.model.get("init_from_hf"):
+    model.init_from_hf the decoder's parameters are read from that Hugging Face checkpoint instead, and with
+    scone.init_from_hf the f-gram model's token table, blocks and final norm from that one (hf/fgram_source.py),
+    each straight into its sharding (hf/load.py), and the state is built from them; the rest (a SCONE run's
+    projections and gate, or its whole f-gram model without a source) is randomly initialised."""
+    sources = {"decoder": config.model.get("init_from_hf", "")}
+    if config.scone.enabled:
+        sources["fgram_model"] = config.scone.get("init_from_hf", "")
+    if not any(sources.values()):
         return jax.jit(lambda: _create(config)[1], out_shardings=spec.shardings)()
-    checkpoint = hf_derive.open_checkpoint(config.model.init_from_hf)
     model_abstract = abstract_with_shardings(spec)[0]
-    params, report = hf_load.load_decoder(checkpoint, model_abstract["decoder"] if config.scone.enabled
-                                          else model_abstract)
-    logging.info("Loaded %d parameters from %s: %.1f MB read by this process in %.1f s", report.tensors,
-                 checkpoint.directory, report.bytes_read / 1e6, report.seconds)
+    loaded = {}
+    for part, directory in sources.items():
+        if not directory:
+            continue
+        checkpoint = hf_derive.open_checkpoint(directory)
+        if part == "fgram_model":
+            params, report = fgram_source.load(checkpoint, model_abstract["fgram_model"], config.scone.max_len)
+        else:
+            params, report = hf_load.load_decoder(checkpoint, model_abstract["decoder"] if config.scone.enabled
+                                                  else model_abstract)
+        logging.info("Loaded %d parameters of the %s from %s: %.1f MB read by this process in %.1f s", report.tensors,
+                     "f-gram model" if part == "fgram_model" else "decoder", checkpoint.directory,
+                     report.bytes_read / 1e6, report.seconds)
+        loaded[part] = params
     create = jax.jit(lambda loaded: _create(config, loaded)[1], out_shardings=spec.shardings, donate_argnums=0)
-    return create(params)
+    return create(loaded)
 
 
 def abstract_with_shardings(spec: StateSpec) -> nnx.State:

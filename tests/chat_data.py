@@ -71,8 +71,8 @@ def chat_config(tokenizer_path: str, train_files: str, eval_files: str = "", **d
     """The base config training a tiny model on conversations read with the tokenizer's template."""
     c = base_config()
     c.model.update(dict(vocab_size=512, d_model=32, num_layers=2, num_heads=4, d_ff=64, max_seq_len=64))
-    c.data.update(dict(source="chat", train_files=train_files, eval_files=eval_files, tokenizer_path=tokenizer_path,
-                       add_bos=False, seq_len=64, global_batch_size=8, worker_count=0, **data))
+    c.data.update({**dict(source="chat", train_files=train_files, eval_files=eval_files, tokenizer_path=tokenizer_path,
+                          add_bos=False, seq_len=64, global_batch_size=8, worker_count=0), **data})
     c.train.update(dict(num_steps=6, warmup_steps=2, learning_rate=3e-3, log_every=1, eval_every=0,
                         checkpoint_every=3, eval_batches=0))
     c.mesh.data = -1

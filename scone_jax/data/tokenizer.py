@@ -367,6 +367,10 @@ class Tokenizer:
         """The spelling of token `i` (a special token's too)."""
         return self._backend.id_to_token(i)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry spelled `token` (a special token's too), None if there is none."""
+        return self._backend.token_to_id(token)
+
     @property
     def kind(self) -> str:
         """'sentencepiece' or 'huggingface' (a tokenizer.json)."""

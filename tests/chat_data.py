@@ -53,9 +53,20 @@ def tokenizer_dir(directory: str, family: str, merges: bool = True) -> str:
 
 
 def qa_pairs(count: int, offset: int = 0) -> list[tuple[str, str]]:
-    """(question, answer) pairs from the embedded corpus: a verse's opening words and the words that follow."""
-    docs = corpus.kjv_documents("train", 0.02)[offset:offset + count]
-    return [(" ".join(d.split()[:4]), " ".join(d.split()[4:4 + 3 + i % 5])) for i, d in enumerate(docs)]
+    """(question, answer) pairs from the embedded corpus: a verse's first five words and the words that follow
+    (3 to 7 of them), verses from `offset` on whose question no earlier pair has (each answer is then the one
+    to learn)."""
+    pairs, seen = [], set()
+    for doc in corpus.kjv_documents("train", 0.02)[offset:]:
+        words = doc.split()
+        question = " ".join(words[:5])
+        if question in seen or len(words) < 8:
+            continue
+        seen.add(question)
+        pairs.append((question, " ".join(words[5:5 + 3 + len(pairs) % 5])))
+        if len(pairs) == count:
+            return pairs
+    raise ValueError(f"the corpus has fewer than {count} distinct questions after {offset}")
 
 
 def write_conversations(path: str, pairs, field: str = "messages", system: bool = False) -> str:

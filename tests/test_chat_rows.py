@@ -135,7 +135,7 @@ def test_an_overlong_conversation_is_refused_with_the_count_or_truncated_and_sai
 def test_a_template_that_writes_the_bos_is_refused_with_add_bos(tmp_path):
     """Llama 3's template writes <|begin_of_text|> itself; data.add_bos would make it two. Caught: the check dropped."""
     path = tokenizer_dir(str(tmp_path / "llama"), "llama", merges=False)
-    config = chat_config(path, write_conversations(str(tmp_path / "c.jsonl"), qa_pairs(3)), add_bos=True)
+    config = chat_config(path, write_conversations(str(tmp_path / "c.jsonl"), qa_pairs(3)), add_bos=True, seq_len=256)
     with pytest.raises(ValueError, match="writes the bos token itself.*Fix: set data.add_bos=False"):
         conversation_docs.load(config.data, "train", tokenizer_lib.Tokenizer.load(path), np.arange)
     config.data.add_bos = False

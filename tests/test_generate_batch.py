@@ -106,8 +106,8 @@ def _prompt_file(tmp_path, rows):
 
 def test_greedy_samples_are_the_generators_output_for_each_prompt_alone(served, tmp_path, monkeypatch):
     """Prompts of four token lengths, batched by length (two prompts share one): each sample is the Generator's greedy
-    continuation of that prompt decoded alone, and the scores follow the answers given. Caught: a batch of
-    prompts of different lengths (the shorter ones then read padding), and samples written to the wrong prompt."""
+    continuation of that prompt decoded alone, and the scores follow the answers given. Caught: a batch's samples
+    written to the wrong prompts (the rows taken in reverse)."""
     monkeypatch.setattr(inference, "load", lambda *a, **k: served)
     tok = served.tokenizer
     assert len(tok.encode(TEXTS[2])) == len(tok.encode(TEXTS[3]))

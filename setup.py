@@ -37,9 +37,9 @@ setup(
         # torch==2.13.0: the CPU wheel these machines install (a looser pin pulls a CUDA build of several GB);
         # transformers + torch are the reference the Hugging Face parity tests compare against (tests/test_hf_*.py).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "gcp-storage-emulator>=2024.8.3", "gcsfs>=2024.2",
-                 "libtpu==0.0.52", "torch==2.13.0", "transformers>=5.20,<6", "jinja2"],
+                 "libtpu==0.0.52", "torch==2.13.0", "transformers>=5.20,<6", "jinja2", "accelerate>=1.0,<2"],
         # hf: open an exported Hugging Face checkpoint with transformers (import and export themselves need neither).
-        "hf": ["torch==2.13.0", "transformers>=5.20,<6", "jinja2"],
+        "hf": ["torch==2.13.0", "transformers>=5.20,<6", "jinja2", "accelerate>=1.0,<2"],
         "beam": ["apache-beam>=2.60"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11", "gcsfs>=2024.2"],
         "aot": ["libtpu==0.0.52"],

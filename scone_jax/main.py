@@ -16,6 +16,7 @@ same way); 130 interrupted by SIGINT (Ctrl-C). Every exit releases the workdir.
 """
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 
@@ -23,7 +24,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from scone_jax import config as config_lib
-from scone_jax.runtime import job_flags, logs, parent_watch
+from scone_jax.runtime import job_flags, logs, parent_watch, stop_signals
 from scone_jax.runtime.errors import one_line
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/tiny.py (optionally :variant).", lock_config=True)
@@ -64,6 +65,7 @@ def _config_unloadable() -> bool:
 def main(argv):
     del argv
     parent_watch.stop_with_parent_if_asked()  # started by tools/bench_quality.py: stop (SIGTERM) when it dies
+    stop_signals.install(signal.SIGINT, KeyboardInterrupt)  # Ctrl-C stops, even inside a gc callback
     logs.quiet_libraries()
     from scone_jax.runtime import distributed, platforms, write_probe as workdir
     from scone_jax.training import checkpoint, preemption, train  # after flag parsing: imports JAX

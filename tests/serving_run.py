@@ -2,6 +2,7 @@
 export, table, evaluate, generate, integrity and GCS tests (module globals outlive each test module)."""
 import json
 import os
+import shutil
 
 from scone_jax.data import corpus
 from scone_jax.runtime.crc import crc32_hex
@@ -96,3 +97,15 @@ def reseal(path: str) -> None:
         files[bundle.TOKENIZER] = crc32_hex(f.read())
     with open(os.path.join(path, bundle.COMPLETE), "wb") as f:
         f.write(bundle.complete_marker(meta, record["table"], record["table_index"], files))
+
+
+def copy_of(bundle_path: str, tmp_path) -> str:
+    """A copy of the export at `bundle_path` in the test's own directory, to damage or change."""
+    path = str(tmp_path / "bundle")
+    shutil.copytree(bundle_path, path)
+    return path
+
+
+def read_json(path: str, name: str):
+    with open(os.path.join(path, name)) as f:
+        return json.load(f)

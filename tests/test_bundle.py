@@ -1,16 +1,14 @@
 """An opened bundle owns what the export records: export.json and COMPLETE are read once, by Bundle.open, and
 the table, tokenizer, vocabulary and decoder are read from it; a table holds rows only; a refused load leaves
 no table open. (Damaged pieces: tests/test_bundle_integrity.py.)"""
-import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 
 from scone_jax import saved_config
 from scone_jax.runtime import storage
-from scone_jax.serving import bundle, inference, table as table_lib
+from scone_jax.serving import bundle, bundle_files, inference, table as table_lib
 from tests import serving_run
 from tests.test_table import file_rows
 
@@ -27,14 +25,7 @@ def half(tmp_path_factory):
 
 @pytest.fixture
 def bundle_copy(original, tmp_path):
-    path = str(tmp_path / "bundle")
-    shutil.copytree(original, path)
-    return path
-
-
-def read_json(path, name):
-    with open(os.path.join(path, name)) as f:
-        return json.load(f)
+    return serving_run.copy_of(original, tmp_path)
 
 
 def test_open_holds_export_json_and_completes_checksums(half):
@@ -42,8 +33,8 @@ def test_open_holds_export_json_and_completes_checksums(half):
     Catches (tried): the layout built with a fixed float32 dtype instead of export.json's bfloat16 (row_bytes
     256, not 128)."""
     opened = bundle.Bundle.open(half)
-    assert opened.path == half and opened.meta == read_json(half, bundle.META)
-    record = read_json(half, bundle.COMPLETE)
+    assert opened.path == half and opened.meta == serving_run.read_json(half, bundle.META)
+    record = serving_run.read_json(half, bundle.COMPLETE)
     assert (opened.checksums.table, opened.checksums.table_index) == (record["table"], record["table_index"])
     assert opened.checksums.files[bundle.TOKENIZER] == record["files"][bundle.TOKENIZER]
     assert len(opened.checksums.table) == 32  # 2000 rows in files of 64
@@ -68,8 +59,8 @@ def test_without_complete_no_table_is_opened(bundle_copy):
 def test_a_complete_that_counts_other_table_files_is_refused_at_open(bundle_copy):
     """COMPLETE recording fewer table files than export.json's layout has: refused when the bundle is opened, not
     later by a table. Catches (tried): the count compared with table_index only."""
-    record = read_json(bundle_copy, bundle.COMPLETE)
-    meta = read_json(bundle_copy, bundle.META)
+    record = serving_run.read_json(bundle_copy, bundle.COMPLETE)
+    meta = serving_run.read_json(bundle_copy, bundle.META)
     with open(os.path.join(bundle_copy, bundle.COMPLETE), "wb") as f:
         f.write(bundle.complete_marker(meta, record["table"][:-1], record["table_index"], record["files"]))
     with pytest.raises(bundle.BundleError, match="COMPLETE records 31 table files, the table has 32; the bundle "
@@ -99,17 +90,18 @@ def test_load_reads_export_json_and_complete_once(original, monkeypatch):
     """inference.load reads export.json and COMPLETE exactly once each, and what it serves carries that bundle.
     Catches (tried): load's model half re-reading export.json (bundle.read_export_meta(path): 2 reads)."""
     reads = []
-    read_bytes = storage.read_bytes
+    read_bytes = bundle_files.read_bytes
 
     def counted(path, key, *args, **kwargs):
         reads.append(key)
         return read_bytes(path, key, *args, **kwargs)
 
+    monkeypatch.setattr(bundle_files, "read_bytes", counted)
     monkeypatch.setattr(storage, "read_bytes", counted)
     served = inference.load(original)
     try:
         assert (reads.count(bundle.META), reads.count(bundle.COMPLETE)) == (1, 1)
-        assert served.bundle.path == original and served.bundle.meta == read_json(original, bundle.META)
+        assert served.bundle.path == original and served.bundle.meta == serving_run.read_json(original, bundle.META)
         assert served.bundle.meta["model_fingerprint"] == bundle.params_fingerprint(served.params)
         assert served.config.to_dict() == served.bundle.config.to_dict()
     finally:

@@ -248,6 +248,26 @@ def test_a_planted_copy_is_detected_and_built_again(kjv_text, tmp_path):
     assert _docs(sources.open_source(_cfg(train_files=packed), "train")) == want
 
 
+def test_a_copy_recorded_from_an_archive_of_the_same_size_but_another_crc_is_built_again(kjv_text, tmp_path):
+    """Another archive's whole, self-consistent copy planted under this archive's names, its index forged to record
+    this archive's size: only the recorded CRC tells it was made from other bytes. It is built again and the
+    documents are this archive's. Caught: the index's archive record compared by size only (the planted copy
+    served: 'Lord' where the file says 'LORD')."""
+    path, data = kjv_text
+    packed = _compress(path, data, "gzip")
+    other = _compress(tmp_path / "other.txt", data.replace(b"LORD", b"Lord"), "gzip")
+    want = _docs(sources.TextLineSource([str(path)]))
+    mine, theirs = compressed.BlockCopy(packed), compressed.BlockCopy(other)
+    assert mine.archive[1] != theirs.archive[1]
+    tables = dict(np.load(theirs.index_path))
+    tables["archive"] = np.array([mine.archive[0], theirs.archive[1]], np.int64)  # this size, their CRC
+    with open(mine.index_path, "wb") as f:
+        np.savez(f, **tables)
+    shutil.copy(theirs.copy_path, mine.copy_path)
+    assert _docs(sources.open_source(_cfg(train_files=packed), "train")) == want
+    assert np.array_equal(np.load(mine.index_path)["archive"], mine.archive)  # the copy was made again
+
+
 def test_a_damaged_copy_is_built_again_at_start_and_named_in_one_line_after(kjv_text):
     """Before: a 53-line zlib traceback at every start, forever. Now the line scan at start checks every
     block and builds a damaged copy again; damage found by a later read is one line with the fix. Caught:

@@ -15,7 +15,7 @@ import pytest
 
 from scone_jax import sharding
 from scone_jax.data import corpus, tokenizer_training
-from scone_jax.fgram.vocab import FgramVocab, save_vocab
+from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab
 from scone_jax.serving import bundle, evaluate, inference
 from scone_jax.training import assets, checkpoint, state as state_lib
 from tests import serving_run
@@ -196,5 +196,10 @@ def test_pieces_of_another_model_vocabulary_or_tokenizer_are_refused(tmp_path_fa
         max_len=4, min_count=3, tokens_counted=10, vocab_size=served.matcher.vocab_size,
         tokenizer_fingerprint=served.matcher.tokenizer_fingerprint)
     save_vocab(other_vocab, os.path.join(path, "fgrams"))
+    with pytest.raises(ValueError, match=r"fgrams/tokens has shape \(1, 4\), not the 2000 f-grams it must hold"):
+        inference.load(path)  # its size gives it away before its arrays are read (caught: load_vocab without
+        # num_fgrams, the fingerprint's refusal came instead, after the arrays were read)
+    mine = load_vocab(os.path.join(original, "fgrams"))
+    save_vocab(dataclasses.replace(mine, counts=mine.counts + 1), os.path.join(path, "fgrams"))  # same size
     with pytest.raises(bundle.BundleError, match="fgram_vocab_fingerprint.*a piece was replaced"):
         inference.load(path)

@@ -122,13 +122,22 @@ test_match_next_equals_the_reference_at_every_decoding_step = match_next_propert
 
 
 @pytest.mark.parametrize("batch", [1, 12])  # the plain-Python and the vectorized path
-def test_match_next_refuses_a_token_outside_the_vocabulary(batch):
-    matcher = Matcher(make_vocab([(1, 2), (2, 3), (1, 2, 3)], 4, 10))
-    prefix = matcher.prefix_codes(np.ones((batch, 3), np.int32))
-    tokens = np.full(batch, 2)
-    tokens[-1] = 10
-    with pytest.raises(ValueError, match="Token id 10 .* outside \\[0, 10\\)"):
-        matcher.match_next(prefix, tokens)
+def test_a_generated_token_outside_the_vocabulary_ends_and_starts_no_fgram(batch):
+    """Decoding may sample a row of the model's padded embedding (an id >= the tokenizer's size): match_next gives
+    it no match and hands on a prefix that holds nothing, equal to the reference, for which such an id is simply in
+    no f-gram. Caught: the token's prefix columns left valid (the next token then matched (10 % 10, 2) = (0, 2));
+    the old refusal (a crashed generation)."""
+    grams = [(0, 2), (1, 2), (2, 3), (1, 2, 3)]
+    matcher = Matcher(make_vocab(grams, 4, 10))
+    rng = np.random.default_rng(0)
+    tokens = np.tile(np.array([1, 2, 10, 2, 3, 1, 2, 3, 12, 2, 3]), (batch, 1))
+    tokens[1:] = rng.permuted(tokens[1:], axis=1)  # other rows: other places for the outside ids
+    want = reference_match(grams, tokens, np.ones_like(tokens), 4)
+    assert (want >= 0).sum() > batch  # real matches, around the outside ids too
+    prefix = matcher.prefix_codes(tokens[:, :0])
+    for end in range(tokens.shape[1]):
+        got, prefix = matcher.match_next(prefix, tokens[:, end])
+        np.testing.assert_array_equal(got, want[:, end])
 
 
 def test_match_next_cases_were_not_trivial():

@@ -9,7 +9,8 @@ Deliberate bugs these tests were run against once (each made the named test fail
   - GPT-2's c_attn written with q and k swapped (test_a_run_trained_here_gives_transformers_our_logits[gpt2]);
   - the exported dtype left at model.param_dtype for an imported bf16 checkpoint
     (test_round_trip_gives_back_bit_identical_tensors[llama-bf16-shards]);
-  - _refuse_foreign not looking at the output (test_an_output_holding_other_files_is_refused);
+  - _refuse_foreign not looking at the output, or passing any directory with our marker in it
+    (test_an_output_holding_other_files_is_refused);
   - run.build starting a resumed run of an imported checkpoint from the checkpoint's weights again instead of its
     own latest state (test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports: steps 3-4 differ).
 """
@@ -167,18 +168,28 @@ def test_what_no_family_expresses_is_refused_in_one_line(change, named):
 
 
 def test_an_output_holding_other_files_is_refused(tmp_path):
-    """An export never overwrites what it did not write: a bundle, another checkpoint, any file; and an export of
-    another step of the run at the same output is refused."""
+    """An export never overwrites what it did not write: a bundle, another checkpoint, any file, a file beside a
+    finished export of ours; and an export of another step of the run at the same output is refused. Caught: the
+    old check passing any directory with our marker in it (a user's file beside it was kept, unnoticed, in what
+    transformers would load)."""
+    from scone_jax.serving.output_dir import OutputNotFreeError
+
     _, _, workdir = imported(tmp_path, "gpt2")
-    for name, what in ((bundle.META, "a bundle export"), ("config.json", "1 files (config.json)")):
+    for name, what in ((bundle.META, "holds 'export.json', which a Hugging Face export of scone_jax does not write"),
+                       ("config.json", "holds config.json but no scone_export_hf.json")):
         out = tmp_path / f"out-{name}"
         out.mkdir()
         (out / name).write_text("{}")
-        with pytest.raises(bundle.BundleError, match=f"already holds {what.replace('(', '.').replace(')', '.')}"):
+        with pytest.raises(OutputNotFreeError, match=what):
             hf_export.export_hf(workdir, str(out))
         assert os.listdir(out) == [name]
     out = str(tmp_path / "out")
     meta = hf_export.export_hf(workdir, out)
+    with open(os.path.join(out, "notes.txt"), "w") as f:
+        f.write("mine")
+    with pytest.raises(OutputNotFreeError, match="holds 'notes.txt', which a Hugging Face export"):
+        hf_export.export_hf(workdir, out)
+    os.remove(os.path.join(out, "notes.txt"))
     marker = json.loads(open(os.path.join(out, hf_export.HF_EXPORT)).read())
     marker["step"] = 7
     with open(os.path.join(out, hf_export.HF_EXPORT), "w") as f:
@@ -195,7 +206,7 @@ def test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports(tmp_path)
     bundle, like any run."""
     from transformers import AutoModelForCausalLM
 
-    from tests.common import run_main, run_tool, step_records
+    from tests.common import REPO, run_main, run_tool, step_records
     from tests.test_train import final_params
 
     hf_dir = str(tmp_path / "hf")
@@ -206,6 +217,10 @@ def test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports(tmp_path)
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     result = run_tool("tools/import_hf.py", [f"--hf_dir={hf_dir}", f"--workdir={straight}", *flags])
     assert result.returncode == 0 and "imported the qwen3 checkpoint" in result.stdout, result.stderr[-3000:]
+    # The command it prints is the one that resumes it (the default config named, the flags as given).
+    assert result.stdout.split("Fine-tune it: ")[1].strip() == " ".join([
+        "python -m scone_jax.main", f"--config={os.path.join(REPO, 'configs', 'finetune_hf.py')}", *flags,
+        f"--config.model.init_from_hf={hf_dir}", f"--workdir={straight}"])
     shutil.copytree(straight, split)
     main_flags = [f"--config.model.init_from_hf={hf_dir}", *flags]
     done = run_main(straight, *main_flags, config="configs/finetune_hf.py")

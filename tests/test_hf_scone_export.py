@@ -22,8 +22,6 @@ import ast
 import json
 import os
 import shutil
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -288,36 +286,11 @@ def test_decoding_windows_find_every_match(loaded, vocab):
             model(input_ids=torch.from_numpy(tokens[:, 4:5]), cache=out.cache, use_cache=True)
 
 
-def accelerate_stand_in(monkeypatch) -> None:
-    """HFLM's module imports `accelerate` (lm_eval's [hf] extra, not the [harness] one) and, on one process, only asks
-    its Accelerator for the process count and the device. Where it is not installed, these single-process answers
-    stand in for it, so the rest of HFLM runs as it is."""
-    try:
-        import accelerate  # noqa: F401
-        return
-    except ImportError:
-        pass
-    module, utils = types.ModuleType("accelerate"), types.ModuleType("accelerate.utils")
-
-    class Accelerator:
-        num_processes, device = 1, torch.device("cpu")
-
-        def __init__(self, **kwargs):
-            pass
-
-    module.Accelerator, module.InitProcessGroupKwargs, module.utils = Accelerator, lambda **kwargs: None, utils
-    module.find_executable_batch_size = None  # only batch_size="auto" uses it
-    utils.get_max_memory = None  # only parallelize=True uses it
-    monkeypatch.setitem(sys.modules, "accelerate", module)
-    monkeypatch.setitem(sys.modules, "accelerate.utils", utils)
-
-
-def test_the_harness_hf_backend_scores_as_our_adapter(loaded, scone_export, monkeypatch):
+def test_the_harness_hf_backend_scores_as_our_adapter(loaded, scone_export):
     """lm_eval's HFLM with pretrained=the export and trust_remote_code=True: the loglikelihoods (and is-greedy) of
     text requests equal our harness adapter's on the bundle within 1e-4: the same tokens (the export's tokenizer.json
     adds bos as our adapter does) and the same f-gram rows."""
     pytest.importorskip("lm_eval")
-    accelerate_stand_in(monkeypatch)
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
@@ -327,8 +300,7 @@ def test_the_harness_hf_backend_scores_as_our_adapter(loaded, scone_export, monk
     pairs = [("In the beginning God created", " the heaven and the earth."), ("And the LORD said", " unto Moses,"),
              ("And God said, Let there be", " light"), ("", "And the earth was without form")]
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
-    # parallelize=False with a device_map: one device, no device map handed to transformers (which wants accelerate
-    # for one).
+    # One process on the CPU (HFLM's accelerate, from the [test] and [hf] extras, sees one process).
     theirs = HFLM(pretrained=scone_export["hf"], trust_remote_code=True, batch_size=4, device="cpu", dtype="float32",
                   parallelize=False, device_map="cpu").loglikelihood(requests)
     ours = harness.SconeHarnessLM(served, batch_size=8).loglikelihood(requests)
@@ -342,7 +314,7 @@ def test_an_output_holding_other_files_is_refused(scone_export, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(bundle.BundleError, match=r"already holds 1 files \(notes.txt\)"):
+    with pytest.raises(ValueError, match=r"holds 'notes.txt', which a Hugging Face export of scone_jax does not write"):
         hf_export.export_hf(scone_export["workdir"], str(out))
     assert os.listdir(out) == ["notes.txt"]
 
@@ -413,4 +385,4 @@ def test_the_program_exports_a_scone_run_for_transformers(scone_export, loaded, 
     refused = run_tool("-m scone_jax.serving.export", [f"--workdir={scone_export['workdir']}",
                                                        f"--output={tmp_path / 'other'}", "--format=hf"])
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
-    assert refused.returncode == 2 and "already holds 1 files (notes.txt)" in lines[-1], refused.stderr[-2000:]
+    assert refused.returncode == 2 and "holds 'notes.txt', which a Hugging Face export" in lines[-1], refused.stderr[-2000:]

@@ -21,6 +21,10 @@ before and after (mincore(2) through ctypes over a read-only mapping of each fil
              served from disk at --max_table_bytes = a quarter of it, against the same export in RAM; with the
              rows a step needs per second against the rows the disk supplied while reading them, and the
              share of lookups the table's head (kept in the budget's RAM) answered.
+A filesystem without O_DIRECT (tmpfs before Linux 6.6) gets the note evaluate gives, and its reads go through the
+page cache. Bad flag values (a --dir that is missing or not writable, a --ram_bytes below what the batches
+need, beyond this machine's RAM, or whose files the disk cannot hold) are one line and exit 2, before any
+file is written; SIGINT / SIGTERM stop it in one line, its files removed.
 RESULT lines: disk_iops_qd1, disk_iops_qd64, table_rows_per_s_d128, table_rows_per_s_d2048,
 table_rows_vs_disk_ratio (d = 2048 rows/s / QD64 reads/s; goal >= 0.7), load_s_per_gb, decode_row_ms_disk
 (goal <= 0.25), decode_row_ms_ram, eval_disk_vs_ram_ratio (goal >= 0.9 where the disk supplies what a step
@@ -28,21 +32,24 @@ needs). Big files are deleted at the end. The machine must be otherwise quiet: o
 disk use shows up in every figure.
 """
 import ctypes
+import errno
 import json
 import mmap
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from scone_jax.data.prompt import prompt_ids
-from scone_jax.runtime import aio
-from scone_jax.serving import bundle, table as table_lib
+from scone_jax.runtime import aio, tool_main
+from scone_jax.runtime.errors import one_line
+from scone_jax.serving import bundle, table as table_lib, table_files as table_files_lib
 from scone_jax.serving.bench_bundles import make_run, write_table_bundle
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small files (64 MiB budget, 256 MiB files) and a tiny model.")
@@ -52,6 +59,8 @@ _TENSORSTORE = flags.DEFINE_bool("tensorstore", True, "Also time the same d = 20
 _RAM = flags.DEFINE_integer("ram_bytes", 0, "RAM the benchmark allows itself (tables' budget); 0 = 1 GiB, quick 64 MiB.")
 
 PAGE = 4096
+BATCH = 4096  # rows a table gather asks for at once
+_ROOT = [""]  # the benchmark's directory while it runs (the stop's note names it)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -111,10 +120,26 @@ def table_files(path: str) -> list[str]:
     return [os.path.join(directory, name) for name in sorted(os.listdir(directory))]
 
 
-def raw_reads_per_s(path: str, reads: int, threads: int, seed: int = 0) -> float:
-    """Random aligned 4 KiB reads with O_DIRECT from `threads` threads, each its own page-aligned buffer."""
+def direct_flag(path: str) -> int:
+    """os.O_DIRECT if the filesystem holding `path` reads with it (a page read to be sure), else 0, after the note
+    evaluate gives for its table: the raw reads then go through the page cache too."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [memoryview(mmap.mmap(-1, PAGE))], 0)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        print(table_files_lib.no_direct_note(path, e.errno or errno.EINVAL), file=sys.stderr)
+        return 0
+    return os.O_DIRECT
+
+
+def raw_reads_per_s(path: str, reads: int, threads: int, seed: int = 0, direct: int = os.O_DIRECT) -> float:
+    """Random aligned 4 KiB reads (with `direct`: O_DIRECT) from `threads` threads, each its own page-aligned
+    buffer."""
     pages = os.path.getsize(path) // PAGE
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    fd = os.open(path, os.O_RDONLY | direct)
     offsets = np.random.default_rng([threads, seed]).integers(0, pages, reads) * PAGE
 
     def work(part):
@@ -133,11 +158,12 @@ def raw_reads_per_s(path: str, reads: int, threads: int, seed: int = 0) -> float
     return reads / seconds
 
 
-def raw_aio_reads_per_s(path: str, reads: int, depth: int, sort_batch: int = 0, seed: int = 0) -> float:
+def raw_aio_reads_per_s(path: str, reads: int, depth: int, sort_batch: int = 0, seed: int = 0,
+                        direct: int = os.O_DIRECT) -> float:
     """The same reads through kernel AIO from one thread, `depth` in flight (what DiskTable uses); `sort_batch`:
     offsets ascending within each run of that many (the order DiskTable submits a batch's blocks in)."""
     pages = os.path.getsize(path) // PAGE
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    fd = os.open(path, os.O_RDONLY | direct)
     offsets = np.random.default_rng([depth + 1, sort_batch, seed]).integers(0, pages, reads) * PAGE
     if sort_batch:
         offsets = np.concatenate([np.sort(offsets[i:i + sort_batch]) for i in range(0, reads, sort_batch)])
@@ -230,11 +256,57 @@ def decode_ms(table, ids) -> float:
     return 1000 * (time.perf_counter() - start) / len(ids)
 
 
-def main(argv):
-    del argv
+def batches_of(quick: bool) -> int:
+    """Gathers of BATCH random distinct rows a table pass times."""
+    return 8 if quick else 24
+
+
+def checked_ram(directory: str, ram_bytes: int, quick: bool) -> int:
+    """The RAM budget --ram_bytes gives (0: the default), refused in one line (ValueError) below what the d = 2048
+    table's batches need (its files are 4x the budget), above this machine's RAM (the load into RAM takes the
+    budget), or with files that the disk under `directory` cannot hold (12x the budget at once)."""
+    default = 64 << 20 if quick else 1 << 30
+    least = batches_of(quick) * BATCH * 2048 * 2 // 4  # 4 * ram / 4,096-byte rows >= BATCH * batches
+    if ram_bytes < 0:
+        raise ValueError(f"--ram_bytes={ram_bytes:,} is negative. Fix: the RAM the benchmark may use, at least "
+                         f"{least:,} bytes, or 0 for the default ({default:,}).")
+    ram = ram_bytes or default
+    if ram < least:
+        raise ValueError(f"--ram_bytes={ram:,} is below the {least:,} bytes the benchmark needs{' with --quick' if quick else ''}: "
+                         f"its d = 2048 table (4x the budget) must hold {batches_of(quick)} batches of {BATCH:,} distinct "
+                         f"rows. Fix: --ram_bytes={least} or more, or 0 for the default ({default:,}).")
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if ram > physical:
+        raise ValueError(f"--ram_bytes={ram:,} is more than this machine's {physical:,} bytes of RAM, and the load "
+                         "into RAM takes the whole budget. Fix: a smaller --ram_bytes, or 0 for the default.")
+    free = shutil.disk_usage(directory).free
+    if 12 * ram > free:
+        raise ValueError(f"--ram_bytes={ram:,} needs {12 * ram:,} bytes of files at once on the disk of {directory}, "
+                         f"which has {free:,} free. Fix: a smaller --ram_bytes, or --dir on a disk with room.")
+    return ram
+
+
+def checked_dir(directory: str) -> str:
+    """--dir, checked to be a directory this process can write to ('' = the system's temporary directory)."""
+    if not directory:
+        return tempfile.gettempdir()
+    if not os.path.isdir(directory):
+        state = "does not exist" if not os.path.exists(directory) else "is not a directory"
+        raise ValueError(f"--dir={directory} {state}. Fix: an existing directory on the disk to measure, or '' for "
+                         "/tmp's.")
+    try:
+        tool_main.probe_directory(directory)
+    except OSError as e:
+        raise ValueError(f"--dir={directory} cannot be written ({one_line(e)}). Fix: a directory you can write to on "
+                         "the disk to measure.") from None
+    return directory
+
+
+def main():
     quick = _QUICK.value
-    ram = _RAM.value or (64 << 20 if quick else 1 << 30)
-    root = tempfile.mkdtemp(prefix="bench_table_io_", dir=_DIR.value or None)
+    directory = checked_dir(_DIR.value)
+    ram = checked_ram(directory, _RAM.value, quick)
+    root = _ROOT[0] = tempfile.mkdtemp(prefix="bench_table_io_", dir=directory)
     print(f"files in {root}; RAM budget {ram / 2**20:.0f} MiB; files read at random: {4 * ram / 2**20:.0f} MiB each")
     try:
         results = run_all(root, ram, quick)
@@ -244,25 +316,35 @@ def main(argv):
         print(f"RESULT {name} {value}")
 
 
+def stopped_note() -> str:
+    where = f" ({_ROOT[0]})" if _ROOT[0] else ""
+    return f"the benchmark's files{where} were removed and nothing was reported. Rerun it on a quiet machine."
+
+
 def run_all(root: str, ram: int, quick: bool) -> dict:
     results = {}
     raw = os.path.join(root, "raw.bin")
     write_random_file(raw, 4 * ram)
+    direct = direct_flag(raw)
+    how = "O_DIRECT" if direct else "buffered (no O_DIRECT here)"
     reads = 20000 if quick else 150000
-    rate, cache = measured([raw], lambda: raw_reads_per_s(raw, reads // 10, 1))
-    print(f"raw disk, 4 KiB random reads, O_DIRECT, queue depth 1: {rate:,.0f} reads/s ({1e6 / rate:.0f} us each; "
-          f"{cache})" + (f"; fio libaio: {fio:,.0f}" if (fio := fio_iops(raw, 1)) else ""))
+    rate, cache = measured([raw], lambda: raw_reads_per_s(raw, reads // 10, 1, direct=direct))
+    print(f"raw disk, 4 KiB random reads, {how}, queue depth 1: {rate:,.0f} reads/s ({1e6 / rate:.0f} us each; "
+          f"{cache})" + (f"; fio libaio: {fio:,.0f}" if direct and (fio := fio_iops(raw, 1)) else ""))
     results["disk_iops_qd1"] = round(rate)
-    tables, batches = {}, 8 if quick else 24
+    tables, batches = {}, batches_of(quick)
     for width in (128, 2048):
         tables[width] = os.path.join(root, f"table_d{width}")
         write_table_bundle(tables[width], random_rows(width), 4 * ram // (2 * width), width, "bfloat16", 65536)
     # Raw disk and tables in alternating rounds, the best of each: other load on the machine hits all alike.
-    passes = {"threads": lambda r: raw_reads_per_s(raw, reads, 64, r),
-              "aio": lambda r: raw_aio_reads_per_s(raw, reads, 64, seed=r),
-              "aio_sorted": lambda r: raw_aio_reads_per_s(raw, reads, 64, 4096, seed=r),
-              128: lambda r: table_rows_per_s(tables[128], 4096, batches, r),
-              2048: lambda r: table_rows_per_s(tables[2048], 4096, batches, r)}
+    passes = {"threads": lambda r: raw_reads_per_s(raw, reads, 64, r, direct),
+              "aio": lambda r: raw_aio_reads_per_s(raw, reads, 64, seed=r, direct=direct),
+              "aio_sorted": lambda r: raw_aio_reads_per_s(raw, reads, 64, 4096, seed=r, direct=direct),
+              128: lambda r: table_rows_per_s(tables[128], BATCH, batches, r),
+              2048: lambda r: table_rows_per_s(tables[2048], BATCH, batches, r)}
+    if not aio.available():  # (DiskTable then reads from threads too)
+        print("Note: no kernel AIO here (io_setup failed); the raw disk is read from threads only.", file=sys.stderr)
+        del passes["aio"], passes["aio_sorted"]
     best = {}
     for r in range(3):
         for name, run in passes.items():
@@ -270,18 +352,19 @@ def run_all(root: str, ram: int, quick: bool) -> dict:
             rate = value[0] if isinstance(value, tuple) else value
             if name not in best or rate > best[name][0]:
                 best[name] = (rate, value, cache)
-    qd64 = max(best["threads"][0], best["aio"][0])  # the better of the two is the limit
-    print(f"raw disk, 4 KiB random reads, O_DIRECT, queue depth 64 (best of 3 rounds): {best['threads'][0]:,.0f} reads/s "
-          f"from 64 threads of preadv ({best['threads'][2]}), {best['aio'][0]:,.0f} through kernel AIO "
-          f"({best['aio'][2]}); {best['aio_sorted'][0]:,.0f} through kernel AIO with each 4,096 offsets sorted, as "
-          f"DiskTable submits a batch's blocks ({best['aio_sorted'][2]}); {1e6 * 64 / qd64:.0f} us each"
-          + (f"; fio libaio: {fio:,.0f}" if (fio := fio_iops(raw, 64)) else ""))
+    qd64 = max(best["threads"][0], best.get("aio", (0,))[0])  # the better of the two is the limit
+    through_aio = (f", {best['aio'][0]:,.0f} through kernel AIO ({best['aio'][2]}); {best['aio_sorted'][0]:,.0f} "
+                   f"through kernel AIO with each 4,096 offsets sorted, as DiskTable submits a batch's blocks "
+                   f"({best['aio_sorted'][2]})") if "aio" in best else ""
+    print(f"raw disk, 4 KiB random reads, {how}, queue depth 64 (best of 3 rounds): {best['threads'][0]:,.0f} reads/s "
+          f"from 64 threads of preadv ({best['threads'][2]}){through_aio}; {1e6 * 64 / qd64:.0f} us each"
+          + (f"; fio libaio: {fio:,.0f}" if direct and (fio := fio_iops(raw, 64)) else ""))
     results["disk_iops_qd64"] = round(qd64)
     os.remove(raw)
     for width in (128, 2048):
-        rate, (_, direct, cpu_us), cache = best[width]
+        rate, (_, table_direct, cpu_us), cache = best[width]
         print(f"table d={width} bf16, {4 * ram // (2 * width):,} rows ({4 * ram / 2**20:.0f} MiB), random distinct rows "
-              f"in batches of 4096, {'O_DIRECT' if direct else 'buffered'} (best of 3 rounds): {rate:,.0f} rows/s, "
+              f"in batches of 4096, {'O_DIRECT' if table_direct else 'buffered'} (best of 3 rounds): {rate:,.0f} rows/s, "
               f"{cpu_us:.1f} us of CPU a row ({cache})")
         results[f"table_rows_per_s_d{width}"] = round(rate)
     shutil.rmtree(tables[128])
@@ -405,4 +488,4 @@ def head_shares(served, data_cfg, batches: int) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    tool_main.run(main, program="bench_table_io", stopped=stopped_note)

@@ -116,8 +116,17 @@ def main():
     if jax.process_index() == 0:
         print(f"imported the {checkpoint.family.model_type} checkpoint {_HF_DIR.value} ({config.model.num_layers} "
               f"layers, width {config.model.d_model}, {checkpoint.dtype}) into {_WORKDIR.value} at step 0. Fine-tune "
-              f"it: python -m scone_jax.main --config=<the same config> --config.model.init_from_hf={_HF_DIR.value} "
-              f"--workdir={_WORKDIR.value}")
+              f"it: {resume_command(sys.argv, _HF_DIR.value, _WORKDIR.value)}")
+
+
+def resume_command(argv, hf_dir: str, workdir: str) -> str:
+    """The scone_jax.main command that resumes the imported run: this command's --config and --config.* flags (the
+    default config file named when it was not), with model.init_from_hf and the workdir."""
+    flags_ = [a for a in argv[1:] if a.startswith("--config")]
+    if not any(a.startswith("--config=") for a in flags_):
+        flags_.insert(0, f"--config={_DEFAULT_CONFIG}")
+    flags_ = [a for a in flags_ if not a.startswith("--config.model.init_from_hf=")]
+    return " ".join(["python -m scone_jax.main", *flags_, f"--config.model.init_from_hf={hf_dir}", f"--workdir={workdir}"])
 
 
 if __name__ == "__main__":

@@ -168,13 +168,19 @@ class Matcher:
         """(ids int32 [B], next prefix): the longest f-gram ending at `tokens` [B] right after the context
         that `prefix` stands for (from prefix_codes or the previous match_next), else -1, equal to
         match() over context + token at the end; and the prefix codes of context + token, which are
-        the slots just looked up, so decoding walks the trie once per token."""
+        the slots just looked up, so decoding walks the trie once per token. A token outside the
+        tokenizer's vocabulary (a row of the model's padded embedding, which sampling may pick) ends and
+        starts no f-gram: its match is -1 and the next prefix holds nothing."""
         codes, valid = prefix
         tokens = np.asarray(tokens)
+        known = (tokens >= 0) & (tokens < self.vocab_size)
+        if not known.all():
+            ids, (next_codes, next_valid) = self.match_next((codes, valid & known[:, None]), np.where(known, tokens, 0))
+            next_valid[~known] = False
+            return np.where(known, ids, -1).astype(np.int32), (next_codes, next_valid)
         b, m = codes.shape
         if b * m <= _FEW_KEYS:  # also every empty context (m = 0)
             return self._match_next_few(codes, valid, tokens)
-        self._check_range(tokens, np.ones(tokens.shape, bool), tokens.shape)
         keys = (codes * np.uint64(self.vocab_size) + tokens.astype(np.uint64)[:, None]).ravel()
         slots = np.where(valid, self.table.lookup(keys).reshape(b, m), -1)
         hit = slots >= 0
@@ -195,8 +201,6 @@ class Matcher:
         keep = min(codes.shape[1] + 1, self.max_len - 1) - 1  # prefix columns handed on after the token
         ids, next_codes, next_valid = [], [], []
         for row_codes, row_valid, token in zip(codes.tolist(), valid.tolist(), tokens.tolist()):
-            if not 0 <= token < v:
-                self._check_range(tokens, np.ones(tokens.shape, bool), tokens.shape)  # raises, naming it
             slots = [lookup(c * v + token) if ok else -1 for c, ok in zip(row_codes, row_valid)]
             ids.append(next((int(fgram_id[s]) for s in reversed(slots) if s >= 0), -1))
             next_codes.append([token] + [s + v if s >= 0 else 0 for s in slots[:keep]])

@@ -193,9 +193,11 @@ def vocab_exists(path: str) -> bool:
     return ts.KvStore.open(storage.kvstore_url(path)).result().read(_META).result().state == "value"
 
 
-def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None, *, fix: str | None = None) -> FgramVocab:
+def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None, *, fix: str | None = None,
+               num_fgrams: int | None = None) -> FgramVocab:
     """Reads a vocabulary written by `save_vocab` and checks it is whole and fits the tokenizer.
-    `fix`: how to recreate missing or damaged data (e.g. where the vocabulary is part of an export)."""
+    `fix`: how to recreate missing or damaged data (e.g. where the vocabulary is part of an export);
+    `num_fgrams`: the f-grams it must hold, checked against each array's shape before the array is read."""
     fix = fix or f"Fix: run tools/extract_fgrams.py --output={path} (again)."
     raw = ts.KvStore.open(storage.kvstore_url(path)).result().read(_META).result()
     if raw.state != "value":
@@ -221,7 +223,13 @@ def load_vocab(path: str, expected_tokenizer_fingerprint: str | None = None, *, 
     for name in _ARRAYS:
         where = storage.join(path, name)
         try:
-            arrays[name] = ts.open(_array_spec(path, name), open=True).result().read().result()
+            array = ts.open(_array_spec(path, name), open=True).result()
+            if num_fgrams is not None and array.shape[:1] != (num_fgrams,):
+                raise VocabError(f"The f-gram vocabulary array {where} has shape {tuple(array.shape)}, not the "
+                                 f"{num_fgrams} f-grams it must hold. {fix}")
+            arrays[name] = array.read().result()
+        except VocabError:
+            raise
         except ValueError as e:  # tensorstore: no array metadata, an unreadable or undecodable chunk
             raise VocabError(f"The f-gram vocabulary array {where} cannot be read ({one_line(e)}). {fix}") from e
         want = meta["checksums"].get(name)

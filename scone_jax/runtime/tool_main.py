@@ -1,9 +1,10 @@
 """The entry point every program but the training job shares (tools/ scripts and the serving programs):
 absl flags, no positional arguments, and bad input (ValueError, OSError: a wrong flag value, missing or
 unreadable files; a job that could not start) as one line on stderr with exit status 2, the same contract as
-`python -m scone_jax.main`. A program that passes `stopped` also ends on SIGINT (Ctrl-C) and SIGTERM with one
-line saying what the stop left and how to go on, and exit status 130 / 143 (128 + the signal, as the training
-job and a process killed by the signal report)."""
+`python -m scone_jax.main`. SIGINT (Ctrl-C) and SIGTERM end every such program with one line, saying what the
+stop left and how to go on where the program passes `stopped`, and exit status 130 / 143 (128 + the signal, as
+the training job and a process killed by the signal report), whatever Python runs when the signal arrives
+(runtime/stop_signals.py: a stop raised inside a garbage collector callback is raised again after it)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 from absl import app, flags
 
-from scone_jax.runtime import parent_watch
+from scone_jax.runtime import parent_watch, stop_signals
 from scone_jax.runtime.errors import one_line
 
 EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 130, 143
@@ -28,38 +29,39 @@ class Terminated(BaseException):
     and no `except Exception` takes it for an error."""
 
 
-def _terminate(signum, frame):
-    del signum, frame
-    raise Terminated()
-
-
 def main_of(run: Callable[[], None], program: str = "", errors: tuple[type[BaseException], ...] = BAD_INPUT,
             stopped: Callable[[], str] | None = None) -> Callable[[list[str]], None]:
-    """An absl `main` that calls `run()` and turns `errors` into `[program: ]error: <one line>`, exit 2. With
-    `stopped` (asked once the work has unwound: what the stop left and how to go on), SIGINT and SIGTERM end it
-    with `[program: ]stopped by SIGINT|SIGTERM; <stopped()>`, exit 130|143. (In a multi-process job jax's
-    preemption service takes SIGTERM over when jax.distributed starts.)"""
+    """An absl `main` that calls `run()` and turns `errors` into `[program: ]error: <one line>`, exit 2. SIGINT and
+    SIGTERM end it with `[program: ]stopped by SIGINT|SIGTERM; <stopped()>` (`stopped`: asked once the work has
+    unwound, what the stop left and how to go on; without it the line ends at the signal's name), exit 130|143.
+    The handlers before it are back when `run()` returns. (In a multi-process job jax's preemption service takes
+    SIGTERM over when jax.distributed starts.)"""
     prefix = f"{program}: " if program else ""
 
     def main(argv: list[str]) -> None:
         parent_watch.stop_with_parent_if_asked()  # started by tools/bench_quality.py: stop when it dies
         if len(argv) > 1:
             raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-        if stopped is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _terminate)
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {signal.SIGTERM: stop_signals.install(signal.SIGTERM, Terminated),
+                        signal.SIGINT: stop_signals.install(signal.SIGINT, KeyboardInterrupt)}
         try:
             run()
         except errors as e:
             print(f"{prefix}error: {one_line(e, limit=4000)}", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
         except (KeyboardInterrupt, Terminated) as e:
-            if stopped is None:
-                raise
             for s in (signal.SIGINT, signal.SIGTERM):  # a second signal now ends the process at once
                 signal.signal(s, signal.SIG_DFL)
+            previous.clear()
             name, status = ("SIGTERM", EXIT_TERMINATED) if isinstance(e, Terminated) else ("SIGINT", EXIT_INTERRUPTED)
-            print(f"{prefix}stopped by {name}; {stopped()}", file=sys.stderr)
+            print(f"{prefix}stopped by {name}" + (f"; {stopped()}" if stopped is not None else "."), file=sys.stderr)
             sys.exit(status)
+        finally:
+            for s, handler in previous.items():
+                if handler is not None:  # (None: a handler not installed from Python; nothing to put back)
+                    signal.signal(s, handler)
 
     return main
 

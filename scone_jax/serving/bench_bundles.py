@@ -32,9 +32,11 @@ def write_table_bundle(path: str, rows_of, num_rows: int, width: int, dtype: str
     """A bundle holding only a table (export.json, table files, COMPLETE: what open_table reads), written with
     the export's own table_layout; rows_of(lo, hi) gives rows lo..hi-1. Returns its export.json."""
     np_dtype = bundle.numpy_dtype(dtype)
-    meta = {"format": bundle.FORMAT, "version": bundle.VERSION, "num_fgrams": num_rows, "d_model": width,
+    meta = {"format": bundle.FORMAT, "version": bundle.VERSION, "num_fgrams": num_rows, "d_model": width, "max_len": 2,
             "dtype": dtype, "chunk_rows": chunk_rows,
-            "block_rows": table_layout.block_rows_for(width * np_dtype.itemsize, chunk_rows)}
+            "block_rows": table_layout.block_rows_for(width * np_dtype.itemsize, chunk_rows), "step": 0, "config": {},
+            "model_fingerprint": "", "fgram_model_fingerprint": None, "tokenizer_fingerprint": "",
+            "fgram_vocab_fingerprint": ""}  # a table with no model: fingerprints of nothing
     layout = table_layout.Layout.of_meta(meta, np_dtype)
     os.makedirs(os.path.join(path, bundle.TABLE), exist_ok=True)
     sums = []

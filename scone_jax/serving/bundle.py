@@ -20,8 +20,10 @@
                      decoder/ and tokenizer.model
 
 Readers open a bundle once with Bundle.open, which reads export.json and COMPLETE and refuses an unfinished
-or altered bundle; the table (serving/table.py), tokenizer, vocabulary and decoder (serving/inference.py)
-are read from the opened Bundle, never from export.json again.
+or altered bundle, or one holding a field no export writes (every size a reader allocates from is checked
+there); the table (serving/table.py), tokenizer, vocabulary and decoder (serving/inference.py,
+saved_decoder.py) are read from the opened Bundle, never from export.json again. A local bundle's files are
+read only inside it and only as regular files (serving/bundle_files.py).
 
 Integrity: each done/<chunk> marker holds the CRC-32s of that file's rows and block index, computed
 from the rows in memory before they were written; done/decoder holds the CRC-32 of each decoder
@@ -49,12 +51,15 @@ import orbax.checkpoint as ocp
 
 from scone_jax.runtime import checksums, storage
 from scone_jax.runtime.crc import crc32_hex
+from scone_jax.runtime.errors import one_line
 from scone_jax.saved_config import stored_config
-from scone_jax.serving.table_layout import Layout
+from scone_jax.serving import bundle_files
+from scone_jax.serving.table_layout import Layout, block_rows_for
 
 FORMAT, VERSION = "scone_export", 2  # CHANGELOG.md: a change bumps VERSION
 META, COMPLETE, TOKENIZER = "export.json", "COMPLETE", "tokenizer.model"
 TABLE, DONE, FGRAMS, DECODER = "table", "done", "fgrams", "decoder"
+PIECES = (META, COMPLETE, TOKENIZER, TABLE, DONE, FGRAMS, DECODER)  # all a bundle's directory holds
 DTYPES = ("bfloat16", "float32")
 
 
@@ -84,8 +89,27 @@ def params_fingerprint(state) -> str:
 
 
 def read_export_meta(path: str) -> dict | None:
-    raw = storage.read_bytes(path, META)
-    return None if raw is None else json.loads(raw)
+    """export.json as written, or None if there is none; BundleError if it is not a JSON object."""
+    raw = bundle_files.read_bytes(path, META)
+    if raw is None:
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise BundleError(f"{storage.join(path, META)} is not a JSON object: it was damaged or replaced. Fix: export "
+                          "again into a fresh --output.")
+    return meta
+
+
+def is_export_meta(raw: bytes) -> bool:
+    """Whether `raw` is an export.json this program writes (any version): what lets an export resume there."""
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +154,17 @@ def file_checksums(path: str, directory: str) -> dict[str, str]:
 
 
 def verify_files(path: str, sums: Checksums, directory: str, fix: str) -> None:
-    """Every file COMPLETE records under `directory` is there and has its CRC-32."""
+    """The files under `directory` are exactly those COMPLETE records there, each with its CRC-32 (a library
+    that reads the directory by path, as orbax does, reads nothing unchecked)."""
+    recorded = sorted(key for key in sums.files if key.startswith(directory + "/"))
+    present = {f"{directory}/{k.decode()}" for k in storage.open_store(storage.join(path, directory)).list().result()}
+    extra = sorted(present - set(recorded))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise BundleError(f"{storage.join(path, extra[0])}{more} is not among the files {COMPLETE} records: it was "
+                          f"added after the export finished. {fix}")
     store = storage.open_store(path)
-    reads = {key: store.read(key) for key in sorted(sums.files) if key.startswith(directory + "/")}
+    reads = {key: store.read(key) for key in recorded}
     for key, read in reads.items():
         raw = read.result()
         if raw.state != "value":
@@ -170,10 +202,11 @@ class Bundle:
     @classmethod
     def open(cls, path: str, expect: dict | None = None) -> "Bundle":
         """The finished bundle at `path`; refuses an unfinished one, one whose export.json and COMPLETE disagree
-        (with each other, or on the table's files), or one whose fingerprints differ from `expect` (keys of
-        export.json, e.g. tokenizer_fingerprint)."""
+        (with each other, or on the table's files), hold a field no export writes, or whose fingerprints differ
+        from `expect` (keys of export.json, e.g. tokenizer_fingerprint). Every size the readers allocate from is
+        checked here, before anything is allocated."""
         meta = read_export_meta(path)
-        marker = storage.read_bytes(path, COMPLETE)
+        marker = bundle_files.read_bytes(path, COMPLETE)
         if meta is None or marker is None:
             state = "no export" if meta is None else "an unfinished export (no COMPLETE marker)"
             raise BundleError(
@@ -189,28 +222,81 @@ class Bundle:
             record = json.loads(marker)
         except ValueError:
             record = {}
-        if (not isinstance(record, dict) or record.get("export_fingerprint") != meta_fingerprint(meta)
-                or "table" not in record or "table_index" not in record):
+        if not isinstance(record, dict) or record.get("export_fingerprint") != meta_fingerprint(meta):
             raise BundleError(f"{path!r}: {META} and {COMPLETE} do not match; one was changed or damaged after the "
                               f"export finished. Fix: delete {storage.join(path, COMPLETE)} and re-run the export, "
                               "which rebuilds it (if it says the export differs, export into a fresh --output).")
+        layout = _checked_layout(path, meta)
         for key, want in (expect or {}).items():
             if meta.get(key) != want:
                 raise BundleError(
                     f"The export at {path!r} has {key}={meta.get(key)!r}, but what it is used with has {want!r}. "
                     "Fix: use the export made from this run (or export this run again)."
                 )
-        sums = Checksums(table=record["table"], table_index=record["table_index"], files=record["files"])
-        layout = Layout.of_meta(meta, numpy_dtype(meta["dtype"]))
-        if len(sums.table) != layout.num_chunks or len(sums.table_index) != layout.num_chunks:
-            raise BundleError(f"{path!r}: {COMPLETE} records {len(sums.table)} table files, the table has "
-                              f"{layout.num_chunks}; the bundle was altered. Fix: export again into a fresh --output.")
-        return cls(path, meta, sums, layout)
+        return cls(path, meta, _checked_sums(path, record, layout), layout)
 
     @property
     def config(self) -> ml_collections.ConfigDict:
         """The config of the run the bundle was exported from, over today's defaults."""
-        return stored_config(self.meta["config"])
+        try:
+            return stored_config(self.meta["config"])
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise BundleError(f"{storage.join(self.path, META)} holds a config this code cannot read "
+                              f"({one_line(e, 300)}).") from None
+
+
+_ALTERED = "it was altered or damaged after the export. Fix: export again into a fresh --output."
+_INTEGERS = {"num_fgrams": 0, "d_model": 1, "max_len": 0, "chunk_rows": 1, "block_rows": 1, "step": 0}
+_TEXTS = ("model_fingerprint", "tokenizer_fingerprint", "fgram_vocab_fingerprint")
+
+
+def _checked_layout(path: str, meta: dict) -> Layout:
+    """The table's layout from export.json, each field first checked to be what an export writes."""
+    where = storage.join(path, META)
+    for key, least in _INTEGERS.items():
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise BundleError(f"{where} has {key}={value!r}, which no export writes (an integer >= {least}); {_ALTERED}")
+    for key in _TEXTS + ("fgram_model_fingerprint",):
+        value = meta.get(key)
+        if not isinstance(value, str) and not (key == "fgram_model_fingerprint" and value is None):
+            raise BundleError(f"{where} has {key}={value!r}, which no export writes (a fingerprint); {_ALTERED}")
+    if not isinstance(meta.get("config"), dict):
+        raise BundleError(f"{where} has config={meta.get('config')!r}, which no export writes (a dict); {_ALTERED}")
+    if meta.get("dtype") not in DTYPES:
+        raise BundleError(f"{where} has dtype={meta.get('dtype')!r}, which no export writes (one of {DTYPES}); "
+                          f"{_ALTERED}")
+    layout = Layout.of_meta(meta, numpy_dtype(meta["dtype"]))
+    want = block_rows_for(layout.row_bytes, layout.chunk_rows)
+    if layout.block_rows != want:
+        raise BundleError(f"{where} has block_rows={layout.block_rows}, but rows of {layout.row_bytes} bytes in files "
+                          f"of {layout.chunk_rows} are exported in blocks of {want}; {_ALTERED}")
+    return layout
+
+
+def _crcs(value) -> bool:
+    """A list of CRC-32s as COMPLETE records them (8 hex digits)."""
+    return isinstance(value, list) and all(map(_is_crc, value))
+
+
+def _is_crc(value) -> bool:
+    return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
+
+
+def _checked_sums(path: str, record: dict, layout: Layout) -> Checksums:
+    """COMPLETE's checksums, checked to be a whole record of this layout: a CRC per table file's rows and block
+    index, and a CRC per file (of tokenizer.model and decoder/: their readers check that each is recorded)."""
+    where = storage.join(path, COMPLETE)
+    for key in ("table", "table_index"):
+        if not _crcs(record.get(key)):
+            raise BundleError(f"{where} has no list of table CRCs under {key!r}; {_ALTERED}")
+        if len(record[key]) != layout.num_chunks:
+            raise BundleError(f"{path!r}: {COMPLETE} records {len(record[key])} table files, the table has "
+                              f"{layout.num_chunks}; the bundle was altered. Fix: export again into a fresh --output.")
+    files = record.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and _is_crc(v) for k, v in files.items()):
+        raise BundleError(f"{where} has no list of the CRCs of {TOKENIZER} and the decoder's files; {_ALTERED}")
+    return Checksums(table=record["table"], table_index=record["table_index"], files=files)
 
 
 def numpy_dtype(name: str):

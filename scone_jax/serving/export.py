@@ -14,8 +14,10 @@ if a done marker was deleted (what readers ask for when a piece is missing or da
 tokenizer.model differs from the run's, COMPLETE is withdrawn and those pieces are rewritten.
 A run trained without SCONE (a baseline) exports the same bundle with an empty f-gram set (S = 0: a
 table of no rows), so it is served, evaluated and compared by exactly the same programs.
-Exit status: 0 done, 2 bad input (no checkpoint, a different export at PATH, peers that never arrived), 130 / 143
-stopped by SIGINT / SIGTERM (one line says how many chunks are kept; rerunning resumes).
+PATH must be new, empty or an export (serving/output_dir.py): anything else there is refused before a byte is
+written, and export.json is the first file written, so a stopped export is always recognised as one.
+Exit status: 0 done, 2 bad input (no checkpoint, a different export or anything else at PATH, peers that never
+arrived), 130 / 143 stopped by SIGINT / SIGTERM (one line says how many chunks are kept; rerunning resumes).
 
 On a pod, run the same command on every host (like training: the Cloud TPU environment is detected,
 elsewhere pass --coordinator_address, --num_processes and --process_id); every device computes rows
@@ -48,11 +50,12 @@ from scone_jax.runtime.crc import crc32_hex
 from scone_jax.runtime.errors import one_line
 from scone_jax.runtime.prefetch import DispatchWindow
 from scone_jax.saved_config import run_config
-from scone_jax.serving import bundle, table_layout
+from scone_jax.serving import bundle, output_dir, table_layout
 from scone_jax.training import checkpoint, run as run_lib
 
 _MAX_PENDING_WRITES = 3
 _VOCAB_DONE, _DECODER_DONE = f"{bundle.DONE}/{bundle.FGRAMS}", f"{bundle.DONE}/{bundle.DECODER}"
+_DECODER_SAVING = bundle.DECODER + ".orbax-checkpoint-tmp"  # orbax's name for decoder/ while it saves it
 
 
 def open_run(workdir: str, config: ml_collections.ConfigDict | None = None,
@@ -234,15 +237,27 @@ def _complete_marker(output: str, meta: dict, tokenizer_proto: bytes) -> bytes:
     return bundle.complete_marker(meta, [t[0] for t in table], [t[1] for t in table], files)
 
 
+def claim_output(output: str) -> bool:
+    """Whether `output` holds an export already (resumed, repaired or refused by _prepare_output); False if it is
+    missing or empty. Anything else there is refused (serving/output_dir.py)."""
+    return output_dir.claim(output, names=bundle.PIECES, prefixes=(_DECODER_SAVING,), marker=bundle.META,
+                            is_ours=bundle.is_export_meta, kind="a scone_jax export")
+
+
 def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", chunk_rows: int = 65536,
            batch_rows: int = 8192, log_every_s: float = 10.0) -> dict:
-    """Export the latest checkpoint of `workdir` into `output`; returns figures of the run. Bad arguments and an
-    output that cannot be written are refused before any work (and before anything is written there)."""
+    """Export the latest checkpoint of `workdir` into `output`; returns figures of the run. Bad arguments, an
+    output that holds anything but an export (output_dir.py) and one that cannot be written are refused before
+    any work (and before anything is written there)."""
     bundle.numpy_dtype(dtype)
     for name, value in (("chunk_rows", chunk_rows), ("batch_rows", batch_rows)):
         if value < 1:
             raise ValueError(f"--{name}={value} must be at least 1 (table rows per file / f-grams per step).")
-    write_probe.check_writable(output, 120, flag="--output")
+    if storage.is_remote(output):  # the probe answers within its deadline where a bucket cannot be reached
+        write_probe.check_writable(output, 120, flag="--output")
+    claim_output(output)
+    if not storage.is_remote(output):  # (locally the probe writes into the directory: only once it is ours)
+        write_probe.check_writable(output, 120, flag="--output")
     latest = run_lib.Latest.open(workdir)
     config = config or run_config(latest.meta)
     cache = CompileCache(compile_cache.resolve(config.train.compilation_cache_dir, workdir))
@@ -268,13 +283,12 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
             logging.info("export: %s is already complete", output)
             return {"rows_computed": 0, "seconds": 0.0, "rows_per_s": 0.0, "meta": meta}
         chief = jax.process_index() == 0
+        if chief:  # first: what says whose export this is, so a rerun may resume (output_dir.py)
+            storage.write_bytes(output, bundle.META, json.dumps(meta, indent=1).encode())
         if chief and storage.read_bytes(output, _VOCAB_DONE) is None:
-            # First: save_vocab clears its directory, and a GCS server that ignores listing ranges
-            # (the emulator) turns that into clearing the bucket.
             save_vocab(vocab, storage.join(output, bundle.FGRAMS))
             storage.write_bytes(output, _VOCAB_DONE, b"1")
         if chief:
-            storage.write_bytes(output, bundle.META, json.dumps(meta, indent=1).encode())
             # Tokenizer.proto: a .model's bytes, or a tokenizer.json wrapped with the run's special ids.
             storage.write_bytes(output, bundle.TOKENIZER, run.tokenizer.proto)
         multihost_utils.sync_global_devices("scone_export_created")

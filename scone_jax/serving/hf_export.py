@@ -34,8 +34,8 @@ from jax.experimental import multihost_utils
 from scone_jax.hf import families, write as hf_write
 from scone_jax.hf.checkpoint_dir import CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG, TORCH_DTYPES, read_json
 from scone_jax.runtime import storage
-from scone_jax.saved_config import stored_config
-from scone_jax.serving import bundle, hf_remote
+from scone_jax.saved_config import run_config
+from scone_jax.serving import bundle, hf_remote, output_dir
 from scone_jax.serving.export import open_run
 from scone_jax.training import run as run_lib
 
@@ -71,7 +71,7 @@ def export_hf(workdir: str, output: str, *, dtype: str | None = None,
         raise ValueError(f"--output={output}: --format=hf writes a local directory (what transformers opens). Fix: "
                          "export to local disk, then copy it.")
     latest = run_lib.Latest.open(workdir)
-    config = stored_config(latest.meta["config"])
+    config = run_config(latest.meta)
     try:
         family, source_dtype = plan(config)
     except BaseException:
@@ -105,15 +105,25 @@ def export_hf(workdir: str, output: str, *, dtype: str | None = None,
         run.close()
 
 
+# What an export of this format writes into its directory (output_dir.claim: anything else there is refused).
+_WRITES = (CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json", "tokenizer.model",
+           "model.safetensors", "model.safetensors.index.json", HF_EXPORT, HF_EXPORT + ".tmp", *hf_remote.WRITES)
+_WRITE_PREFIXES = ("model-", ".safetensors-")  # shards, and a shard or table file being written
+
+
 def _refuse_foreign(output: str) -> None:
-    """Refuse a directory that holds files this exporter did not write (nothing is overwritten)."""
-    if not os.path.isdir(output) or os.path.exists(os.path.join(output, HF_EXPORT)):
-        return
-    present = sorted(os.listdir(output))
-    if present:
-        what = "a bundle export" if bundle.META in present else f"{len(present)} files ({', '.join(present[:3])})"
-        raise bundle.BundleError(f"{output!r} already holds {what} that this export did not write; nothing was "
-                                 "overwritten. Fix: choose another --output, or delete it first.")
+    """Refuse, reading only, a directory that holds anything this exporter does not write, or its files without
+    an HF_EXPORT marker of ours (serving/output_dir.py: nothing of the user's is overwritten)."""
+    output_dir.claim(output, names=_WRITES, prefixes=_WRITE_PREFIXES, marker=HF_EXPORT, is_ours=_is_marker,
+                     kind="a Hugging Face export of scone_jax")
+
+
+def _is_marker(raw: bytes) -> bool:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and value.get("format") == "hf" and isinstance(value.get("family"), str)
 
 
 def _prepare(output: str, meta: dict) -> bool:

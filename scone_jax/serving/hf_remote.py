@@ -37,6 +37,7 @@ from scone_jax.serving import export as bundle_export
 
 REMOTE_CODE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf", "remote_code")
 REMOTE_FILES = ("configuration_scone.py", "modeling_scone.py", "scone_fgrams.py")
+WRITES = (*REMOTE_FILES, scone_fgrams.TABLE_FILE, scone_fgrams.VOCAB_FILE)  # beside the stock checkpoint's files
 DECODER_PREFIX = "decoder."
 TABLE_DTYPES = {"bfloat16": "BF16", "float32": "F32"}
 

@@ -12,7 +12,6 @@ import dataclasses
 
 import jax
 import ml_collections
-import orbax.checkpoint as ocp
 from absl import flags
 from flax import nnx
 
@@ -25,8 +24,9 @@ from scone_jax.model.transformer import Decoder
 from scone_jax.runtime import storage
 from scone_jax.runtime.crc import crc32_hex
 from scone_jax.runtime.errors import one_line
-from scone_jax.serving import bundle
+from scone_jax.serving import bundle, bundle_files
 from scone_jax.serving import table as table_lib
+from scone_jax.serving.saved_decoder import load_decoder
 from scone_jax.training import steps
 
 
@@ -85,8 +85,9 @@ def _load_model(opened: bundle.Bundle, rows, mesh) -> Served:
     path, meta, sums = opened.path, opened.meta, opened.checksums
     config = opened.config
     tokenizer = load_tokenizer(path, sums)
+    bundle_files.check_tree(path, bundle.FGRAMS)  # zarr arrays, read by path
     vocab = load_vocab(storage.join(path, bundle.FGRAMS), expected_tokenizer_fingerprint=tokenizer.fingerprint,
-                       fix=bundle.rerun_fix(path, f"{bundle.DONE}/{bundle.FGRAMS}"))
+                       fix=bundle.rerun_fix(path, f"{bundle.DONE}/{bundle.FGRAMS}"), num_fgrams=meta["num_fgrams"])
     for what, have in (("tokenizer_fingerprint", tokenizer.fingerprint), ("fgram_vocab_fingerprint", vocab.fingerprint)):
         if have != meta[what]:
             raise bundle.BundleError(f"The export at {path!r} records {what}={meta[what]!r} but its files hash to "
@@ -109,7 +110,7 @@ def load_tokenizer(path: str, sums: bundle.Checksums) -> Tokenizer:
     the run trained with (they are part of its serialized form; see scone_jax/data/tokenizer.py)."""
     fix = bundle.rerun_fix(path)  # the export rewrites tokenizer.model when it differs from the run's
     where = storage.join(path, bundle.TOKENIZER)
-    raw = storage.read_bytes(path, bundle.TOKENIZER)
+    raw = bundle_files.read_bytes(path, bundle.TOKENIZER)
     if raw is None:
         raise bundle.BundleError(f"{where} is missing. {fix}")
     if crc32_hex(raw) != sums.files.get(bundle.TOKENIZER):
@@ -120,26 +121,6 @@ def load_tokenizer(path: str, sums: bundle.Checksums) -> Tokenizer:
     except (ValueError, RuntimeError) as e:  # its CRC matched, yet unreadable: written by another version
         why = one_line(e).split(" Fix: ")[0]  # the tokenizer's own fix names flags, not the bundle
         raise bundle.BundleError(f"{where} is not a tokenizer this code reads ({why}). {fix}") from e
-
-
-def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums):
-    """The decoder's parameters from the export, each restored directly into its sharding, after every file
-    of decoder/ is checked against its CRC."""
-    fix = bundle.rerun_fix(path, f"{bundle.DONE}/{bundle.DECODER}")
-    bundle.verify_files(path, sums, bundle.DECODER, fix)
-    graphdef, abstract = nnx.eval_shape(lambda: nnx.split(Decoder(model_cfg, nnx.Rngs(0)), nnx.Param))
-    shardings = sharding.state_shardings(abstract, mesh)
-    target = sharding.sharded_abstract(abstract, shardings)
-    try:
-        with bundle.decoder_checkpointer() as restorer:
-            params = restorer.restore(storage.join(path, bundle.DECODER), args=ocp.args.StandardRestore(target))
-    except Exception as e:  # noqa: BLE001 - orbax's errors vary by what is wrong
-        cause = e
-        while cause.__cause__ or cause.__context__:  # orbax wraps tensorstore's error, which names the file
-            cause = cause.__cause__ or cause.__context__
-        raise bundle.BundleError(f"The decoder at {storage.join(path, bundle.DECODER)} cannot be restored "
-                                 f"({one_line(cause, 300)}). {fix}") from e
-    return graphdef, params
 
 
 def host_rows(served: Served, batch: Batch) -> Batch:

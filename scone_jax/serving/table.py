@@ -82,6 +82,9 @@ def open_table(source: bundle.Bundle, *, table: str = "auto", max_bytes: int | N
     host RAM the table may take (0 or None: no limit); `io_threads`: reads in flight from disk."""
     if table not in TABLE_MODES:
         raise ValueError(f"--table={table!r} is not one of {', '.join(TABLE_MODES)}.")
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"--max_table_bytes={max_bytes:,} is negative. Fix: the host RAM the table may take, in "
+                         "bytes, or 0 for no limit.")
     layout = source.layout
     fits = not max_bytes or layout.nbytes <= max_bytes
     mode = ("ram" if fits else "disk") if table == "auto" else table
@@ -99,19 +102,24 @@ def open_table(source: bundle.Bundle, *, table: str = "auto", max_bytes: int | N
 
 
 def _load(path: str, layout: Layout, sums: bundle.Checksums, threads: int) -> HostTable:
-    """Every file's rows read into one array, then each file's rows checked against COMPLETE, in parallel."""
-    rows = np.empty((layout.num_rows, layout.width), layout.dtype)
-    flat = rows.reshape(-1).view(np.uint8)
-    chunks = range(layout.num_chunks)
-
-    def rows_of(c):
-        lo, hi = layout.rows_of_chunk(c)
-        return flat[lo * layout.row_bytes:hi * layout.row_bytes]
-
+    """Every file's rows read into one array, then each file's rows checked against COMPLETE, in parallel. The
+    files are opened, and their sizes checked, before the array is allocated."""
     files = TableFiles.open(path, layout, threads=max(threads, 16))
     try:
         if files.problems:
             raise bundle.bad_table_error(path, layout, files.problems)
+        try:
+            rows = np.empty((layout.num_rows, layout.width), layout.dtype)
+        except MemoryError:
+            raise ValueError(f"The table of {path} is {layout.nbytes:,} bytes, more than this host can allocate. Fix: "
+                             "--table=disk (or auto with --max_table_bytes) to serve it from disk.") from None
+        flat = rows.reshape(-1).view(np.uint8)
+        chunks = range(layout.num_chunks)
+
+        def rows_of(c):
+            lo, hi = layout.rows_of_chunk(c)
+            return flat[lo * layout.row_bytes:hi * layout.row_bytes]
+
         start = time.perf_counter()
         try:
             files.read_all((c, 0, rows_of(c)) for c in chunks)

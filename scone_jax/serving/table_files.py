@@ -26,7 +26,7 @@ from absl import logging
 
 from scone_jax.runtime import aio, storage
 from scone_jax.runtime.errors import one_line
-from scone_jax.serving import bundle
+from scone_jax.serving import bundle, bundle_files
 from scone_jax.serving.table_layout import Layout
 
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the device's block size; a page covers it
@@ -87,35 +87,51 @@ class TableFiles:
         self.pool.shutdown()
 
 
-def _allow_open_files(needed: int, path: str) -> None:
-    """Raise this process's open-file limit to what the table's files need (a 1B-row table at d = 2048 is
-    15,259 files of 65,536 rows), up to the hard limit; OSError naming the fix if that is short."""
+_HEADROOM = 256  # descriptors left for the rest of the program when the limit is raised for the table
+
+
+def _open_descriptors() -> int:
+    """How many descriptors this process has open now (0 where /proc does not say)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def _allow_open_files(files: int, path: str) -> None:
+    """Make room for the table's `files` descriptors (a 1B-row table at d = 2048 is 15,259 files of 65,536 rows), and
+    one more while start_direct swaps a file's descriptor, beside those open now: the soft open-file limit is
+    raised where it is short (with some headroom, up to the hard limit); OSError naming the fix if even the hard
+    limit is short."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = _open_descriptors()
+    needed = in_use + files + 1
     if soft == resource.RLIM_INFINITY or needed <= soft:
         return
     if hard != resource.RLIM_INFINITY and needed > hard:
-        raise OSError(f"the table at {path} needs {needed:,} open files, more than this process may open (hard limit "
-                      f"{hard:,}). Fix: raise the limit (`ulimit -Hn`, limits.conf), or export with a larger --chunk_rows "
-                      "(fewer, larger files).")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        raise OSError(f"the table at {path} needs {files:,} open files, and with the {in_use:,} this process has open "
+                      f"that is more than it may open (hard limit {hard:,}). Fix: raise the limit (`ulimit -Hn`, "
+                      "limits.conf), or export with a larger --chunk_rows (fewer, larger files).")
+    raised = needed + _HEADROOM
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised if hard == resource.RLIM_INFINITY else min(raised, hard), hard))
 
 
 class LocalFiles(TableFiles):
     def __init__(self, path: str, layout: Layout, threads: int):
         super().__init__(path, layout, threads)
-        _allow_open_files(layout.num_chunks + 256, path)  # a file's O_DIRECT descriptor replaces its buffered one
         self.fds = np.full(layout.num_chunks, -1, np.int64)
-        for c in range(layout.num_chunks):
-            try:
-                self.fds[c] = os.open(self._name(c), os.O_RDONLY)
-            except FileNotFoundError:
-                self.problems[c] = "is missing"
-                continue
-            size, want = os.fstat(int(self.fds[c])).st_size, layout.file_bytes(c)
-            if size != want:
-                self.problems[c] = f"is {size} bytes, not the {want} its rows and block index take (truncated or replaced)"
         self.direct_fds = np.full(layout.num_chunks, -1, np.int64)
         self._aio = None
+        self._real = [""] * layout.num_chunks  # each file's path, links inside the bundle resolved
+        try:
+            if layout.num_chunks:
+                bundle_files.resolve(path, bundle.TABLE, want_dir=True)  # a real directory of the bundle
+            _allow_open_files(layout.num_chunks, path)
+            for c in range(layout.num_chunks):
+                self._open_buffered(c)
+        except BaseException:
+            self.close()
+            raise
         block_bytes = layout.block_rows * layout.row_bytes
         # A read buffer slot per block: the block itself when blocks are whole pages, else room for the
         # aligned pages around a block at any offset.
@@ -126,6 +142,22 @@ class LocalFiles(TableFiles):
     def _name(self, c: int) -> str:
         return os.path.join(self.path, bundle.chunk_key(c))
 
+    def _open_buffered(self, c: int) -> None:
+        """Chunk c's file, never through a link out of the bundle and only if it is a regular file (a FIFO would
+        block reads); what is wrong with it goes to `problems`."""
+        try:
+            opened = bundle_files.open_regular(self.path, bundle.chunk_key(c))
+        except bundle_files.UnsafeBundleFile as e:
+            self.problems[c] = e.what
+            return
+        if opened is None:
+            self.problems[c] = "is missing"
+            return
+        self.fds[c], self._real[c] = opened
+        size, want = os.fstat(int(self.fds[c])).st_size, self.layout.file_bytes(c)
+        if size != want:
+            self.problems[c] = f"is {size} bytes, not the {want} its rows and block index take (truncated or replaced)"
+
     def start_direct(self) -> None:
         """Start a kernel AIO context, open the first file with O_DIRECT and read a page of it: a filesystem
         without O_DIRECT (tmpfs before Linux 6.6, some FUSE ones) refuses with EINVAL; then, or where kernel AIO
@@ -135,21 +167,29 @@ class LocalFiles(TableFiles):
             return
         try:
             self._aio = aio.AsyncReads(self.threads)
-            self.direct_fds[0] = os.open(self._name(0), os.O_RDONLY | os.O_DIRECT)
+            self.direct_fds[0] = self._open_direct(0)
             page = np.frombuffer(mmap.mmap(-1, ALIGN), np.uint8)
             self._aio.read(self.direct_fds[:1], np.zeros(1, np.int64), np.full(1, ALIGN), np.full(1, page.ctypes.data),
                            _raise_errors)
         except OSError as e:
             self._close_direct()
-            logging.warning("Note: %s cannot be read with O_DIRECT and kernel AIO (%s); table rows are read through "
-                            "the page cache instead, from threads.", self.path, os.strerror(e.errno or errno.EINVAL))
+            logging.warning("%s", no_direct_note(self.path, e.errno or errno.EINVAL))
             return
         for c in range(len(self.fds)):
             if c:
-                self.direct_fds[c] = os.open(self._name(c), os.O_RDONLY | os.O_DIRECT)
+                self.direct_fds[c] = self._open_direct(c)
             os.close(int(self.fds[c]))
             self.fds[c] = -1
         self.direct = True
+
+    def _open_direct(self, c: int) -> int:
+        """Chunk c's file again, with O_DIRECT: the same file as its buffered descriptor, or BundleError."""
+        fd = os.open(self._real[c], os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        have, want = os.fstat(fd), os.fstat(int(self.fds[c]))
+        if (have.st_dev, have.st_ino) != (want.st_dev, want.st_ino):
+            os.close(fd)
+            raise bundle.BundleError(f"{self._name(c)} was replaced while the table was opened. Fix: open it again.")
+        return fd
 
     def _close_direct(self):
         if self._aio is not None:
@@ -238,6 +278,13 @@ class LocalFiles(TableFiles):
         for fd in self.fds[self.fds >= 0].tolist():
             os.close(fd)
         self.fds[:] = -1
+
+
+def no_direct_note(path: str, error: int) -> str:
+    """The note for a filesystem that refuses O_DIRECT or kernel AIO (`error`: its errno): reads then go through
+    the page cache, from threads (tools/bench_table_io.py gives the same note for its raw reads)."""
+    return (f"Note: {path} cannot be read with O_DIRECT and kernel AIO ({os.strerror(error)}); table rows are read "
+            "through the page cache instead, from threads.")
 
 
 def _raise_errors(done, results):

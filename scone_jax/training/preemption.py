@@ -15,6 +15,8 @@ import jax
 from absl import logging
 from jax.experimental import multihost_utils
 
+from scone_jax.runtime import stop_signals
+
 
 class Preempted(Exception):
     """Training stopped on SIGTERM after saving a checkpoint at `step`; rerunning resumes."""
@@ -42,11 +44,7 @@ def stop_on_sigterm_until_training():
         yield
         return
 
-    def interrupt(signum, frame):
-        del signum, frame
-        raise StartupInterrupted()
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = stop_signals.install(signal.SIGTERM, StartupInterrupted)  # raised again if swallowed
     try:
         yield
     finally:

@@ -12,7 +12,6 @@ from transformers import AutoConfig, PretrainedConfig
 
 class SconeConfig(PretrainedConfig):
     model_type = "scone"
-    sub_configs = {"text_config": AutoConfig}
 
     def __init__(self, text_config=None, embedding_multiplier: float = 1.0, fgrams: dict | None = None, **kwargs):
         if isinstance(text_config, dict):

@@ -235,6 +235,13 @@ def _check_special_tokens(d: ml_collections.ConfigDict) -> None:
                              f"spelling of one token of its vocabulary, e.g. --config.data.{role}_token='<|endoftext|>'.")
 
 
+def _check_chat(d: ml_collections.ConfigDict) -> None:
+    """data.loss_on and data.overlong are one of their words (read only with data.source='chat')."""
+    for key, words in (("loss_on", ("assistant", "all")), ("overlong", ("refuse", "truncate"))):
+        if d.get(key, words[0]) not in words:
+            raise ValueError(f"data.{key}={d[key]!r} is not valid. Fix: one of {', '.join(map(repr, words))}.")
+
+
 def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
     """The f-gram model's own settings mean nothing without one (a baseline run), and the delay has one value."""
     s, t = config.scone, config.train
@@ -336,6 +343,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check_numbers(config)
     m, d, t = config.model, config.data, config.train
     _check_special_tokens(d)
+    _check_chat(d)
     _check_fgram_training(config)
     check_fgram_source(config)
     resolve(config)  # the shorthand into its groups: a set or component without files, a bad weight, a name twice

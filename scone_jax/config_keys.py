@@ -185,7 +185,9 @@ KEYS = (
         "(docs/training.md). Only with enabled"),
 
     # data: corpus, tokenizer, batches
-    Key("data.source", "kjv", STATE, "'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord'"),
+    Key("data.source", "kjv", STATE,
+        "'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord' | 'chat' (conversations: JSONL of messages, or "
+        "their shards from tools/pretokenize.py --format=chat; docs/data.md 'Conversations')"),
     Key("data.train_files", "", STATE,
         "glob pattern(s), comma-separated; or the shorthand of data.mixture, "
         "'web=/d/web/*.jsonl@0.7;books=/d/books/*.jsonl.gz@0.3', which config.resolve parses into it (leaving "
@@ -203,6 +205,19 @@ KEYS = (
         "name order, with their average; empty = data.eval_files alone"),
     Key("data.text_field", "text", STATE, "jsonl field holding the document"),
     Key("data.document_unit", "line", STATE, "text files: one document per 'line' or per 'file'"),
+    Key("data.messages_field", "messages", STATE, "chat: the JSONL field holding a conversation's list of "
+        "{role, content} messages (roles system, user, assistant)"),
+    Key("data.chat_template", "", STATE,
+        "chat: the jinja2 chat template: a .jinja file, a tokenizer_config.json or a checkpoint directory; '' = "
+        "chat_template.jinja or tokenizer_config.json beside data.tokenizer_path (data/chat_template.py)"),
+    Key("data.loss_on", "assistant", STATE,
+        "chat: the tokens trained on, 'assistant' (each reply's tokens and its end-of-turn token; "
+        "data/conversations.py) or 'all' (every token of the rendered conversation, as open-r1 trains). Held-out "
+        "loss and perplexity count the same tokens"),
+    Key("data.overlong", "refuse", STATE,
+        "chat: a conversation longer than a row (data.seq_len positions) is 'refuse'd (the run stops before "
+        "training, naming it and the count) or 'truncate'd to its first data.seq_len positions (the count logged "
+        "once); rows hold whole conversations, never one split"),
     Key("data.eval_fraction", 0.02, STATE, "kjv: fraction of documents held out", "in (0, 1)"),
     Key("data.tokenizer_path", "", SETTING,
         "a SentencePiece .model or a Hugging Face tokenizer.json (local or gs://; the kind is read from the "

@@ -173,7 +173,8 @@ def test_the_prompt_follows_the_bundles_add_bos(served, monkeypatch, capsys, add
                         lambda self, p, *a, **k: prompts.append(np.asarray(p)) or original(self, p, *a, **k))
     value = types.SimpleNamespace
     args = value(export=value(value="bundle"), prompt=value(value="And God said"), num_tokens=value(value=4),
-                 num_samples=value(value=1), temperature=value(value=0.0), top_k=value(value=0), seed=value(value=0),
+                 num_samples=value(value=1), temperature=value(value=0.0), top_k=value(value=0), top_p=value(value=1.0),
+                 seed=value(value=0),
                  table=value(value="ram"), max_table_bytes=value(value=None))
     generate.run(args)
     tok = served.tokenizer

@@ -184,7 +184,7 @@ def test_batching_does_not_change_scores(lm, served, docs):
 def test_generate_until_is_the_generators_greedy_text_cut_at_the_stop_string(lm, served):
     """Two requests decoded as one batch: one cut before a stop string met halfway, one run to
     max_gen_toks; both the Generator's greedy text for [bos] + context. Catches (injected once) a
-    prompt without bos; sampling options the Generator lacks (top_p) are refused."""
+    prompt without bos; sampling options the Generator lacks (beam search) are refused."""
     tok = served.tokenizer
     context = "And God said, Let there be light"
     prompt = np.asarray([[tok.bos_id, *tok.encode(context)]], np.int32)
@@ -197,8 +197,8 @@ def test_generate_until_is_the_generators_greedy_text_cut_at_the_stop_string(lm,
     requests = [Instance("generate_until", {}, (context, {"until": [stop], "max_gen_toks": 12, "do_sample": False}), 0),
                 Instance("generate_until", {}, (context, {"until": [], "max_gen_toks": 12, "temperature": 0}), 1)]
     assert lm.generate_until(requests) == [cut, full]
-    with pytest.raises(ValueError, match="top_p=0.5.*cannot serve"):
-        lm.generate_until([Instance("generate_until", {}, (context, {"do_sample": True, "top_p": 0.5}), 0)])
+    with pytest.raises(ValueError, match="num_beams=4.*cannot serve"):
+        lm.generate_until([Instance("generate_until", {}, (context, {"do_sample": True, "num_beams": 4}), 0)])
 
 
 def test_bad_task_input_is_one_error_with_its_fix(tmp_path, monkeypatch):

@@ -6,6 +6,8 @@
   # text files (one document per line) or pre-tokenized ArrayRecord (raw int32 per document):
   python tools/extract_fgrams.py --source=text --files='corpus/*.txt' --tokenizer=tok.model --output=gs://b/fgrams
   python tools/extract_fgrams.py --source=arrayrecord --files='tok/*.arrayrecord' --tokenizer=tok.model --output=...
+  # conversations, rendered with the chat template beside the tokenizer (--chat_template to name another):
+  python tools/extract_fgrams.py --source=chat --files='sft/*.jsonl' --tokenizer=/ckpt/tokenizer.json --noadd_bos ...
   # the same vocabulary with Apache Beam (pip install scone_jax[beam]); --beam_options go to the runner:
   python tools/extract_fgrams.py --engine=beam --source=kjv --tokenizer=/tmp/kjv.model --output=/tmp/fgrams_beam
 
@@ -37,6 +39,7 @@ flags.DEFINE_enum("document_unit", "line", ["line", "file"], "Text files: one do
 flags.DEFINE_float("eval_fraction", 0.02, "kjv: fraction of documents held out (not counted).")
 TOKENIZER = tokenizer_flags.define("its fingerprint goes into the vocabulary and each document is "
                                     "counted as [bos] + ids (--add_bos), as the training run reads it.")
+CHAT = tokenizer_flags.define_chat(loss_on=False)
 flags.adopt_module_key_flags(tokenizer_flags)  # listed by --help
 flags.DEFINE_integer("vocab_size", 0, "arrayrecord without --tokenizer: the tokenizer's vocabulary size (the "
                      "documents are then counted without bos).")
@@ -59,9 +62,10 @@ def open_documents():
     """(document source, tokenizer or None, vocab_size, tokenizer fingerprint)."""
     data = ml_collections.ConfigDict({
         "source": FLAGS.source, "train_files": FLAGS.files, "eval_files": "", "text_field": FLAGS.text_field,
-        "document_unit": FLAGS.document_unit, "eval_fraction": FLAGS.eval_fraction})
-    source = sources.open_source(data, "train")
+        "document_unit": FLAGS.document_unit, "eval_fraction": FLAGS.eval_fraction,
+        **CHAT.fields(TOKENIZER.path.value)})
     tok = TOKENIZER.load(required=False)
+    source = sources.open_source(data, "train", tokenizer=tok)  # conversations: rendered with their template
     if tok is None and FLAGS.source != "arrayrecord":
         raise ValueError(f"--source={FLAGS.source} is text: pass --tokenizer=<model> (tools/train_tokenizer.py).")
     if tok is None and FLAGS.vocab_size <= 0:

@@ -4,6 +4,9 @@
   python tools/pretokenize.py --input='web/*.txt' --tokenizer=/models/gpt2/tokenizer.json --output=/data/gpt2
   python tools/pretokenize.py --format=jsonl --text_field=text --input='a/*.jsonl,b/*.jsonl' \
       --tokenizer=gs://bucket/tok.model --output=/data/tok --workers=16
+  # conversations (JSONL of messages) rendered with the chat template beside the tokenizer, with their loss mask:
+  python tools/pretokenize.py --format=chat --input='sft/*.jsonl' --tokenizer=/ckpt/tokenizer.json --loss_on=assistant \
+      --output=/data/sft   # train with data.source=chat, data.train_files='/data/sft/tokens-*.arrayrecord'
   # then train with: --config.data.source=arrayrecord \
   #   --config.data.train_files='/data/tok/tokens-*.arrayrecord' --config.data.tokenizer_path=tok.model
 
@@ -15,7 +18,9 @@ the output is the same for any --workers. Shards are written into a directory of
 (OUTPUT/.run-<pid>-<random>) and published into OUTPUT only once every shard is complete, so a
 rerun replaces the shards and a worker of a killed run, which exits within a second of its
 parent anyway, can never remove or replace a newer run's files; the next run deletes a killed
-run's directory. --tokenizer is a SentencePiece .model or a Hugging
+run's directory. --format=chat stores each conversation's ids and loss mask (scone_jax/data/shards.py) and
+names the chat template and --loss_on in the sidecar; a conversation the template cannot render or whose
+reply cannot be found stops the tool in one line naming its file and line. --tokenizer is a SentencePiece .model or a Hugging
 Face tokenizer.json (the kind is read from the file). The shards record its fingerprint, which
 covers the special ids too: pass the --bos_token/--eos_token/--pad_token the run sets as
 data.*_token (default: the tokenizer's own), or training refuses the shards. Progress
@@ -36,23 +41,25 @@ import time
 import ml_collections
 from absl import flags
 
-from scone_jax.data import shards, sources, tokenize, tokenizer_flags
+from scone_jax.data import chat_sources, shards, sources, tokenize, tokenizer_flags
 from scone_jax.runtime import parent_watch, storage, tool_main
 from scone_jax.runtime.errors import one_line
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", "", "Comma-separated globs of the corpus files.")
-flags.DEFINE_string("format", "text", "text (one document per line or per file) or jsonl.")
+flags.DEFINE_string("format", "text", "text (one document per line or per file), jsonl, or chat (JSONL "
+                    "conversations, rendered with a chat template, with their loss mask).")
 flags.DEFINE_enum("document_unit", "line", ["line", "file"], "--format=text: one document per line or per file.")
 flags.DEFINE_string("text_field", "text", "--format=jsonl: the field holding each document's text.")
 TOKENIZER = tokenizer_flags.define("training must use the same one (and the same --bos/eos/pad_token).")
+CHAT = tokenizer_flags.define_chat(loss_on=True)
 flags.adopt_module_key_flags(tokenizer_flags)  # listed by --help
 flags.DEFINE_string("output", "", "Local directory for the shards (created if missing).")
 flags.DEFINE_integer("num_shards", 0, "Shards to write (0: ~256 MB each, at least one per worker).")
 flags.DEFINE_integer("workers", -1, "Processes (-1: every core this process may use).")
 flags.DEFINE_float("progress_seconds", 5.0, "Seconds between progress lines.")
 
-FORMATS = ("text", "jsonl")
+FORMATS = ("text", "jsonl", "chat")
 SHARD_PREFIX = "tokens"
 # int32 ids take about as many bytes as the text they came from (~4 characters per token).
 TARGET_SHARD_BYTES = 256 << 20
@@ -65,18 +72,27 @@ def shard_name(index: int, count: int) -> str:
     return f"{SHARD_PREFIX}-{index:05d}-of-{count:05d}.arrayrecord"
 
 
-def open_corpus():
-    """(document source, input bytes, JSON description of the input) from the flags."""
+def open_corpus(tok):
+    """(document source, input bytes, JSON description of the input) from the flags; conversations are rendered
+    for `tok`."""
     if FLAGS.format not in FORMATS:
         raise ValueError(f"--format={FLAGS.format!r} is unknown; use one of {', '.join(FORMATS)}.")
     if not FLAGS.input:
         raise ValueError("--input is empty. Fix: pass comma-separated globs of the corpus files.")
     data = ml_collections.ConfigDict(dict(
         source=FLAGS.format, train_files=FLAGS.input, eval_files="", text_field=FLAGS.text_field,
-        document_unit=FLAGS.document_unit, eval_fraction=0.0))
-    source = sources.open_source(data, "train")
+        document_unit=FLAGS.document_unit, eval_fraction=0.0, **CHAT.fields(TOKENIZER.path.value)))
+    source = sources.open_source(data, "train", tokenizer=tok)
     size = sum(os.path.getsize(f) for f in sources.expand_files(FLAGS.input))
-    unit = {"document_unit": FLAGS.document_unit} if FLAGS.format == "text" else {"text_field": FLAGS.text_field}
+    if FLAGS.format == "chat":
+        if not isinstance(source, chat_sources.ChatJsonlSource):
+            raise ValueError("--format=chat reads JSONL conversations, and --input lists .arrayrecord shards. Fix: "
+                             "list the JSONL files.")
+        template = source.encoder.template
+        unit = {"messages_field": FLAGS.messages_field, "loss_on": FLAGS.loss_on,
+                "chat_template": template.origin, "chat_template_fingerprint": template.fingerprint}
+    else:
+        unit = {"document_unit": FLAGS.document_unit} if FLAGS.format == "text" else {"text_field": FLAGS.text_field}
     return source, size, {"input": FLAGS.input, "format": FLAGS.format, **unit}
 
 
@@ -169,18 +185,21 @@ def _write_shard(task) -> tuple[int, int]:
     path, start, stop, meta = task
     source, tok, counters = _state
 
+    chat = isinstance(source, chat_sources.ChatJsonlSource)
+    items = (source.example(i) for i in range(start, stop)) if chat else tokenize.iter_encoded(source, tok, start, stop)
+
     def documents():
         docs = tokens = 0
-        for ids in tokenize.iter_encoded(source, tok, start, stop):
-            yield ids
-            docs, tokens = docs + 1, tokens + len(ids)
+        for item in items:
+            yield item
+            docs, tokens = docs + 1, tokens + len(item[0] if chat else item)
             if docs == _REPORT_DOCS:
                 counters.add(docs, tokens)
                 docs = tokens = 0
         counters.add(docs, tokens)
 
     try:
-        return shards.write_shard(path, documents(), meta)
+        return shards.write_shard(path, documents(), meta, shards.CHAT_FORMAT if chat else shards.FORMAT)
     except (OSError, RuntimeError) as e:  # a full disk (ENOSPC, EFBIG) reaches us from array_record as either
         raise OSError(f"Writing shard {os.path.basename(path)} into {os.path.dirname(os.path.dirname(path))} failed: "
                       f"{one_line(e)}. Fix: free space there (or choose another --output) and rerun.") from None
@@ -188,8 +207,8 @@ def _write_shard(task) -> tuple[int, int]:
 
 def run() -> None:
     start = time.time()
-    source, input_bytes, description = open_corpus()
     tok = TOKENIZER.load()
+    source, input_bytes, description = open_corpus(tok)
     workers = tokenize.resolve_workers(FLAGS.workers, "--workers")
     if FLAGS.progress_seconds <= 0:
         raise ValueError(f"--progress_seconds={FLAGS.progress_seconds} must be positive.")
@@ -197,6 +216,8 @@ def run() -> None:
     num_shards = plan_shards(num_docs, input_bytes, workers)
     run_dir = prepare_output(FLAGS.output, num_shards)
     meta = {"tokenizer_fingerprint": tok.fingerprint, "tokenizer_vocab_size": tok.vocab_size, "source": description}
+    if FLAGS.format == "chat":  # what a run checks: the mask it trains on
+        meta["loss_on"] = FLAGS.loss_on
     bounds = [num_docs * i // num_shards for i in range(num_shards + 1)]
     tasks = [(os.path.join(run_dir, shard_name(i, num_shards)), bounds[i], bounds[i + 1],
               {**meta, "first_document": bounds[i]}) for i in range(num_shards)]

@@ -113,9 +113,11 @@ def average(results: dict[str, dict], keys=("loss", "perplexity", "bits_per_byte
 
 def held_out_bytes(data_cfg, tokenizer) -> int:
     """UTF-8 bytes of every held-out document of `data_cfg` (pre-tokenized ones are decoded first): the
-    denominator of bits per byte."""
+    denominator of bits per byte. 0 (no bits per byte) for conversations: their loss counts some tokens only."""
     from scone_jax.data import sources
 
+    if data_cfg.source == "chat":
+        return 0
     source = sources.open_source(data_cfg, "eval")
     total = 0
     for i in range(len(source)):

@@ -7,7 +7,8 @@ A batch is a dict of numpy arrays of shape [local_batch, seq_len]:
   loss_mask        float32  1 where the target is a real token of the same document
 packing.py defines the layout: documents become [bos] + ids + [eos] (no bos with data.add_bos=False:
 data/prompt.py), rows are cut from their
-concatenation, and batch b is a pure function of b. Training batches are built by grain:
+concatenation, and batch b is a pure function of b; conversations (data.source='chat') fill rows whole
+instead (conversation_rows.py), with the same guarantee. Training batches are built by grain:
 a MapDataset over batch numbers, mapped by `_BuildBatch` (which also runs the batch
 transform, e.g. f-gram matching), in `data.worker_count` processes. Batch b is the same
 whichever worker builds it, so the batches do not depend on the worker count, and a run
@@ -25,7 +26,7 @@ import numpy as np
 from absl import logging
 
 from scone_jax.batch import Batch
-from scone_jax.data import documents, mixture, packing, prompt
+from scone_jax.data import conversation_docs, conversation_rows, documents, mixture, packing, prompt
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.runtime import parent_watch
 
@@ -63,19 +64,25 @@ def worker_count(data_cfg) -> int:
     return count
 
 
-class _BuildBatch:
-    """Batch number -> host batch (packing, then the batch transform). Runs in grain workers."""
+class _TextRows:
+    """A process's endless stream of rows cut from its documents (data/packing.py): rows(first, count) -> Batch."""
 
-    def __init__(self, docs, stream: packing.Stream, rows: int, seq_len: int, tokens: tuple,
-                 transform: Callable[[Batch], Batch] | None):
-        self._docs, self._stream, self._rows, self._seq_len = docs, stream, rows, seq_len
-        self._bos, self._eos, self._pad = tokens
-        self._transform = transform
+    def __init__(self, docs, stream: packing.Stream, seq_len: int, tokens: tuple):
+        self._docs, self._stream, self._seq_len, self._tokens = docs, stream, seq_len, tokens
+
+    def rows(self, first: int, count: int) -> Batch:
+        return window(self._docs, self._stream, first * self._seq_len, count * self._seq_len, count, self._seq_len,
+                      *self._tokens)
+
+
+class _BuildBatch:
+    """Batch number -> host batch (rows of the stream, then the batch transform). Runs in grain workers."""
+
+    def __init__(self, stream, rows: int, transform: Callable[[Batch], Batch] | None):
+        self._stream, self._rows, self._transform = stream, rows, transform
 
     def __call__(self, index: int) -> Batch:
-        size = self._rows * self._seq_len
-        batch = window(self._docs, self._stream, int(index) * size, size, self._rows, self._seq_len,
-                       self._bos, self._eos, self._pad)
+        batch = self._stream.rows(int(index) * self._rows, self._rows)
         return self._transform(batch) if self._transform is not None else batch
 
 
@@ -101,22 +108,20 @@ class _BuildMixtureBatch:
     """Batch number -> host batch of a training mixture (data/mixture.py): each row from its component's
     stream, at that component's next rows; `row_source` says which. Runs in grain workers."""
 
-    def __init__(self, parts: list, schedule: mixture.Schedule, rows: int, seq_len: int, tokens: tuple,
+    def __init__(self, parts: list, schedule: mixture.Schedule, rows: int, seq_len: int,
                  transform: Callable[[Batch], Batch] | None):
         self._parts, self._schedule, self._rows, self._seq_len = parts, schedule, rows, seq_len
-        self._bos, self._eos, self._pad = tokens
         self._transform = transform
 
     def __call__(self, index: int) -> Batch:
         owner, rank = self._schedule.rows(int(index) * self._rows, self._rows)
         fields = {}
-        for c, (docs, stream) in enumerate(self._parts):
+        for c, stream in enumerate(self._parts):
             mine = np.flatnonzero(owner == c)
             if not len(mine):
                 continue
             # The component's rows in this batch have consecutive ranks: one window of its stream.
-            part = window(docs, stream, int(rank[mine[0]]) * self._seq_len, len(mine) * self._seq_len, len(mine),
-                          self._seq_len, self._bos, self._eos, self._pad)
+            part = stream.rows(int(rank[mine[0]]), len(mine))
             for key, array in part.arrays().items():
                 if key not in fields:
                     fields[key] = np.empty((self._rows, self._seq_len), array.dtype)
@@ -127,23 +132,26 @@ class _BuildMixtureBatch:
 
 def batch_builder(data_cfg, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1,
                   batch_transform: Callable[[Batch], Batch] | None = None):
-    """batch number -> this process's training batch: its documents loaded (text tokenized
-    here, once, with all cores) and the packing stream set up; with a mixture, per component."""
+    """batch number -> this process's training batch: its documents loaded (text tokenized, conversations
+    rendered, here, once, with all cores) and their stream of rows set up; with a mixture, per component."""
     batch_size = _local_batch_size(data_cfg, process_index, process_count)
     tokens = special_ids(data_cfg, tokenizer)
 
     def load(cfg, seed):
-        docs = documents.load(cfg, "train", tokenizer,
-                              lambda n: documents.process_share(n, cfg.shuffle_seed, process_index, process_count))
-        return docs, packing.Stream(packing.example_lengths(docs.lengths, tokens[0]), seed=seed)
+        share = lambda n: documents.process_share(n, cfg.shuffle_seed, process_index, process_count)  # noqa: E731
+        if cfg.source == "chat":  # rows of whole conversations (data/conversation_rows.py)
+            return conversation_rows.TrainRows(conversation_docs.load(cfg, "train", tokenizer, share), cfg.seq_len,
+                                               tokens, seed)
+        docs = documents.load(cfg, "train", tokenizer, share)
+        return _TextRows(docs, packing.Stream(packing.example_lengths(docs.lengths, tokens[0]), seed=seed),
+                         cfg.seq_len, tokens)
 
     components = mixture.components(data_cfg)
     if components is None:
-        docs, stream = load(data_cfg, data_cfg.shuffle_seed)
-        return _BuildBatch(docs, stream, batch_size, data_cfg.seq_len, tokens, batch_transform)
+        return _BuildBatch(load(data_cfg, data_cfg.shuffle_seed), batch_size, batch_transform)
     parts = [load(mixture.component_config(data_cfg, c), (data_cfg.shuffle_seed, i)) for i, c in enumerate(components)]
     schedule = mixture.Schedule([c.weight for c in components], data_cfg.shuffle_seed)
-    return _BuildMixtureBatch(parts, schedule, batch_size, data_cfg.seq_len, tokens, batch_transform)
+    return _BuildMixtureBatch(parts, schedule, batch_size, data_cfg.seq_len, batch_transform)
 
 
 def make_train_dataset(
@@ -330,6 +338,11 @@ class _Slice:
 
 def make_eval_batches(
     data_cfg, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1
-) -> EvalBatches:
-    """Held-out batches for one JAX process; see EvalBatches (no shuffle, finite, same count everywhere)."""
+) -> EvalBatches | conversation_rows.EvalBatches:
+    """Held-out batches for one JAX process; see EvalBatches (no shuffle, finite, same count everywhere);
+    conversations whole, the loss on their masked tokens (data/conversation_rows.py)."""
+    if data_cfg.source == "chat":
+        return conversation_rows.EvalBatches(
+            conversation_docs.held_out(data_cfg, tokenizer), _local_batch_size(data_cfg, process_index, process_count),
+            data_cfg.seq_len, special_ids(data_cfg, tokenizer), process_index, process_count)
     return EvalBatches(data_cfg, tokenizer, process_index=process_index, process_count=process_count)

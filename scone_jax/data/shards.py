@@ -7,6 +7,10 @@ document each. tools/pretokenize.py writes two sidecars beside every shard:
   <shard>.json         {"format": FORMAT, "tokenizer_fingerprint", "tokenizer_vocab_size",
                         "num_documents", "num_tokens", "first_document", "source"}
                        so a run can refuse data made by another tokenizer
+Shards of conversations (tools/pretokenize.py --format=chat, data.source='chat') have the format CHAT_FORMAT:
+each record is a conversation's n int32 ids followed by its n + 1 mask bytes (data/conversations.py), the
+lengths sidecar holds n, and the JSON sidecar also names the chat template and data.loss_on they were made
+with. Each kind of source refuses the other's shards.
 Sidecars are never documents: expand_files (sources.py) drops `<f>.lengths.npy` and `<f>.json`
 whenever `<f>` is in the same file list.
 """
@@ -21,6 +25,8 @@ import numpy as np
 from array_record.python import array_record_module
 
 FORMAT = "scone_jax.tokens.v1"
+CHAT_FORMAT = "scone_jax.chat_tokens.v1"
+_SOURCE_OF = {FORMAT: "arrayrecord", CHAT_FORMAT: "chat"}
 LENGTHS_SUFFIX = ".lengths.npy"
 META_SUFFIX = ".json"
 WRITER_OPTIONS = "group_size:1"  # one record per group: cheap random access by record
@@ -67,8 +73,9 @@ def read_lengths(shard: str, num_records: int) -> np.ndarray | None:
     return lengths.astype(np.int64)
 
 
-def read_sidecar(shard: str, num_records: int) -> dict | None:
-    """The shard's JSON sidecar, checked against its record count; None when it has none."""
+def read_sidecar(shard: str, num_records: int, expected: str = FORMAT) -> dict | None:
+    """The shard's JSON sidecar, checked against its record count and the `expected` format; None when it has
+    none."""
     path = meta_path(shard)
     if not os.path.isfile(path):
         return None
@@ -77,9 +84,13 @@ def read_sidecar(shard: str, num_records: int) -> dict | None:
             meta = json.load(f)
     except (ValueError, OSError) as e:
         raise ValueError(f"{path}: unreadable sidecar ({e}). Fix: re-run tools/pretokenize.py.") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{path}: format {found!r} is not {FORMAT!r}. Fix: re-run tools/pretokenize.py.")
+    found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+    if found in _SOURCE_OF and found != expected:
+        raise ValueError(f"{path}: {shard} holds {'conversations' if found == CHAT_FORMAT else 'documents'} "
+                         f"({found}), read by data.source={_SOURCE_OF[found]!r}. Fix: set data.source="
+                         f"{_SOURCE_OF[found]!r}, or pre-tokenize the data for data.source={_SOURCE_OF[expected]!r}.")
+    if found != expected:
+        raise ValueError(f"{path}: format {found!r} is not {expected!r}. Fix: re-run tools/pretokenize.py.")
     if meta.get("num_documents") != num_records:
         raise ValueError(
             f"{path} says {meta.get('num_documents')} documents but {shard} holds {num_records} records. "
@@ -101,8 +112,9 @@ def publish_shard(shard: str, directory: str) -> str:
     return final
 
 
-def write_shard(shard: str, docs: Iterable[np.ndarray], meta: dict) -> tuple[int, int]:
-    """Writes the token-id documents as `shard` plus both sidecars; returns (documents, tokens).
+def write_shard(shard: str, docs: Iterable, meta: dict, record_format: str = FORMAT) -> tuple[int, int]:
+    """Writes the token-id documents as `shard` plus both sidecars; returns (documents, tokens). A document is
+    an id array, or with CHAT_FORMAT a conversation's (ids, mask).
 
     `meta` gives the JSON fields other than format/num_documents/num_tokens. Everything is
     written under hidden temporary names first; then the old shard and sidecars are removed
@@ -118,14 +130,16 @@ def write_shard(shard: str, docs: Iterable[np.ndarray], meta: dict) -> tuple[int
         lengths = array.array("i")  # 4 bytes per document, not a Python int each
         try:
             for doc in docs:
-                writer.write(np.asarray(doc, dtype="<i4").tobytes())
-                lengths.append(len(doc))
+                ids, mask = doc if record_format == CHAT_FORMAT else (doc, None)
+                record = np.asarray(ids, dtype="<i4").tobytes()
+                writer.write(record if mask is None else record + np.asarray(mask, np.uint8).tobytes())
+                lengths.append(len(ids))
         finally:
             writer.close()
         lengths = np.frombuffer(lengths, np.int32) if lengths else np.zeros(0, np.int32)
         with open(temp[lengths_path(shard)], "wb") as f:
             np.save(f, lengths, allow_pickle=False)
-        full = {"format": FORMAT, **meta, "num_documents": len(lengths), "num_tokens": int(lengths.sum(dtype=np.int64))}
+        full = {"format": record_format, **meta, "num_documents": len(lengths), "num_tokens": int(lengths.sum(dtype=np.int64))}
         with open(temp[meta_path(shard)], "w", encoding="utf-8") as f:
             json.dump(full, f, indent=1, sort_keys=True)
         for final in temp:

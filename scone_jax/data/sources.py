@@ -17,7 +17,7 @@ from array_record.python import array_record_module
 
 from scone_jax.data import compressed, corpus, shards
 
-SOURCES = ("kjv", "text", "jsonl", "arrayrecord")
+SOURCES = ("kjv", "text", "jsonl", "arrayrecord", "chat")
 _SCAN_BYTES = 1 << 24
 _WHITESPACE = np.frombuffer(b" \t\r\n\v\f", np.uint8)
 
@@ -244,6 +244,10 @@ class TokenArrayRecordSource:
 
         Record by record (seek, read) in this thread: the readers' batched read hands the work to
         array_record's thread pool, whose threads then spin for as long again as the read took."""
+        return np.frombuffer(b"".join(self.read_records(indices)), dtype="<i4").astype(np.int32, copy=False)
+
+    def read_records(self, indices) -> list[bytes]:
+        """The raw records of documents `indices`, in that order."""
         indices = np.asarray(indices, np.int64).reshape(-1)
         if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
             bad = int(indices[(indices < 0) | (indices >= len(self))][0])
@@ -256,7 +260,7 @@ class TokenArrayRecordSource:
                 reader = self._reader(s)
                 reader.seek(position)
                 records.append(reader.read())
-        return np.frombuffer(b"".join(records), dtype="<i4").astype(np.int32, copy=False)
+        return records
 
     def _reader(self, shard: int):
         if self._readers is None:
@@ -347,10 +351,11 @@ class KjvSource:
         return corpus.kjv_documents(self._split, self._fraction)[index]
 
 
-def open_source(data_cfg, split: str, tokenizer_fingerprint: str | None = None):
+def open_source(data_cfg, split: str, tokenizer_fingerprint: str | None = None, tokenizer=None):
     """The document source that data_cfg names for `split` ('train' or 'eval').
 
-    With `tokenizer_fingerprint`, pre-tokenized shards made by another tokenizer are refused.
+    With `tokenizer_fingerprint`, pre-tokenized shards made by another tokenizer are refused. Conversations
+    (data.source='chat', data/chat_sources.py) need `tokenizer`: their items are its ids.
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r} is not valid; use 'train' or 'eval'.")
@@ -363,7 +368,7 @@ def open_source(data_cfg, split: str, tokenizer_fingerprint: str | None = None):
             key = "train_files" if split == "train" else "eval_files"
             raise ValueError(
                 f"data.{key}={patterns!r} is set but data.source='kjv' reads the embedded corpus. "
-                f"Fix: clear data.{key}, or set data.source to one of text/jsonl/arrayrecord."
+                f"Fix: clear data.{key}, or set data.source to one of text/jsonl/arrayrecord/chat."
             )
         source, where = KjvSource(split, data_cfg.eval_fraction), f"kjv {split} split"
     else:
@@ -378,6 +383,10 @@ def open_source(data_cfg, split: str, tokenizer_fingerprint: str | None = None):
             source = TextLineSource(files) if data_cfg.document_unit == "line" else TextFileSource(files)
         elif kind == "jsonl":
             source = JsonlSource(files, data_cfg.text_field)
+        elif kind == "chat":
+            from scone_jax.data import chat_sources  # it builds on this module
+
+            source = chat_sources.open_chat(data_cfg, files, tokenizer)
         else:
             source = TokenArrayRecordSource(files)
     if len(source) == 0:

@@ -57,6 +57,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 
@@ -90,6 +91,19 @@ class _SentencePiece:
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Special pieces' spellings (control pieces such as <s> and </s>, which SentencePiece never makes from
+        text) become their ids; the text between them is encoded piece by piece, each with SentencePiece's own
+        leading-space marker, as any text it encodes."""
+        specials = sorted(self.special_tokens(), key=len, reverse=True)
+        ids = []
+        for i, part in enumerate(re.split("(" + "|".join(map(re.escape, specials)) + ")", text)):
+            if i % 2:
+                ids.append(self._sp.piece_to_id(part))
+            elif part:
+                ids.extend(self._sp.encode(part))
+        return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(texts, num_threads=1 if in_worker_process() else -1)
@@ -146,9 +160,18 @@ class _HuggingFace:
         if not self.vocab_size:
             raise ValueError(f"{name} is a tokenizer.json with an empty vocabulary. {_FILE_FIX}")
         self._batch = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no character offsets: faster
+        self._rendered = None  # a second instance that reads special tokens' spellings, made on first use
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_rendered(self, text: str) -> list[int]:
+        if self._rendered is None:
+            import tokenizers
+
+            self._rendered = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            self._rendered.encode_special_tokens = False
+        return self._rendered.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if in_worker_process():  # asked here, not at unpickling: a spawned worker learns it is one only later
@@ -344,6 +367,10 @@ class Tokenizer:
         """The spelling of token `i` (a special token's too)."""
         return self._backend.id_to_token(i)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry spelled `token` (a special token's too), None if there is none."""
+        return self._backend.token_to_id(token)
+
     @property
     def kind(self) -> str:
         """'sentencepiece' or 'huggingface' (a tokenizer.json)."""
@@ -366,6 +393,17 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         """int32 ids of `text`, no special tokens added."""
         return np.asarray(self._backend.encode(text), dtype=np.int32)
+
+    def encode_rendered(self, text: str) -> np.ndarray:
+        """int32 ids of a chat template's output (data/chat_template.py): a special token's spelling is that token,
+        as Hugging Face's apply_chat_template reads its rendering (encode() reads it as text)."""
+        return np.asarray(self._backend.encode_rendered(text), dtype=np.int32)
+
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (a tokenizer.json's special added tokens, a SentencePiece model's control
+        pieces) and of bos, eos and pad: the ids that can end an assistant's turn (data/conversations.py)."""
+        ids = {self._backend.token_to_id(t) for t in self._backend.special_tokens()} | set(self._ids.values())
+        return frozenset(i for i in ids if i is not None)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """encode() of each text, with the library's own batch (parallel in the main process)."""

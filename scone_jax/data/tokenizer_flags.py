@@ -32,3 +32,20 @@ def define(what: str) -> types.SimpleNamespace:
             raise FileNotFoundError(f"--tokenizer={path.value!r} does not exist. Fix: point it at {_FIX}.") from None
 
     return types.SimpleNamespace(load=load, path=path)
+
+
+def define_chat(loss_on: bool) -> types.SimpleNamespace:
+    """--messages_field and --chat_template (and --loss_on if `loss_on`), as data.* of the same names, for
+    --format/--source=chat; fields(tokenizer_path) gives the data config entries they set."""
+    field = flags.DEFINE_string("messages_field", "messages", "chat: the JSONL field holding each conversation's "
+                                "messages (data.messages_field).")
+    template = flags.DEFINE_string("chat_template", "", "chat: a .jinja file, a tokenizer_config.json or a checkpoint "
+                                   "directory ('' = beside --tokenizer), as data.chat_template.")
+    mask = flags.DEFINE_enum("loss_on", "assistant", ["assistant", "all"], "chat: the tokens the stored loss mask "
+                             "trains on, as data.loss_on (the run must set the same).") if loss_on else None
+
+    def fields(tokenizer_path: str) -> dict:
+        return {"messages_field": field.value, "chat_template": template.value, "tokenizer_path": tokenizer_path,
+                "loss_on": mask.value if mask is not None else "all"}
+
+    return types.SimpleNamespace(fields=fields)

@@ -30,32 +30,60 @@ from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import inference
 
 
-def sample(logits, key, temperature: float, top_k: int):
-    """Greedy at temperature 0, else a draw from the top_k (0 = all) tokens at `temperature`."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def filtered_logits(logits, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """`logits` [..., V] / temperature, every token outside the top_k (0 = all) and then outside the nucleus of
+    top_p set to -inf: the smallest set of the most likely tokens whose probabilities (after top_k) sum to at
+    least top_p (the most likely token always stays; ties with the last kept token stay too), as Hugging Face's
+    temperature, top-k and top-p warpers apply them in that order."""
     logits = logits / temperature
     if top_k:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits).astype(jnp.int32)
+    if top_p < 1.0:
+        ranked = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens ranked above each one
+        smallest = jnp.min(jnp.where(before < top_p, ranked, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < smallest, -jnp.inf, logits)
+    return logits
+
+
+def sample(logits, key, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """Greedy at temperature 0, else a draw from filtered_logits."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p)).astype(jnp.int32)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """The sampling settings' ranges, one line naming the flag and the fix."""
+    if temperature < 0:
+        raise ValueError(f"--temperature={temperature} is negative. Fix: 0 (greedy) or a positive value.")
+    if top_k < 0:
+        raise ValueError(f"--top_k={top_k} is negative. Fix: 0 (all tokens) or a positive count.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top_p={top_p} is not in (0, 1]. Fix: 1 (no nucleus) or e.g. 0.95.")
 
 
 class Generator:
-    """Compiled prefill and one-token step for a batch of equal-length prompts."""
+    """Compiled prefill and one-token step for a batch of equal-length prompts. Each row draws with a key of its own
+    (row_keys), so what a row samples does not depend on the rows beside it."""
 
-    def __init__(self, served: inference.Served, *, temperature: float = 0.0, top_k: int = 0, use_table: bool = True):
+    def __init__(self, served: inference.Served, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 use_table: bool = True):
+        check_sampling(temperature, top_k, top_p)
         self.served, self.use_table = served, use_table
         self.max_len = served.matcher.max_len
         graphdef = served.graphdef
 
-        def run(params, cache, tokens, rows, matched, key):
+        def run(params, cache, tokens, rows, matched, keys):
             decoder = nnx.merge(graphdef, params)
             positions = cache.index + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
             batch = Batch(inputs=tokens, positions=positions, fgram_rows=rows, fgram_matched=matched)
             h, cache = scone.hidden_states(decoder, batch, cache)
             last = decoder.logits(h[:, -1])
-            return sample(last, key, temperature, top_k), last, cache
+            chosen = jax.vmap(lambda logits, key: sample(logits, key, temperature, top_k, top_p))(last, keys)
+            return chosen, last, cache
 
         self._run = sharding.under_mesh(served.mesh, jax.jit(run, donate_argnums=1))
 
@@ -70,23 +98,30 @@ class Generator:
     def empty_cache(self, batch: int, length: int) -> transformer.KVCache:
         return transformer.init_cache(self.served.config.model, batch, length)
 
-    def generate(self, prompts: np.ndarray, num_tokens: int, seed: int = 0, forced: np.ndarray | None = None) -> dict:
+    def generate(self, prompts: np.ndarray, num_tokens: int, seed: int = 0, forced: np.ndarray | None = None,
+                 row_keys=None, stop_ids=None) -> dict:
         """Extend token prompts [B, P] by num_tokens. Returns tokens [B, P+n], the logits that chose each
         new token [B, n, V], and the per-token latency of the one-token steps (seconds).
-        `forced` [B, n] replaces the samples (teacher forcing: scores a given continuation)."""
+        `forced` [B, n] replaces the samples (teacher forcing: scores a given continuation). Row r draws new token i
+        with fold_in(row_keys[r], i) (row_keys: B JAX keys; default split from `seed`). With `stop_ids`, decoding
+        ends early once every row has produced one of them (n is then the steps taken; a row's tokens after its
+        stop are whatever it drew)."""
         prompts = np.asarray(prompts, np.int32)
         b, p = prompts.shape
         length = p + num_tokens
         if self.served.config.model.position == "learned" and length > self.served.config.model.max_seq_len:
             raise ValueError(f"Prompt ({p}) + {num_tokens} new tokens exceed model.max_seq_len="
                              f"{self.served.config.model.max_seq_len}, the longest sequence the model knows.")
-        keys = jax.random.split(jax.random.key(seed), num_tokens)
+        row_keys = jax.random.split(jax.random.key(seed), b) if row_keys is None else row_keys
+        step_keys = jax.jit(jax.vmap(jax.random.fold_in, (0, None)))
+        stops = None if stop_ids is None else np.asarray(sorted(stop_ids), np.int32)
+        done = np.zeros(b, bool)
         tokens = np.zeros((b, length), np.int32)
         tokens[:, :p] = prompts
         cache = self.empty_cache(b, length)
-        new, last, cache = self._call(cache, prompts, keys[0])
+        new, last, cache = self._call(cache, prompts, step_keys(row_keys, 0))
         logits = [last]
-        start_time = None
+        start_time, steps = None, 0
         matcher, ids = self.served.matcher, None
         if self.use_table:  # the trie state after the prompt; each match_next hands on the next one
             prefix = matcher.prefix_codes(prompts[:, max(0, p - self.max_len + 1):])
@@ -95,14 +130,21 @@ class Generator:
                 start_time = time.perf_counter()  # step 1 compiled the one-token step
             end = p + i - 1  # position of the token the device is choosing now
             tokens[:, end] = np.asarray(new) if forced is None else forced[:, i - 1]  # waits for the device
+            if stops is not None:
+                done |= np.isin(tokens[:, end], stops)
+                if done.all():
+                    length = end + 1
+                    break
             if self.use_table:
                 ids, prefix = matcher.match_next(prefix, tokens[:, end])
                 ids = ids[:, None]
-            new, last, cache = self._call(cache, tokens[:, end:end + 1], keys[i], ids)
+            new, last, cache = self._call(cache, tokens[:, end:end + 1], step_keys(row_keys, i), ids)
             logits.append(last)
-        tokens[:, length - 1] = np.asarray(new) if forced is None else forced[:, -1]
-        latency = (time.perf_counter() - start_time) / (num_tokens - 2) if num_tokens > 2 else None
-        return {"tokens": tokens, "logits": np.stack(jax.device_get(logits), 1), "seconds_per_token": latency}
+            steps += i >= 2
+        else:
+            tokens[:, length - 1] = np.asarray(new) if forced is None else forced[:, -1]
+        latency = (time.perf_counter() - start_time) / steps if steps else None
+        return {"tokens": tokens[:, :length], "logits": np.stack(jax.device_get(logits), 1), "seconds_per_token": latency}
 
 
 def _define_flags():
@@ -113,11 +155,13 @@ def _define_flags():
     num_samples = flags.DEFINE_integer("num_samples", 1, "Samples drawn together as one batch.")
     temperature = flags.DEFINE_float("temperature", 0.8, "0 = greedy.")
     top_k = flags.DEFINE_integer("top_k", 40, "Sample among the k most likely tokens (0 = all).")
+    top_p = flags.DEFINE_float("top_p", 1.0, "Then among the fewest most likely tokens whose probability sums to at "
+                               "least top_p (1 = all).")
     seed = flags.DEFINE_integer("seed", 0, "Sampling seed.")
     table, max_table_bytes = inference.define_table_flags()
     return types.SimpleNamespace(
         export=export, prompt=prompt, num_tokens=num_tokens, num_samples=num_samples, temperature=temperature,
-        top_k=top_k, seed=seed, table=table, max_table_bytes=max_table_bytes)
+        top_k=top_k, top_p=top_p, seed=seed, table=table, max_table_bytes=max_table_bytes)
 
 
 def run(args):
@@ -127,7 +171,7 @@ def run(args):
     served = inference.load(path, table=args.table.value, max_table_bytes=args.max_table_bytes.value)
     tok = served.tokenizer
     prompt = prompt_ids(tok, args.prompt.value, served.config.data.add_bos)  # [bos] + ids unless the run had none
-    generator = Generator(served, temperature=args.temperature.value, top_k=args.top_k.value)
+    generator = Generator(served, temperature=args.temperature.value, top_k=args.top_k.value, top_p=args.top_p.value)
     out = generator.generate(np.tile(prompt, (args.num_samples.value, 1)), args.num_tokens.value, seed=args.seed.value)
     for row in out["tokens"]:
         new = list(row[len(prompt):])

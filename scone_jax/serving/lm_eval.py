@@ -270,9 +270,9 @@ class SconeHarnessLM(TemplateLM):
         return results
 
     # --- generation ---------------------------------------------------------------------------------
-    def _generation_settings(self, gen_kwargs: dict) -> tuple[list[str], int, float, int]:
-        """(until, max_gen_toks, temperature, top_k) from a request's kwargs; ValueError for what the
-        Generator cannot do (it samples with temperature and top_k only)."""
+    def _generation_settings(self, gen_kwargs: dict) -> tuple[list[str], int, float, int, float]:
+        """(until, max_gen_toks, temperature, top_k, top_p) from a request's kwargs; ValueError for what the
+        Generator cannot do (it samples with temperature, top_k and top_p only)."""
         from lm_eval.models.utils import normalize_gen_kwargs
 
         kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs or {}), DEFAULT_MAX_GEN_TOKS))
@@ -281,19 +281,20 @@ class SconeHarnessLM(TemplateLM):
         do_sample = bool(kwargs.pop("do_sample", False))
         temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
         top_k = int(kwargs.pop("top_k", 0) or 0)
-        neutral = {"top_p": 1.0, "num_beams": 1, "num_return_sequences": 1}
+        top_p = float(kwargs.pop("top_p", 1.0) or 1.0)
+        neutral = {"num_beams": 1, "num_return_sequences": 1}
         unsupported = sorted(k for k, v in kwargs.items() if neutral.get(k, object()) != v and v is not None)
         if unsupported:
             raise ValueError(f"generate_until asks for {', '.join(f'{k}={kwargs[k]!r}' for k in unsupported)}, "
                              "which the SCONE Generator cannot serve (it decodes greedily or samples with "
-                             "temperature and top_k). Fix: drop those generation_kwargs from the task or "
+                             "temperature, top_k and top_p). Fix: drop those generation_kwargs from the task or "
                              "choose a task without them.")
-        return until, max_gen_toks, (temperature if do_sample else 0.0), top_k
+        return until, max_gen_toks, (temperature if do_sample else 0.0), top_k, top_p
 
-    def generator(self, temperature: float, top_k: int) -> generate.Generator:
-        key = (temperature, top_k)
+    def generator(self, temperature: float, top_k: int, top_p: float = 1.0) -> generate.Generator:
+        key = (temperature, top_k, top_p)
         if key not in self._generators:
-            self._generators[key] = generate.Generator(self.served, temperature=temperature, top_k=top_k)
+            self._generators[key] = generate.Generator(self.served, temperature=temperature, top_k=top_k, top_p=top_p)
         return self._generators[key]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -307,12 +308,12 @@ class SconeHarnessLM(TemplateLM):
                                  f"{[type(a).__name__ for a in request.args]}; the SCONE adapter serves text "
                                  "contexts only (no images or chat messages). Fix: choose a text-only task.")
             context, gen_kwargs = request.args
-            until, max_gen_toks, temperature, top_k = self._generation_settings(gen_kwargs)
+            until, max_gen_toks, temperature, top_k, top_p = self._generation_settings(gen_kwargs)
             new = min(max_gen_toks, self.max_length - 1)
             prompt = self.tok_encode(context)[-(self.max_length - new):]
-            jobs.setdefault((temperature, top_k, len(prompt), new), []).append((r, prompt, until))
+            jobs.setdefault((temperature, top_k, top_p, len(prompt), new), []).append((r, prompt, until))
         results: list[str | None] = [None] * len(requests)
-        for (temperature, top_k, _, new), group in jobs.items():
+        for (temperature, top_k, top_p, _, new), group in jobs.items():
             for start in range(0, len(group), self.batch_size):
                 part = group[start:start + self.batch_size]
                 if new <= 0:
@@ -321,7 +322,7 @@ class SconeHarnessLM(TemplateLM):
                     rows = max(len(part), min(1 << (len(part) - 1).bit_length(), self.batch_size))  # few shapes
                     prompts = np.asarray([p for _, p, _ in part] + [part[-1][1]] * (rows - len(part)), np.int32)
                     self._calls += 1
-                    out = self.generator(temperature, top_k).generate(prompts, new, seed=self.seed + self._calls)
+                    out = self.generator(temperature, top_k, top_p).generate(prompts, new, seed=self.seed + self._calls)
                     texts = [self._finish(row[prompts.shape[1]:], until)
                              for row, (_, _, until) in zip(out["tokens"], part)]
                 for (r, _, _), text in zip(part, texts):

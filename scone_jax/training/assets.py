@@ -3,7 +3,8 @@ vocabulary size from it, and the f-gram vocabulary (load `scone.vocab_path`, or 
 once) with the batch transform that uses it.
 
 Extraction counts the same token stream the model sees: each training document as
-[bos] + ids (the packed `inputs`; ids alone with data.add_bos=False), up to `scone.extract_max_tokens` tokens.
+[bos] + ids (the packed `inputs`; ids alone with data.add_bos=False), up to `scone.extract_max_tokens` tokens;
+a conversation (data.source='chat') as its chat template renders it, every token (data/chat_sources.py).
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def ensure_tokenizer(data_cfg, workdir: str,
                 "workdir."
             ) from None
     path = workdir_layout.path(workdir, workdir_layout.TOKENIZER)
+    if data_cfg.source == "chat" and tokenizer_lib.read_model(path) is None:
+        raise ValueError("data.source='chat' reads conversations with a checkpoint's tokenizer and chat template; "
+                         "none is trained on them. Fix: set data.tokenizer_path (and data.chat_template if the "
+                         "tokenizer's directory has none).")
     if tokenizer_lib.read_model(path) is None:
         docs = [doc for cfg, weight in _components(data_cfg)
                 for doc in tokenizer_training.sample_documents(sources.open_source(cfg, "train"), int(max_chars * weight))]
@@ -100,7 +105,7 @@ def ensure_vocab(scone_cfg, data_cfg, tokenizer, workdir: str, is_chief: bool = 
         start = time.time()
         # A mixture is counted with its weights (docs/method.md §1: the f-grams of the training data).
         docs = itertools.chain.from_iterable(
-            tokenize.model_documents(sources.open_source(cfg, "train"), tokenizer,
+            tokenize.model_documents(sources.open_source(cfg, "train", tokenizer=tokenizer), tokenizer,
                                      bos_id=prompt.document_bos(tokenizer, data_cfg.add_bos),
                                      max_tokens=max(1, round(scone_cfg.extract_max_tokens * weight)))
             for cfg, weight in _components(data_cfg))

@@ -8,7 +8,8 @@ and sends that one row with the token, so the device never holds the f-gram tabl
 incremental: the host keeps the trie slots of the f-grams ending at the newest token
 (Matcher.match_next), so a new token costs one lookup of its K-1 candidate f-grams and one row
 gather: a few microseconds from RAM, one disk read (about 0.1 ms) with --table=disk, since the
-next token's row cannot be known ahead.
+next token's row cannot be known ahead. An Over-Encoding export's n-gram ids come the same way: the host keeps
+each row's last n-1 tokens and hashes the n-grams the new token ends (NgramHasher.next_ids).
 """
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ class Generator:
         self.max_len = served.matcher.max_len
         graphdef = served.graphdef
 
-        def run(params, cache, tokens, rows, matched, key):
+        def run(params, cache, tokens, rows, matched, ngram_ids, key):
             decoder = nnx.merge(graphdef, params)
             positions = cache.index + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-            batch = Batch(inputs=tokens, positions=positions, fgram_rows=rows, fgram_matched=matched)
+            batch = Batch(inputs=tokens, positions=positions, fgram_rows=rows, fgram_matched=matched,
+                          ngram_ids=ngram_ids)
             h, cache = scone.hidden_states(decoder, batch, cache)
             last = decoder.logits(h[:, -1])
             return sample(last, key, temperature, top_k), last, cache
@@ -60,12 +62,16 @@ class Generator:
         self._run = sharding.under_mesh(served.mesh, jax.jit(run, donate_argnums=1))
 
     def _call(self, cache, tokens, key, ids=None):
-        """Run `tokens` [B, t] after the cached ones; `ids` are their f-gram ids (None: match them here)."""
+        """Run `tokens` [B, t] after the cached ones; `ids` are their f-gram ids (None: match them here), or with
+        Over-Encoding their n-gram ids [B, t, S] (None: the prompt's, hashed here)."""
+        if self.served.hasher is not None:
+            ids = self.served.hasher.ids(tokens) if ids is None else ids
+            return self._run(self.served.params, cache, tokens, None, None, ids, key)
         if not self.use_table:  # the decoder alone: T(token) everywhere
-            return self._run(self.served.params, cache, tokens, None, None, key)
+            return self._run(self.served.params, cache, tokens, None, None, None, key)
         if ids is None:
             ids = self.served.matcher.match(tokens, np.ones_like(tokens))
-        return self._run(self.served.params, cache, tokens, self.served.table.gather(ids), ids >= 0, key)
+        return self._run(self.served.params, cache, tokens, self.served.table.gather(ids), ids >= 0, None, key)
 
     def empty_cache(self, batch: int, length: int) -> transformer.KVCache:
         return transformer.init_cache(self.served.config.model, batch, length)
@@ -87,15 +93,20 @@ class Generator:
         new, last, cache = self._call(cache, prompts, keys[0])
         logits = [last]
         start_time = None
-        matcher, ids = self.served.matcher, None
-        if self.use_table:  # the trie state after the prompt; each match_next hands on the next one
+        matcher, hasher, ids = self.served.matcher, self.served.hasher, None
+        if hasher is not None:  # the last n-1 tokens; each next_ids hands on the next ones
+            history = prompts
+        elif self.use_table:  # the trie state after the prompt; each match_next hands on the next one
             prefix = matcher.prefix_codes(prompts[:, max(0, p - self.max_len + 1):])
         for i in range(1, num_tokens):
             if i == 2:
                 start_time = time.perf_counter()  # step 1 compiled the one-token step
             end = p + i - 1  # position of the token the device is choosing now
             tokens[:, end] = np.asarray(new) if forced is None else forced[:, i - 1]  # waits for the device
-            if self.use_table:
+            if hasher is not None:
+                ids, history = hasher.next_ids(history, tokens[:, end])
+                ids = ids[:, None]
+            elif self.use_table:
                 ids, prefix = matcher.match_next(prefix, tokens[:, end])
                 ids = ids[:, None]
             new, last, cache = self._call(cache, tokens[:, end:end + 1], keys[i], ids)

@@ -227,3 +227,7 @@ def test_a_resume_that_changes_n_k_or_m_is_refused_naming_the_key(tmp_path, toke
                 run_lib.check_resume(ckpt, newest, changed, (), identity)
     finally:
         ckpt.close()
+    plain = small_config()  # a run without the tables ignores their settings, as one without SCONE ignores scone.*
+    changed = plain.copy_and_resolve_references()
+    changed.overencoding.m = 1003
+    assert config_lib.resume_changes(plain.to_dict(), changed) == []

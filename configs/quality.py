@@ -16,6 +16,11 @@ Variants (the arms; inference FLOPs per token grow with the decoder's depth only
   scone_fgram0.5x, scone_fgram2x       f-gram model of 1 / 4 blocks
   scone_s5k, scone_s100k               S = 5,000 / 100,000
   scone_k3                             K = 3
+  oe, oe_5x                            SCONE's baseline, Over-Encoding (Huang et al. 2025; docs/method.md §8) on the
+                                       2-block decoder: n = 3, k = 4 (8 tables of width 16), m = 20,011 (about
+                                       S x d = 20k x 128 table parameters, as `scone`'s table) / 100,003 (5x); its
+                                       tables and projection stay on the accelerator, so it adds inference FLOPs
+                                       (the [d, d] projection) and accelerator bytes that SCONE does not
 Every arm multiplies its token inputs by sqrt(d) = 11.31 (model.embedding_multiplier; 1 in the
 method): at width 128 the plain GPT-2 input rows are small next to the blocks' output, a handicap the
 f-gram rows (final-norm output, norm sqrt(d)) never have, so without it the baseline is 15-22% worse
@@ -46,6 +51,9 @@ import ml_collections
 
 from scone_jax.config import base_config
 
+# Over-Encoding arm -> m (prime, so coprime with any model.vocab_size); n and k are OE_N, OE_K for both
+OE_ARMS = {"oe": 20_011, "oe_5x": 100_003}
+OE_N, OE_K = 3, 4
 # arm -> (decoder blocks, f-gram model blocks (0 = no SCONE), S, K)
 ARMS = {
     "baseline": (2, 0, 0, 0),
@@ -57,6 +65,7 @@ ARMS = {
     "scone_s5k": (2, 2, 5_000, 5),
     "scone_s100k": (2, 2, 100_000, 5),
     "scone_k3": (2, 2, 20_000, 3),
+    **{arm: (2, 0, 0, 0) for arm in OE_ARMS},
 }
 
 
@@ -83,5 +92,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         s.fgram_capacity = 4096
         s.input_multiplier = m.embedding_multiplier  # the f-gram model's blocks get the scaled input too
         t.fgram_model_delay_steps = 80  # chosen on validation (docstring; study/records.py DEFAULTS[2])
+    if arm in OE_ARMS:
+        config.overencoding.update(dict(enabled=True, n=OE_N, k=OE_K, m=OE_ARMS[arm]))
     config.lock()
     return config

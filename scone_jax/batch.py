@@ -27,6 +27,11 @@ take it whole.
   exported table (serving, docs/method.md §7):
   fgram_rows    [B, T, d]         each position's table row (zeros where none), gathered on the host
   fgram_matched bool [B, T]       whether a row replaces T(token) there
+
+  Over-Encoding's hashed n-gram ids (model/overencoding.py, docs/method.md §8; never beside f-gram arrays):
+  ngram_ids     int32 [B, T, S]   table s's id of the n-gram ending at each position (S = k(n-1) tables), 0 = no
+                                  n-gram there (it would reach before the row or the document), computed on the
+                                  host (data/ngram_hash.py)
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ class Batch:
     fgram_unique: object = None
     fgram_rows: object = None
     fgram_matched: object = None
+    ngram_ids: object = None
 
     @classmethod
     def empty(cls, rows: int, seq_len: int) -> "Batch":

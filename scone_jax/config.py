@@ -362,9 +362,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
                          "key/value head serves an equal group of query heads. Fix: a divisor of num_heads (0 = "
                          "num_heads).")
     _check_fgram_heads(config)
-    from scone_jax.model import rope  # here, not at the top: it imports jax, which loading a config does not need
-
+    from scone_jax.model import overencoding, rope  # here, not at the top: they import jax, which loading a config
+    #                                                 does not need
     rope.check(m)
+    overencoding.check(config)
     if m.position == "learned" and d.seq_len > m.max_seq_len:
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len.")
     if d.global_batch_size % t.grad_accum_steps:
@@ -417,8 +418,8 @@ def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
     changes = []
     for key in RESUME_KEYS:
         section, name = key.split(".")
-        if section == "scone" and name != "enabled" and not config.scone.enabled:
-            continue  # the f-gram settings of a run without f-grams mean nothing
+        if section in ("scone", "overencoding") and name != "enabled" and not config[section].enabled:
+            continue  # the f-gram (n-gram table) settings of a run without f-grams (n-gram tables) mean nothing
         now = config[section][name]
         now = now.to_dict() if isinstance(now, ml_collections.ConfigDict) else now
         if name in saved.get(section, {}) and saved[section][name] != now:

@@ -184,6 +184,19 @@ KEYS = (
         "baseline's and reaches the method's replacement at g = 1; the export bakes g into the table's rows "
         "(docs/training.md). Only with enabled"),
 
+    # overencoding: the Over-Tokenized Transformer's hashed n-gram input embeddings, SCONE's baseline
+    Key("overencoding.enabled", False, STATE,
+        "Over-Encoding (Huang et al. 2025, docs/method.md §8): the decoder's input is the mean of T(token) and "
+        "k(n-1) projected rows of hashed n-gram tables, ids computed on the host; not with scone.enabled"),
+    Key("overencoding.n", 3, STATE, "n: n-grams of orders 2..n ending at each position", ">= 2"),
+    Key("overencoding.k", 4, STATE,
+        "k: tables per order, each with its own modulus; k(n-1) tables of width d_model / (k(n-1)), which must "
+        "divide model.d_model", ">= 1"),
+    Key("overencoding.m", 100_001, STATE,
+        "m: the first table's modulus; table s (0-based, order-major) hashes modulo m + 2s and has that many rows "
+        "plus the reserved 'no n-gram' row 0, about m x d_model parameters in all. Must be coprime with "
+        "model.vocab_size (the base of the ids)", ">= 2"),
+
     # data: corpus, tokenizer, batches
     Key("data.source", "kjv", STATE,
         "'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord' | 'chat' (conversations: JSONL of messages, or "

@@ -117,9 +117,10 @@ def longest_matches(tokens, fgrams, max_len):
     return out
 
 
-def token_losses(params, batch, arch, fgrams=(), max_len=0):
+def token_losses(params, batch, arch, fgrams=(), max_len=0, input_rows=None):
     """Per-position next-token cross-entropy [B, T] (zero where loss_mask is 0) of the decoder whose input
-    at each matched position is the f-gram embedding instead of T(token) (§3)."""
+    at each matched position is the f-gram embedding instead of T(token) (§3). `input_rows(row, cols)`: another input
+    layer's rows for that document piece instead of T(token) (Over-Encoding, tests/overencoding_reference.py)."""
     fgrams = set(map(tuple, fgrams))
     inputs, segments = batch.inputs, batch.segment_ids
     out = np.zeros(inputs.shape)
@@ -127,7 +128,10 @@ def token_losses(params, batch, arch, fgrams=(), max_len=0):
         for segment in np.unique(segments[r][segments[r] > 0]):
             cols = np.flatnonzero(segments[r] == segment)
             tokens = inputs[r, cols]
-            x = params["token_embed"][tokens] * arch.get("embedding_multiplier", 1.0)  # 1 in the method
+            if input_rows is not None:
+                x = input_rows(r, cols)
+            else:
+                x = params["token_embed"][tokens] * arch.get("embedding_multiplier", 1.0)  # 1 in the method
             for i, gram in enumerate(longest_matches(tokens, fgrams, max_len)):
                 if gram is not None:
                     x[i] = matched_input(gram, params, arch)

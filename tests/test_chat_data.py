@@ -3,7 +3,6 @@ template alone and against transformers' own assistant mask, templates whose spa
 bad conversations refused in one line naming file and line."""
 import json
 
-import numpy as np
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from transformers import PreTrainedTokenizerFast

@@ -85,6 +85,10 @@ WHY = {
     "scone.own_token_embedding": ("shape", "the f-gram model's own token table exists or not"),
     "scone.max_source_params": ("loop", "a check of the source before a fresh start; nothing trains by it"),
     "scone.gate_learning_rate_multiplier": ("meaning", "a gate trained at two rates is neither experiment"),
+    "overencoding.enabled": ("shape", "the n-gram tables and their projection exist or not"),
+    "overencoding.n": ("shape", "k(n-1) tables: their number"),
+    "overencoding.k": ("shape", "k(n-1) tables: their number and width"),
+    "overencoding.m": ("shape", "the tables' rows, m + 2s + 1 each"),
     "data.source": ("data", "where the documents come from"),
     "data.train_files": ("data", "the training documents"),
     "data.mixture": ("data", "the training documents and the order of their rows"),
@@ -143,7 +147,8 @@ _OTHER = {"model.norm": "rmsnorm", "model.mlp": "swiglu", "model.position": "rop
           "model.param_dtype": "bfloat16", "model.remat": "full", "model.attention": "reference",
           "model.num_heads": 2, "model.head_dim": 32, "scone.num_heads": 2, "scone.d_model": 32,
           "train.profile_steps": "1:2", "data.eval_sets": {"web": "/d/web/*.jsonl"},
-          "scone.source_model": '{"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "use_bias": false}'}
+          "scone.source_model": '{"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "use_bias": false}',
+          "overencoding.n": 5, "overencoding.m": 4097}  # k(n-1) must divide d; m + 2s past a 128-row multiple
 _MESH_BASE = {"mesh.data": {"mesh.data": 2, "mesh.fsdp": -1}, "mesh.fsdp": {"mesh.fsdp": 2},
               "mesh.tensor": {"mesh.tensor": 2}}
 
@@ -196,18 +201,28 @@ def test_every_key_has_a_stated_reason_and_its_class_is_the_one_the_reason_requi
     assert wrong == []
 
 
+def _oe_config():
+    from tests.common import small_config
+
+    config = small_config(num_layers=1)
+    config.overencoding.update(dict(enabled=True, n=3, k=2, m=1001))
+    return config
+
+
 def test_a_shape_key_changes_the_train_states_arrays():
     """Each "shape" key changed alone gives the SCONE train state other arrays (built abstractly, as a resume
-    would); a "meaning" key does not, which is why its reason is not the shape. Caught: scone.output_norm's row
-    given as "meaning" (the probe saw the final norm's arrays go)."""
-    config = _scone_config()
+    would; Over-Encoding's keys on an Over-Encoding state); a "meaning" key does not, which is why its reason is
+    not the shape. Caught: scone.output_norm's row given as "meaning" (the probe saw the final norm's arrays go)."""
+    config, oe = _scone_config(), _oe_config()
 
     def arrays(c):
         abstract = nnx.eval_shape(lambda: state_lib._create(c))[1]
         return jax.tree.structure(abstract), [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
 
-    base = arrays(config)
-    same = [name for name, (kind, _) in WHY.items() if kind == "shape" and arrays(_changed(config, name)) == base]
+    base, oe_base = arrays(config), arrays(oe)
+    same = [name for name, (kind, _) in WHY.items() if kind == "shape" and (
+        arrays(_changed(oe, name)) == oe_base if name.startswith("overencoding.") else
+        arrays(_changed(config, name)) == base)]
     assert same == []
     reshaped = [name for name, (kind, _) in WHY.items() if kind == "meaning" and arrays(_changed(config, name)) != base]
     assert reshaped == []

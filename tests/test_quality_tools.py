@@ -253,6 +253,45 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
 
 
 @pytest.mark.slow
+def test_bench_quality_quick_runs_the_over_encoding_arm(corpus, tmp_path):
+    """`--quick --arms=oe` trains the Over-Encoding arm alone (one rate), exports it as a decoder bundle holding its
+    n-gram tables, scores the test split through serving.evaluate and records it with the figures the comparison
+    with SCONE needs: accelerator bytes (the decoder with its tables: theirs is most of it), no host table, the
+    projection's inference FLOPs, training tokens/s. Caught: --quick replacing the --arms given by baseline and
+    scone; the record's accelerator bytes taken from the decoder without its tables."""
+    from scone_jax.study import study as quality_study
+
+    records = tmp_path / "runs.jsonl"
+    args = quality_args(corpus, tmp_path / "study", "--quick", "--arms=oe", "--allow_epochs",
+                        "--config.data.vocab_size=512", f"--records={records}")
+    result = run_tool("tools/bench_quality.py", args, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (record,) = quality_records.read(str(records))
+    assert record["arm"] == "oe" and set(quality_records.OPTIONAL) <= set(record)
+    served = json.loads((tmp_path / "study" / "oe" / "lr0.0005" / "test_eval.json").read_text())
+    assert served["perplexity"] == record["test_ppl"] and 1 < record["test_ppl"] < 600 and record["hit_rate"] == 0
+    assert record["host_table_bytes"] == 0 and record["train_tokens_per_s"] > 0
+    tables = 4 * 16 * sum(20_011 + 2 * s + 1 for s in range(8))  # 8 float32 tables of width 16, their rows unpadded
+    vocab = json.loads((tmp_path / "study" / "oe" / "lr0.0005" / "config.json").read_text())["model"]["vocab_size"]
+    baseline = quality_study.flops(_quick_config(quality_study, "baseline", vocab))
+    assert record["accelerator_bytes"] == quality_study.flops(_quick_config(quality_study, "oe", vocab))[2]
+    assert 0 <= record["accelerator_bytes"] - baseline[2] - tables - 4 * 128 * 128 < 4 * 16 * 128  # + projection, pad
+    assert record["inference_flops_per_token"] - baseline[0] == 2 * 128 * 128  # the [d, d] projection
+    assert f"RESULT accelerator_bytes_oe {record['accelerator_bytes']:.4g}" in result.stdout
+    assert f"RESULT train_tokens_per_s_oe {record['train_tokens_per_s']:.4g}" in result.stdout
+    assert not (tmp_path / "study" / "baseline").exists() and not (tmp_path / "study" / "scone").exists()
+
+
+def _quick_config(quality_study, arm, vocab_size):
+    """The config bench_quality's --quick run of `arm` trains with, its model.vocab_size the tokenizer's."""
+    study = quality_study.Study("/unused", [arm], 50_000, 50_000, ["5e-4"], {}, "", True, {"data.vocab_size": 512})
+    config = study.config(arm, "5e-4")
+    with config.unlocked():
+        config.model.vocab_size = vocab_size
+    return config
+
+
+@pytest.mark.slow
 def test_bench_quality_names_a_run_that_another_process_holds(corpus, tmp_path):
     """A rerun while a run of its arms is in use (the job of a killed study still saving its checkpoint, a second
     study on the same WORKDIR) says so in one line, exit 2, before anything else. Caught: no

@@ -6,13 +6,16 @@
       --validation_files=/data/linux_doc/validation.jsonl --eval_files=/data/linux_doc/test.jsonl \\
       --workdir=/data/quality --tokens=10m --ablation_tokens=3m
   python tools/bench_quality.py ... --quick      # a smoke run: 2 small arms, minutes
+  python tools/bench_quality.py ... --quick --arms=oe   # the smoke run of the arms named instead
 
 Arms (configs/quality.py defines the models): the baseline family `baseline`, `baseline_2x`,
 `baseline_4x` (2 / 4 / 8 decoder blocks: about 1x / 2x / 4x inference FLOPs per token) and the SCONE
 arms on the 1x decoder: `scone` (f-gram model of 2 blocks = 1x, S = 20k, K = 5), `scone_fgram0.5x`,
-`scone_fgram2x`, `scone_s5k`, `scone_s100k`, `scone_k3`. All share one tokenizer (trained on the training
+`scone_fgram2x`, `scone_s5k`, `scone_s100k`, `scone_k3`, and SCONE's baseline, Over-Encoding (hashed n-gram
+input embeddings, docs/method.md §8) on the same decoder: `oe` (tables of about SCONE's size, m = 20k) and
+`oe_5x` (m = 100k). All share one tokenizer (trained on the training
 split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
---ablation_tokens for the rest). `baseline_short` and `scone_short` are the 1x models again at
+--ablation_tokens for the rest; `oe` and `oe_5x` for --tokens too). `baseline_short` and `scone_short` are the 1x models again at
 --ablation_tokens (the 1x arms themselves when that equals --tokens): the points the ablations and baseline_4x are
 compared with, since a model trained on fewer tokens is worse whatever its shape. Every arm multiplies
 its token inputs by sqrt(d), the f-gram models' inputs included (configs/quality.py says why);
@@ -20,12 +23,13 @@ its token inputs by sqrt(d), the f-gram models' inputs included (configs/quality
 Any config setting of configs/quality.py goes on every run the same way, ml_collections' --config.KEY=VALUE
 (e.g. --config.train.fgram_model_delay_steps=0 for the method's undelayed f-gram model).
 
-Protocol: `baseline` and `scone` each train at the --learning_rates values in ascending order, stop
+Protocol: `baseline`, `scone` and `oe` each train at the --learning_rates values in ascending order, stop
 at the first whose validation perplexity is above the best of those below it, and keep the one with
 the lowest validation perplexity; the other arms of each family train at their family's rate. Every arm is
 then exported (`python -m scone_jax.serving.export`, bf16 table) and scored on the test split by
 `python -m scone_jax.serving.evaluate`, the way a user serves it: SCONE with the f-gram table in host
-RAM, baselines as decoder-only bundles. Nothing is tuned on the test split.
+RAM, baselines as decoder-only bundles, Over-Encoding as a decoder bundle holding its n-gram tables (the host
+computes each batch's n-gram ids). Nothing is tuned on the test split.
 
 Each run lives in WORKDIR/<arm>/lr<rate>/ (a workdir of `python -m scone_jax.main`, its log in
 train.log): a rerun skips finished runs, resumes a half-trained one from its checkpoint, and prints
@@ -38,7 +42,9 @@ appended to the study's records (experiments/quality/runs.jsonl, or --records: s
 docs/quality.md's tables and figure are built from them by one command, python tools/plot_quality.py).
 Results go to WORKDIR/results.json (and --record, after every run), a plot of test
 perplexity against inference and training FLOPs to WORKDIR/quality.png (needs matplotlib: the [plot]
-extra), and RESULT lines: ppl_<arm>, inference_flops_per_token_<arm>, train_flops_<arm>.
+extra), and RESULT lines: ppl_<arm>, inference_flops_per_token_<arm>, train_flops_<arm>, accelerator_bytes_<arm>
+(the served decoder's parameters: Over-Encoding's tables on the accelerator, SCONE's f-gram table not; that one is
+host_table_bytes in the record) and train_tokens_per_s_<arm> (the run's median training throughput).
 Bad input (an unknown arm, a --learning_rates value that is not a positive number, a --config.KEY=VALUE with an
 unknown key or a value of the wrong type, a budget under one step, splits that share documents, a corpus
 smaller than the budget without --allow_epochs, a finished run in WORKDIR trained with other settings than
@@ -79,8 +85,8 @@ _ALLOW_EPOCHS = flags.DEFINE_bool("allow_epochs", False, "Allow budgets larger t
 _RECORD = flags.DEFINE_string("record", "", "Also write results.json here after every run.")
 _RECORDS = flags.DEFINE_string("records", records.RECORDS, "The study's records: every finished run is "
                                "appended here with its overrides and seed ('' = none; with --quick, only if given).")
-_QUICK = flags.DEFINE_bool("quick", False, "Smoke run: baseline and scone, one learning rate, 64 x 8-token-rows "
-                           "steps for ~50k tokens; exercises every stage, compares nothing.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke run: baseline and scone (or the --arms given), one learning rate, "
+                           "64-token rows x 8 per step for ~50k tokens; exercises every stage, compares nothing.")
 # Every key of configs/quality.py's arms (the scone arm has them all), typed as the config holds it.
 _QUALITY = load_config_file(f"{CONFIG}:scone")
 
@@ -97,7 +103,7 @@ def main():
     unknown = [a for a in _ARMS.value if a not in ARMS]
     if unknown:
         raise ValueError(f"Unknown arm(s) {unknown}; --arms takes {', '.join(ARMS)}.")
-    arms = ["baseline", "scone"] if _QUICK.value else list(_ARMS.value)
+    arms = ["baseline", "scone"] if _QUICK.value and not flags.FLAGS["arms"].present else list(_ARMS.value)
     rates = parse_rates(_LEARNING_RATES.value)
     if _QUICK.value:
         rates = rates[:1]
@@ -150,7 +156,7 @@ def run_study(study: Study, probe, arms: list[str], rates: list[str]):
                          "--allow_epochs to repeat it.")
 
     # Plan: the swept arms first (their rates decide the others'), then the rest.
-    planned = [(a, r) for a in ("baseline", "scone") if a in arms for r in rates]
+    planned = [(a, r) for a in SWEPT if a in arms for r in rates]
     best = {}
 
     def chosen(swept):
@@ -207,6 +213,9 @@ def run_study(study: Study, probe, arms: list[str], rates: list[str]):
             print(f"RESULT ppl_{arm} {r['test_ppl']:.3f}")
             print(f"RESULT inference_flops_per_token_{arm} {r['inference_flops_per_token']:.4g}")
             print(f"RESULT train_flops_{arm} {r['train_flops']:.4g}")
+            for key in ("accelerator_bytes", "train_tokens_per_s"):
+                if key in r:  # a run recorded before these fields has none
+                    print(f"RESULT {key}_{arm} {r[key]:.4g}")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,17 @@ SCONE adds the f-gram model, which runs on every row of the static f-gram buffer
 data shard, K tokens each, padding included, because that is what the device computes):
     rows * K * (6 * its non-embedding matmul parameters + 12 * its layers * K * its attention width)
 Its token-embedding input is a lookup, and the table-gather back into the batch is free.
+
+Over-Encoding (model/overencoding.py) adds its projection, a [d, d] matrix: a non-embedding matmul parameter
+like any Linear kernel, so the formula above counts it (2 d^2 FLOPs per token at inference, 6 d^2 in training);
+its n-gram tables are embeddings (lookups, not counted), held on the accelerator (param_bytes counts them).
 """
 from __future__ import annotations
 
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from scone_jax.model import roles
@@ -40,6 +45,14 @@ def param_counts(abstract_model_state) -> dict:
             counts["embedding"] += n
     counts["non_embedding"] = counts["total"] - counts["embedding"]
     return counts
+
+
+def param_bytes(abstract_model_state) -> int:
+    """Bytes of an nnx model state's parameters in their dtype: what the accelerator holds of that model."""
+    leaves = jax.tree_util.tree_leaves(
+        nnx.state(abstract_model_state, nnx.Param) if isinstance(abstract_model_state, nnx.Module)
+        else abstract_model_state)
+    return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in leaves)
 
 
 def fgram_flops_per_step(fgram_block_cfg, rows: int, non_embedding_params: int) -> float:

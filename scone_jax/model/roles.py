@@ -7,14 +7,15 @@ from the parameter's path, never from its rank: with scanned layers (model.scan_
 scale or a bias is stacked to [layers, d] and looks like a matrix.
 
   embedding  the tables of nnx.Embed modules named in EMBEDDING_MODULES (token embedding T, the
-             decoder's learned positions, the f-gram model's K positions): not decayed
+             decoder's learned positions, the f-gram model's K positions, Over-Encoding's n-gram
+             tables): not decayed
   matrix     the `kernel` of every nnx.Linear (attention and MLP projections, the f-gram model's
-             width projections, an untied output head): decayed
+             width projections, Over-Encoding's projection, an untied output head): decayed
   other      norm scales and every bias: not decayed
 """
 from __future__ import annotations
 
-EMBEDDING_MODULES = ("token_embed", "pos_embed")
+EMBEDDING_MODULES = ("token_embed", "pos_embed", "ngram_tables")  # the last: model/overencoding.py's
 MATRIX_LEAVES = ("kernel",)
 
 

@@ -12,6 +12,10 @@ embeddings come from one of two providers, chosen by the batch's arrays (scone_j
   table    rows of the exported table gathered on the host (fgram_rows [B, T, d], fgram_matched [B, T]):
            the device holds only the decoder (serving, docs/method.md §7).
 A batch without f-gram arrays is a plain decoder's. `model` is a SconeModel or a Decoder.
+
+Beside them, the baseline SCONE is compared with: Over-Encoding (model/overencoding.py, docs/method.md §8), whose
+hashed n-gram tables sit in the Decoder itself; its input is the mean of T(token) and their projected rows, read
+through the batch's ngram_ids (host-computed, data/ngram_hash.py) in training and serving alike.
 """
 from __future__ import annotations
 
@@ -92,8 +96,11 @@ def table_rows(batch) -> tuple[jax.Array, jax.Array]:
 
 
 def input_embeddings(model, batch) -> jax.Array:
-    """T(token) everywhere, replaced by the f-gram embedding where a match ends (docs/method.md §3)."""
+    """T(token) everywhere, replaced by the f-gram embedding where a match ends (docs/method.md §3); with
+    Over-Encoding, the mean of T(token) and the hashed n-gram rows (docs/method.md §8)."""
     decoder = decoder_of(model)
+    if decoder.overencoding is not None or batch.ngram_ids is not None:
+        return overencoded_inputs(decoder, batch)
     x = decoder.input_tokens(batch.inputs)
     if batch.fgram_slot is not None:
         if not isinstance(model, SconeModel):
@@ -105,6 +112,21 @@ def input_embeddings(model, batch) -> jax.Array:
     else:
         return x
     return jnp.where(matched[..., None], rows.astype(x.dtype), x)
+
+
+def overencoded_inputs(decoder: Decoder, batch) -> jax.Array:
+    """The Over-Encoding provider: the decoder's input from the batch's tokens and host-computed n-gram ids. A
+    decoder without the tables given ids, or one with them given none, is refused: either would silently run
+    another model than the one trained."""
+    if decoder.overencoding is None:
+        raise ValueError("The batch carries Over-Encoding n-gram ids but the decoder has no n-gram tables "
+                         "(overencoding.enabled was False when it was built).")
+    if batch.ngram_ids is None:
+        raise ValueError("The decoder has Over-Encoding n-gram tables but the batch carries no ngram_ids: the host "
+                         "computes them (data/ngram_hash.py NgramHasher) for every batch of such a model.")
+    if batch.fgram_slot is not None or batch.fgram_rows is not None:
+        raise ValueError("The batch carries both f-gram arrays and Over-Encoding n-gram ids; a model reads one kind.")
+    return decoder.input_ngrams(batch.inputs, batch.ngram_ids)
 
 
 def hidden_states(model, batch, cache: KVCache | None = None):

@@ -11,6 +11,7 @@ from flax import nnx
 
 from scone_jax.model import remat
 from scone_jax.model.layers import Block, KVCache, dtype_of, head_dim_of, kv_heads_of, make_norm, normal
+from scone_jax.model.overencoding import OverEncoding
 from scone_jax.sharding import constrain
 
 ACTIVATION_AXES = ("batch", None, None)
@@ -116,9 +117,11 @@ def embedding_lookup(embed: nnx.Embed, tokens: jax.Array, dtype) -> jax.Array:
 
 
 class Decoder(nnx.Module):
-    """GPT-2 style (learned positions, LayerNorm, GELU) or OLMo style (RoPE, RMSNorm, SwiGLU)."""
+    """GPT-2 style (learned positions, LayerNorm, GELU) or OLMo style (RoPE, RMSNorm, SwiGLU). With an enabled
+    `overencoding` config section it also holds Over-Encoding's n-gram tables (model/overencoding.py), which
+    are then part of its parameters wherever they go (checkpoints, exports, the accelerator at serving)."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs):
+    def __init__(self, cfg, rngs: nnx.Rngs, overencoding=None):
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (> 0) before building the model.")
         self.cfg = cfg
@@ -145,6 +148,7 @@ class Decoder(nnx.Module):
         else:
             raise ValueError(f"Unknown model.position={cfg.position!r}; use 'learned' or 'rope'.")
         self.stack = BlockStack(cfg, cfg.num_layers, rngs)
+        self.overencoding = OverEncoding(cfg, overencoding, rngs) if overencoding and overencoding.enabled else None
         if cfg.tie_embeddings:
             self.head = None
         else:
@@ -165,7 +169,15 @@ class Decoder(nnx.Module):
     def input_tokens(self, tokens: jax.Array) -> jax.Array:
         """The decoder's input at token positions: T(tokens) times model.embedding_multiplier (1 in the
         method; the f-gram model reads T itself, through `embed`)."""
-        x = self.embed(tokens)
+        return self._scaled(self.embed(tokens))
+
+    def input_ngrams(self, tokens: jax.Array, ngram_ids: jax.Array) -> jax.Array:
+        """The decoder's input with Over-Encoding: the mean of T(tokens) and the n-gram tables' projected rows
+        (model/overencoding.py), times model.embedding_multiplier (the whole mean, so the multiplier keeps the
+        paper's ratio of its terms; docs/method.md §8)."""
+        return self._scaled(self.overencoding(self.embed(tokens), ngram_ids))
+
+    def _scaled(self, x: jax.Array) -> jax.Array:
         multiplier = self.cfg.embedding_multiplier
         return x if multiplier == 1.0 else x * jnp.asarray(multiplier, x.dtype)
 
@@ -189,4 +201,7 @@ class Decoder(nnx.Module):
         return out.astype(jnp.float32)
 
     def __call__(self, tokens, segment_ids, positions):
+        if self.overencoding is not None:
+            raise ValueError("An Over-Encoding decoder reads n-gram ids beside the tokens: run it through "
+                             "model/scone.py's token_losses or hidden_states with a Batch carrying ngram_ids.")
         return self.logits(self.decode(self.input_tokens(tokens), segment_ids, positions))

@@ -56,8 +56,11 @@ def evaluate_all(served: inference.Served, data_cfg, *, use_table: bool = True, 
 
 
 def _rows(served: inference.Served, use_table: bool):
-    """The table's rows for a batch; None: no f-gram arrays, the decoder reads T(token) everywhere."""
-    return (lambda batch: inference.host_rows(served, batch)) if use_table else None
+    """The table's rows for a batch; without the table (None), no f-gram arrays: the decoder reads T(token)
+    everywhere, an Over-Encoding decoder its n-gram ids, which are never left out (they are its input)."""
+    if use_table:
+        return lambda batch: inference.host_rows(served, batch)
+    return served.hasher
 
 
 def _summary(result: dict) -> str:

@@ -8,7 +8,8 @@ and sends that one row with the token, so the device never holds the f-gram tabl
 incremental: the host keeps the trie slots of the f-grams ending at the newest token
 (Matcher.match_next), so a new token costs one lookup of its K-1 candidate f-grams and one row
 gather: a few microseconds from RAM, one disk read (about 0.1 ms) with --table=disk, since the
-next token's row cannot be known ahead.
+next token's row cannot be known ahead. An Over-Encoding export's n-gram ids come the same way: the host keeps
+each row's last n-1 tokens and hashes the n-grams the new token ends (NgramHasher.next_ids).
 """
 from __future__ import annotations
 
@@ -76,10 +77,11 @@ class Generator:
         self.max_len = served.matcher.max_len
         graphdef = served.graphdef
 
-        def run(params, cache, tokens, rows, matched, keys):
+        def run(params, cache, tokens, rows, matched, ngram_ids, keys):
             decoder = nnx.merge(graphdef, params)
             positions = cache.index + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-            batch = Batch(inputs=tokens, positions=positions, fgram_rows=rows, fgram_matched=matched)
+            batch = Batch(inputs=tokens, positions=positions, fgram_rows=rows, fgram_matched=matched,
+                          ngram_ids=ngram_ids)
             h, cache = scone.hidden_states(decoder, batch, cache)
             last = decoder.logits(h[:, -1])
             chosen = jax.vmap(lambda logits, key: sample(logits, key, temperature, top_k, top_p))(last, keys)
@@ -87,13 +89,17 @@ class Generator:
 
         self._run = sharding.under_mesh(served.mesh, jax.jit(run, donate_argnums=1))
 
-    def _call(self, cache, tokens, key, ids=None):
-        """Run `tokens` [B, t] after the cached ones; `ids` are their f-gram ids (None: match them here)."""
+    def _call(self, cache, tokens, keys, ids=None):
+        """Run `tokens` [B, t] after the cached ones; `ids` are their f-gram ids (None: match them here), or with
+        Over-Encoding their n-gram ids [B, t, S] (None: the prompt's, hashed here)."""
+        if self.served.hasher is not None:
+            ids = self.served.hasher.ids(tokens) if ids is None else ids
+            return self._run(self.served.params, cache, tokens, None, None, ids, keys)
         if not self.use_table:  # the decoder alone: T(token) everywhere
-            return self._run(self.served.params, cache, tokens, None, None, key)
+            return self._run(self.served.params, cache, tokens, None, None, None, keys)
         if ids is None:
             ids = self.served.matcher.match(tokens, np.ones_like(tokens))
-        return self._run(self.served.params, cache, tokens, self.served.table.gather(ids), ids >= 0, key)
+        return self._run(self.served.params, cache, tokens, self.served.table.gather(ids), ids >= 0, None, keys)
 
     def empty_cache(self, batch: int, length: int) -> transformer.KVCache:
         return transformer.init_cache(self.served.config.model, batch, length)
@@ -122,8 +128,10 @@ class Generator:
         new, last, cache = self._call(cache, prompts, step_keys(row_keys, 0))
         logits = [last]
         start_time, steps = None, 0
-        matcher, ids = self.served.matcher, None
-        if self.use_table:  # the trie state after the prompt; each match_next hands on the next one
+        matcher, hasher, ids = self.served.matcher, self.served.hasher, None
+        if hasher is not None:  # the last n-1 tokens; each next_ids hands on the next ones
+            history = prompts
+        elif self.use_table:  # the trie state after the prompt; each match_next hands on the next one
             prefix = matcher.prefix_codes(prompts[:, max(0, p - self.max_len + 1):])
         for i in range(1, num_tokens):
             if i == 2:
@@ -135,7 +143,10 @@ class Generator:
                 if done.all():
                     length = end + 1
                     break
-            if self.use_table:
+            if hasher is not None:
+                ids, history = hasher.next_ids(history, tokens[:, end])
+                ids = ids[:, None]
+            elif self.use_table:
                 ids, prefix = matcher.match_next(prefix, tokens[:, end])
                 ids = ids[:, None]
             new, last, cache = self._call(cache, tokens[:, end:end + 1], step_keys(row_keys, i), ids)

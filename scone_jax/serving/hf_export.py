@@ -47,6 +47,10 @@ def plan(config) -> tuple[families.Family, str | None]:
     """(the family, the imported checkpoint's safetensors dtype or None) of a run's config; ValueError in one line
     for a run outside every family's stock format."""
     m = config.model
+    if config.overencoding.enabled:
+        raise ValueError("The run uses Over-Encoding (overencoding.enabled): no Hugging Face family has its n-gram "
+                         "tables. Fix: export it as a bundle (--format=bundle), which serving.evaluate, generate "
+                         "and lm_eval read.")
     if hf_remote.needed(config):  # the remote-code model applies the input; the decoder inside is stock
         m = hf_remote.stock_model(m)
     source = m.get("init_from_hf", "")

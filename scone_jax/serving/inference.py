@@ -5,6 +5,10 @@ each position's longest f-gram with the Matcher and gathers its table row, from 
 (serving/table.py, --table); the device embeds
 where(matched, row, T(token)) and runs the decoder unchanged (docs/method.md §3 and §7). Because
 matching depends only on token ids, the rows of a batch are known before the device needs them.
+
+An Over-Encoding export (docs/method.md §8) has no f-gram table: its n-gram tables are part of the decoder, on
+the devices, and the host computes each batch's n-gram ids instead (data/ngram_hash.py, `Served.hasher`), as
+training's loader does.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from flax import nnx
 
 from scone_jax import sharding
 from scone_jax.batch import Batch
+from scone_jax.data.ngram_hash import NgramHasher
 from scone_jax.data.tokenizer import Tokenizer
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import load_vocab
@@ -27,7 +32,7 @@ from scone_jax.runtime.errors import one_line
 from scone_jax.serving import bundle, bundle_files
 from scone_jax.serving import table as table_lib
 from scone_jax.serving.saved_decoder import load_decoder
-from scone_jax.training import steps
+from scone_jax.training import assets, steps
 
 
 @dataclasses.dataclass
@@ -43,6 +48,7 @@ class Served:
     tokenizer: Tokenizer
     matcher: Matcher
     table: table_lib.HostTable | table_lib.DiskTable
+    hasher: NgramHasher | None = None  # Over-Encoding's n-gram ids (None: no n-gram tables)
 
     @property
     def decoder(self) -> Decoder:
@@ -96,13 +102,13 @@ def _load_model(opened: bundle.Bundle, rows, mesh) -> Served:
         raise bundle.BundleError(f"The table at {path!r} has width {meta['d_model']} but the decoder has "
                                  f"d_model={config.model.d_model}. Fix: export again.")
     mesh = mesh or sharding.make_mesh(config.mesh)
-    graphdef, params = load_decoder(path, config.model, mesh, sums)
+    graphdef, params = load_decoder(path, config.model, mesh, sums, config.overencoding)
     have = bundle.params_fingerprint(params)
     if have != meta["model_fingerprint"]:
         raise bundle.BundleError(
             f"The decoder in {path!r} hashes to {have!r} but the table was exported from model "
             f"{meta['model_fingerprint']!r}: the table belongs to another model. Fix: export again.")
-    return Served(opened, config, mesh, graphdef, params, tokenizer, Matcher(vocab), rows)
+    return Served(opened, config, mesh, graphdef, params, tokenizer, Matcher(vocab), rows, assets.ngram_hasher(config))
 
 
 def load_tokenizer(path: str, sums: bundle.Checksums) -> Tokenizer:
@@ -125,8 +131,11 @@ def load_tokenizer(path: str, sums: bundle.Checksums) -> Tokenizer:
 
 def host_rows(served: Served, batch: Batch) -> Batch:
     """The table provider's arrays (scone_jax/batch.py): fgram_ids (longest match, -1 none; stays on the host),
-    fgram_rows [B, T, d] (zero where none) and fgram_matched."""
+    fgram_rows [B, T, d] (zero where none) and fgram_matched; for an Over-Encoding export (no f-grams) its
+    n-gram ids instead of the rows."""
     ids = served.matcher.match(batch.inputs, batch.segment_ids)
+    if served.hasher is not None:
+        return served.hasher(batch.replace(fgram_ids=ids))
     return batch.replace(fgram_ids=ids, fgram_rows=served.table.gather(ids), fgram_matched=ids >= 0)
 
 

@@ -12,6 +12,11 @@ was migrated from (null for appended runs); `platform` the device kind the run t
 H200"): runs of one protocol on another platform are other runs (their numerics differ), never seeds of the same
 table row.
 
+Records appended since Over-Encoding joined the study also carry OPTIONAL fields: the served decoder's bytes on
+the accelerator (`accelerator_bytes`: Over-Encoding's tables among them), the f-gram table's bytes off it
+(`host_table_bytes`, in host RAM or on disk; 0 without SCONE) and the median training throughput
+(`train_tokens_per_s`); older records lack them.
+
 `overrides` are relative to configs/quality.py's defaults when the run was recorded, and those defaults
 change as the study finds better ones. So a record carries `defaults_version` (DEFAULTS_VERSION when
 appended; a record without it is version 1, the method's defaults), and readers compare runs by `effective`
@@ -37,9 +42,12 @@ RECORDS = os.path.join(REPO, "experiments", "quality", "runs.jsonl")
 FIELDS = ("arm", "overrides", "seed", "learning_rate", "tokens", "steps", "validation_ppl", "test_ppl",
           "test_bits_per_byte", "test_tokens", "hit_rate", "inference_flops_per_token", "train_flops",
           "fgram_capacity", "train_seconds", "commit", "corpus", "splits_sha256", "source", "platform")
+# Fields of records appended since Over-Encoding joined the study (module docstring), absent from older ones.
+OPTIONAL = ("accelerator_bytes", "host_table_bytes", "train_tokens_per_s")
 # Settings a run without SCONE never reads: left out of a baseline's overrides, so that a baseline of a study
-# run with e.g. --config.scone.output_norm=false is the same baseline as any other.
+# run with e.g. --config.scone.output_norm=false is the same baseline as any other. Likewise Over-Encoding's.
 SCONE_ONLY = ("scone.", "train.fgram_model_delay_steps")
+OE_ONLY = ("overencoding.",)
 # configs/quality.py's defaults that changed, per version, for the SCONE arms (a baseline reads none of them).
 # Version 1: the method's (no delay); 2: the delay chosen on validation (docs/quality.md, "In short").
 DEFAULTS = {1: {"train.fgram_model_delay_steps": 0}, 2: {"train.fgram_model_delay_steps": 80}}
@@ -100,6 +108,9 @@ _TYPES = {
     "splits_sha256": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "source": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "platform": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "accelerator_bytes": (lambda v: _integer(v) and v > 0, "an integer > 0"),
+    "host_table_bytes": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    "train_tokens_per_s": (lambda v: _number(v) and v >= 0, "a number >= 0"),
 }
 
 
@@ -112,6 +123,8 @@ def check(record) -> str | None:
     if missing:
         return f"lacks the fields {missing}"
     for field, (test, want) in _TYPES.items():
+        if field in OPTIONAL and field not in record:
+            continue
         if not test(record[field]):
             return f"has {field}={json.dumps(record[field])}, which must be {want}"
     if "defaults_version" in record and record["defaults_version"] not in DEFAULTS:
@@ -146,7 +159,7 @@ def append(record: dict, path: str = RECORDS) -> None:
     with open(path, "ab") as f:
         if f.tell() and _last_byte(path) != b"\n":
             f.write(b"\n")
-        fields = FIELDS + (("defaults_version",) if "defaults_version" in record else ())
+        fields = FIELDS + tuple(k for k in OPTIONAL + ("defaults_version",) if k in record)
         f.write((json.dumps({k: record[k] for k in fields}) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
@@ -160,10 +173,11 @@ def _last_byte(path: str) -> bytes:
 
 def overrides_of(config, keys) -> dict:
     """The dotted config keys a run was given, as key -> the value the run's config holds (typed: 1 becomes
-    1.0 for a float key; train.seed stays one of them), SCONE's keys dropped for a run without it."""
+    1.0 for a float key; train.seed stays one of them), SCONE's (Over-Encoding's) keys dropped for a run without it."""
     out = {}
     for key in keys:
-        if config.scone.enabled or not key.startswith(SCONE_ONLY):
+        if (config.scone.enabled or not key.startswith(SCONE_ONLY)) and (
+                config.overencoding.enabled or not key.startswith(OE_ONLY)):
             out[key] = _get(config, key)
     return dict(sorted(out.items()))
 
@@ -205,7 +219,7 @@ def from_run(result: dict, config, keys, test_files: str) -> dict:
     from scone_jax.config import resolve
     from scone_jax.data import eval_sets, mixture
 
-    record = {k: result.get(k) for k in FIELDS}
+    record = {k: result.get(k) for k in FIELDS + tuple(k for k in OPTIONAL if k in result)}
     data = resolve(config.copy_and_resolve_references()).data  # the shorthand, if given, into its groups
     train_files = mixture.all_files(data)
     record.update(overrides=overrides_of(config, keys), seed=int(config.train.seed), defaults_version=DEFAULTS_VERSION,

@@ -17,6 +17,7 @@ from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.model import accounting
 from scone_jax.runtime import workdir as workdir_layout
+from scone_jax.serving import bundle
 from scone_jax.study import runs as study_runs
 from scone_jax.study.protocol import planned_keys, variant
 from scone_jax.study.runs import REPO, run_cli
@@ -25,9 +26,9 @@ from scone_jax.training import assets, state as state_lib
 CONFIG = os.path.join(REPO, "configs", "quality.py")
 ARMS = ("baseline", "baseline_2x", "baseline_short", "baseline_4x", "scone", "scone_short", "scone_fgram0.5x",
         "scone_fgram2x", "scone_s5k",
-        "scone_s100k", "scone_k3")
-SWEPT = {"baseline": "baseline", "scone": "scone"}  # arm -> the family whose swept learning rate it uses
-MAIN_ARMS = ("baseline", "scone", "baseline_2x")  # trained for --tokens; the others for --ablation_tokens
+        "scone_s100k", "scone_k3", "oe", "oe_5x")
+SWEPT = ("baseline", "scone", "oe")  # the arms whose learning rate is swept: their family's (protocol.family)
+MAIN_ARMS = ("baseline", "scone", "baseline_2x", "oe", "oe_5x")  # trained for --tokens; the others for --ablation_tokens
 
 
 def parse_rates(values: list[str]) -> list[str]:
@@ -150,10 +151,13 @@ def fgram_capacity(config, tokenizer, vocab, sample: int = 64) -> int:
     return int(math.ceil(max(used) * 1.25 / 128) * 128)
 
 
-def flops(config) -> tuple[float, float]:
-    """(inference FLOPs per token of the served decoder, training FLOPs of the whole run): the model formula
-    of scone_jax/model/accounting.py; inference is one forward pass (a third of training's 6N) through the
-    decoder, whose input at matched positions is a table row (no f-gram model at inference)."""
+def flops(config) -> tuple[float, float, int]:
+    """(inference FLOPs per token of the served decoder, training FLOPs of the whole run, the served decoder's
+    parameter bytes): the model formula of scone_jax/model/accounting.py; inference is one forward pass (a third of
+    training's 6N) through the decoder, whose input at matched positions is a table row (no f-gram model at
+    inference) and, with Over-Encoding, the projection of its n-gram rows. The bytes are what the accelerator holds
+    of the model at serving: the decoder as exported (model.param_dtype), Over-Encoding's tables among them,
+    SCONE's f-gram table not (host RAM or disk)."""
     from flax import nnx
 
     abstract = nnx.state(nnx.eval_shape(lambda: state_lib.build_model(config)), nnx.Param)
@@ -161,7 +165,22 @@ def flops(config) -> tuple[float, float]:
     per_token = accounting.decoder_flops_per_token(config.model, config.data.seq_len,
                                                    accounting.param_counts(decoder)["non_embedding"])
     step = accounting.train_step_flops(config, abstract, 1)["total"]
-    return per_token / 3.0, step * config.train.num_steps
+    return per_token / 3.0, step * config.train.num_steps, accounting.param_bytes(decoder)
+
+
+def train_tokens_per_s(metrics: list[dict]) -> float:
+    """The run's training throughput from its metrics.jsonl records: the median tokens/s of its log lines, leaving
+    out the first after each start (it holds compilation) unless nothing else is left."""
+    steady, every, first = [], [], True
+    for m in metrics:
+        if m.get("split") == "startup":  # a process started: its first log line timed its compilation too
+            first = True
+        elif m.get("split") == "train" and "tokens_per_s" in m:
+            every.append(m["tokens_per_s"])
+            if not first:
+                steady.append(m["tokens_per_s"])
+            first = False
+    return float(np.median(steady or every or [0.0]))
 
 
 # --- running one arm ----------------------------------------------------------------------------------
@@ -218,14 +237,17 @@ def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> di
     if rc:
         raise RuntimeError(f"evaluating {key} failed (exit {rc}): {last} (log: {log})")
     test = study_runs.read_json(result_path)
-    inference, train_flops = flops(config)
+    inference, train_flops, accelerator_bytes = flops(config)
+    table = bundle.read_export_meta(export)
     record = {
         "arm": arm, "learning_rate": float(rate), "tokens": config.train.num_steps * config.data.global_batch_size
         * config.data.seq_len, "steps": config.train.num_steps, "validation_ppl": validation["perplexity"],
         "test_ppl": test["perplexity"], "test_bits_per_byte": test["bits_per_byte"], "test_tokens": test["tokens"],
         "hit_rate": test["hit_rate"], "inference_flops_per_token": inference, "train_flops": train_flops,
         "fgram_capacity": config.scone.fgram_capacity if config.scone.enabled else 0,
-        "train_seconds": round(trained, 1), "commit": _commit(),
+        "train_seconds": round(trained, 1), "commit": _commit(), "accelerator_bytes": accelerator_bytes,
+        "host_table_bytes": table["num_fgrams"] * table["d_model"] * bundle.numpy_dtype(table["dtype"]).itemsize,
+        "train_tokens_per_s": train_tokens_per_s(metrics),
     }
     study.tokens_done += study.budget[arm]
     study.results["runs"][key] = record
@@ -247,20 +269,27 @@ ARM_LABELS = {
     "baseline_short": "baseline (2 blocks), ablation budget", "scone_short": "SCONE 1x, ablation budget",
     "scone": "SCONE, f-gram model 2 blocks (1x), S = 20k, K = 5", "scone_fgram0.5x": "SCONE, f-gram model 1 block (0.5x)",
     "scone_fgram2x": "SCONE, f-gram model 4 blocks (2x)", "scone_s5k": "SCONE, S = 5k", "scone_s100k": "SCONE, S = 100k",
-    "scone_k3": "SCONE, K = 3",
+    "scone_k3": "SCONE, K = 3", "oe": "Over-Encoding, n = 3, k = 4, m = 20k (about SCONE's table size)",
+    "oe_5x": "Over-Encoding, m = 100k (5x)",
 }
 
 
 def markdown(results: dict) -> str:
     """The arms' table (test perplexity first) and every run of the sweep, as markdown."""
     rows = ["| arm | tokens | learning rate | validation ppl | test ppl | test bits/byte | inference FLOPs/token "
-            "| training FLOPs | hit rate |", "|---|---|---|---|---|---|---|---|---|"]
+            "| training FLOPs | hit rate | accelerator MB | host table MB | training tokens/s (x baseline) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    baseline_rate = results["arms"].get("baseline", {}).get("train_tokens_per_s")
     for arm in ARMS:
         r = results["arms"].get(arm)
         if r:
+            rate = r.get("train_tokens_per_s")
+            versus = f" ({rate / baseline_rate:.2f}x)" if rate and baseline_rate else ""
+            sizes = " | ".join(f"{r[k] / 1e6:.1f}" if k in r else "" for k in ("accelerator_bytes", "host_table_bytes"))
             rows.append(f"| {ARM_LABELS[arm]} (`{arm}`) | {r['tokens'] / 1e6:.1f}M | {r['learning_rate']:g} | "
                         f"{r['validation_ppl']:.2f} | **{r['test_ppl']:.2f}** | {r['test_bits_per_byte']:.4f} | "
-                        f"{r['inference_flops_per_token']:.3g} | {r['train_flops']:.3g} | {r['hit_rate']:.3f} |")
+                        f"{r['inference_flops_per_token']:.3g} | {r['train_flops']:.3g} | {r['hit_rate']:.3f} | "
+                        f"{sizes} | {f'{rate:,.0f}' if rate else ''}{versus} |")
     runs = ["| run | validation ppl | test ppl | minutes | commit |", "|---|---|---|---|---|"]
     for key, r in sorted(results["runs"].items()):
         runs.append(f"| `{key}` | {r['validation_ppl']:.2f} | {r['test_ppl']:.2f} | {r['train_seconds'] / 60:.0f} | "

@@ -1,6 +1,7 @@
 """The run's assets: its tokenizer (load `data.tokenizer_path`, or train one into the workdir once), the model's
 vocabulary size from it, and the f-gram vocabulary (load `scone.vocab_path`, or extract one into the workdir
-once) with the batch transform that uses it.
+once) with the batch transform that uses it; with Over-Encoding instead, the batch transform that adds the hashed
+n-gram ids (data/ngram_hash.py).
 
 Extraction counts the same token stream the model sees: each training document as
 [bos] + ids (the packed `inputs`; ids alone with data.add_bos=False), up to `scone.extract_max_tokens` tokens;
@@ -17,10 +18,12 @@ from absl import logging
 
 from scone_jax import sharding
 from scone_jax.data import mixture, prompt, sources, tokenize, tokenizer as tokenizer_lib, tokenizer_training
+from scone_jax.data.ngram_hash import NgramHasher
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab, vocab_exists
+from scone_jax.model import overencoding
 from scone_jax.runtime import distributed, workdir as workdir_layout
 
 
@@ -143,6 +146,15 @@ def make_batcher(config, vocab: FgramVocab, mesh) -> FgramBatcher:
     local_shards = sharding.num_batch_shards(mesh) // jax.process_count()
     return FgramBatcher(Matcher(vocab), vocab, num_shards=local_shards, capacity=config.scone.fgram_capacity,
                         micro_batches=config.train.grad_accum_steps)
+
+
+def ngram_hasher(config) -> NgramHasher | None:
+    """Over-Encoding's batch transform (the n-gram ids of its tables over model.vocab_size), or None without it.
+    Training's loader, its held-out evaluation and serving (the export's config) all make it here."""
+    oe = config.get("overencoding")
+    if oe is None or not oe.enabled:
+        return None
+    return NgramHasher(overencoding.tables(oe), config.model.vocab_size)
 
 
 def fgram_batcher(config, tokenizer, workdir: str, mesh):

@@ -24,9 +24,10 @@ from scone_jax.runtime.prefetch import DispatchWindow, Prefetcher
 def evaluate(step: Callable, batches, mesh, *, rows: Callable[[Batch], Batch] | None = None, max_batches: int = 0,
              num_bytes: int = 0, log_every_s: float = 30.0) -> dict:
     """`step` (a device batch -> (sum of token losses, number of target tokens)) over `batches` (at most
-    `max_batches`, 0 = all), each through `rows` first (None: no f-gram rows, the decoder reads T(token)):
-    {tokens, loss, perplexity, bytes, bits_per_byte (None without `num_bytes`, the held-out text's UTF-8
-    bytes), hit_rate (positions with an f-gram; None without `rows`), tokens_per_s (after the first batch,
+    `max_batches`, 0 = all), each through `rows` first (None: no f-gram rows, the decoder reads T(token); with
+    Over-Encoding `rows` adds the n-gram ids instead): {tokens, loss, perplexity, bytes, bits_per_byte (None
+    without `num_bytes`, the held-out text's UTF-8 bytes), hit_rate (positions with an f-gram: 0 for a batch
+    without f-gram ids; None without `rows`), tokens_per_s (after the first batch,
     which compiles; None with one batch), batches}."""
     count = min(len(batches), max_batches) if max_batches else len(batches)
 
@@ -34,7 +35,7 @@ def evaluate(step: Callable, batches, mesh, *, rows: Callable[[Batch], Batch] | 
         real = batch.segment_ids > 0
         if rows is not None:
             batch = rows(batch)
-        hits = int((batch.fgram_ids[real] >= 0).sum()) if rows is not None else 0
+        hits = int((batch.fgram_ids[real] >= 0).sum()) if batch.fgram_ids is not None else 0
         return (hits, int(real.sum())), sharding.global_batch(batch.for_device(), mesh)
 
     prefetch = Prefetcher((b for _, b in zip(range(count), batches)), prepare)

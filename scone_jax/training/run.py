@@ -24,6 +24,7 @@ from absl import logging
 from scone_jax import config as config_lib, saved_config, sharding
 from scone_jax.data import identity, mixture, pipeline
 from scone_jax.hf import derive as hf_derive
+from scone_jax.model import overencoding
 from scone_jax.batch import Batch
 from scone_jax.runtime import distributed, storage, workdir as workdir_layout
 from scone_jax.training import assets, checkpoint, evaluation, exported_step, state as state_lib, steps
@@ -72,13 +73,15 @@ class Abstract:
 def abstract_batch(config, mesh) -> Batch:
     """The device Batch the training loop sends, as ShapeDtypeStructs sharded by rows: tokens [B, T], and with
     SCONE each batch shard's U unique f-grams of up to K tokens (fgram/dedup.py's layout: one group per data
-    shard and micro-batch)."""
+    shard and micro-batch), with Over-Encoding each position's k(n-1) n-gram ids."""
     rows = (config.data.global_batch_size, config.data.seq_len)
     shapes = dict(inputs=rows, targets=rows, segment_ids=rows, positions=rows, loss_mask=rows)
     if config.scone.enabled:
         accum = config.train.grad_accum_steps
         groups = (sharding.num_batch_shards(mesh) * accum, config.scone.fgram_capacity // accum)
         shapes.update(fgram_tokens=(*groups, config.scone.max_len), fgram_lengths=groups, fgram_slot=rows)
+    if config.overencoding.enabled:
+        shapes["ngram_ids"] = (*rows, len(overencoding.tables(config.overencoding)))
     return Batch(**{
         k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                 sharding=sharding.batch_sharding(mesh))
@@ -133,8 +136,11 @@ class Run:
 
     @functools.cached_property
     def batcher(self):
-        """The batch transform that adds each shard's f-grams (fgram/dedup.py), or None without SCONE."""
-        return assets.make_batcher(self.config, self.vocab, self.mesh) if self.vocab is not None else None
+        """The batch transform that adds each shard's f-grams (fgram/dedup.py), or Over-Encoding's n-gram ids
+        (data/ngram_hash.py); None for a plain decoder."""
+        if self.vocab is not None:
+            return assets.make_batcher(self.config, self.vocab, self.mesh)
+        return assets.ngram_hasher(self.config)
 
     @functools.cached_property
     def train_data(self):
@@ -238,6 +244,7 @@ def _tokenizer(config, workdir: str, latest):
     else:
         tokenizer = distributed.chief_first("tokenizer", lambda: assets.ensure_tokenizer(config.data, workdir))
     assets.resolve_vocab_size(config, tokenizer)
+    overencoding.check(config)  # m coprime with model.vocab_size, now that it is known
     return tokenizer
 
 

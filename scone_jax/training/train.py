@@ -129,7 +129,7 @@ def _train(run: run_lib.Run, owner) -> dict:
         # stop the run before it has done work that the error would lose.
         held_out = run.held_out
         # One batch per step: the batch numbers continue where the checkpoint stopped (packing.py).
-        inputs = _Inputs(run.train_data, run.mesh, run.batcher, pipeline.worker_count(config.data), run.sources)
+        inputs = _Inputs(run.train_data, run.mesh, pipeline.worker_count(config.data), run.sources)
         loop = _Loop(run, owner, held_out, inputs)
     except BaseException:
         run.close()
@@ -311,8 +311,8 @@ class _Inputs:
 
     WAIT_WARNING, WARN_EVERY = 0.10, 50
 
-    def __init__(self, dataset, mesh, batcher, workers: int, sources_: tuple[str, ...] = ()):
-        self._iter, self._mesh, self._batcher, self._workers = iter(dataset), mesh, batcher, workers
+    def __init__(self, dataset, mesh, workers: int, sources_: tuple[str, ...] = ()):
+        self._iter, self._mesh, self._workers = iter(dataset), mesh, workers
         self._sources = sources_  # the training mixture's component names (data/mixture.py), in order
         self._waited, self._since = 0.0, time.perf_counter()
         self._calls, self._warned_at = 0, None
@@ -325,7 +325,7 @@ class _Inputs:
             per_row = host_batch.loss_mask.sum(axis=1)
             for c, name in enumerate(self._sources):
                 host[f"mix/tokens_{name}"] = float(per_row[host_batch.row_source == c].sum()) * jax.process_count()
-        if self._batcher is not None:
+        if host_batch.fgram_tokens is not None:  # SCONE's batcher (Over-Encoding's adds ids only)
             host.update(fgram_stats.batch_stats(host_batch))
             host["fgram/model_tokens"] = host_batch.fgram_tokens.size * jax.process_count()
         arrays = sharding.global_batch(host_batch.for_device(), self._mesh)

@@ -199,6 +199,32 @@ def test_an_output_holding_other_files_is_refused(tmp_path):
     assert meta["step"] == 0
 
 
+def test_an_export_stopped_while_writing_is_unfinished_and_a_rerun_completes_it(tmp_path, monkeypatch):
+    """An export stopped after it claimed its output (here: the weights' writer raising) leaves a marker that says
+    unfinished, and the same command again writes the whole checkpoint, the tensors an uninterrupted export writes.
+    Caught: the marker written as complete when the export starts (the rerun returned at once: no weights)."""
+    from scone_jax.hf import write as hf_write
+
+    _, _, workdir = imported(tmp_path, "gpt2")
+    whole = str(tmp_path / "whole")
+    hf_export.export_hf(workdir, whole)
+    out = str(tmp_path / "out")
+    real = hf_write.write_checkpoint
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_write, "write_checkpoint", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        hf_export.export_hf(workdir, out)
+    assert json.loads(open(os.path.join(out, hf_export.HF_EXPORT)).read())["complete"] is False
+    monkeypatch.setattr(hf_write, "write_checkpoint", real)
+    hf_export.export_hf(workdir, out)
+    assert json.loads(open(os.path.join(out, hf_export.HF_EXPORT)).read())["complete"] is True
+    theirs, ours = stored(whole), stored(out)
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 @pytest.mark.slow
 def test_an_imported_checkpoint_fine_tunes_resumes_exactly_and_exports(tmp_path):
     """tools/import_hf.py -> scone_jax.main (stopped after 2 steps and resumed) == an uninterrupted run, batch for

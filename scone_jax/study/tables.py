@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from scone_jax.study import finetune_table
 from scone_jax.study.records import by_seed, distinct, effective
 
 DELAY40 = {"train.fgram_model_delay_steps": 40}
@@ -189,17 +190,18 @@ _END = "<!-- /records -->"
 
 def fill(markdown: str, records: list[dict]) -> str:
     """`markdown` with every `<!-- records:NAME -->...<!-- /records -->` block rebuilt from `records`
-    (NAME: a key of TABLES, or `all` for every run); the text around the blocks is kept as written."""
+    (NAME: a key of TABLES, `all` for every run, or `finetune` for the fine-tuning study: study/finetune_table.py);
+    the text around the blocks is kept as written."""
     out, rest = [], markdown
     while _MARKER in rest:
         before, _, after = rest.partition(_MARKER)
         name, _, after = after.partition(" -->")
         if _END not in after:
             raise ValueError(f"The block '{_MARKER}{name} -->' has no '{_END}' after it. Fix: close it.")
-        if name != "all" and name not in TABLES:
-            raise ValueError(f"Unknown records table {name!r}; the tables are {sorted(TABLES)} and 'all'.")
+        if name not in ("all", "finetune") and name not in TABLES:
+            raise ValueError(f"Unknown records table {name!r}; the tables are {sorted(TABLES)}, 'all' and 'finetune'.")
         rest = after.partition(_END)[2]
-        body = every_run(records) if name == "all" else table(name, records)
+        body = {"all": every_run, "finetune": finetune_table.section}.get(name, lambda r: table(name, r))(records)
         out.append(f"{before}{_MARKER}{name} -->\n{body}\n{_END}")
     return "".join(out) + rest
 

@@ -65,8 +65,8 @@ _RATES = flags.DEFINE_list("learning_rates", ["3e-4", "1e-3", "3e-3"], "Fine-tun
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Fine-tuning seeds (train.seed); the first sweeps the rates.")
 _VOCAB = flags.DEFINE_integer("vocab_size", 2048, "Pieces of the tokenizer trained on the pretraining split.")
 _RECORDS = flags.DEFINE_string("records", records.RECORDS, "The study's records ('' = none; with --quick, only if given).")
-_QUICK = flags.DEFINE_bool("quick", False, "Smoke run: tiny models, ~30k pretraining and ~8k fine-tuning tokens, the "
-                           "first rate and seed only; exercises every stage, compares nothing.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke run: tiny models, 20k pretraining and 4k fine-tuning tokens, the "
+                           "first rate and seed only, 2 decode timing rounds; exercises every stage, compares nothing.")
 _DECODE_TOKENS = flags.DEFINE_integer("decode_tokens", 64, "Tokens decoded per timing round.")
 _DECODE_REPEATS = flags.DEFINE_integer("decode_repeats", 5, "Timing rounds per export (the median is kept).")
 
@@ -95,7 +95,7 @@ def main():
     pre_rate = parse_rates([_PRE_RATE.value])[0]
     tokens, pre_tokens = parse_tokens(_TOKENS.value), parse_tokens(_PRE_TOKENS.value)
     if _QUICK.value:
-        rates, seeds, tokens, pre_tokens = rates[:1], seeds[:1], 8_000, 30_000
+        rates, seeds, tokens, pre_tokens = rates[:1], seeds[:1], 4_000, 20_000
     splits = [_PRE_TRAIN.value, _PRE_VALIDATION.value, _PRE_TEST.value]
     given = [_MAIN_RUN.value, _LARGE_RUN.value]
     if any(splits) == any(given) or (any(splits) and not all(splits)) or (any(given) and not all(given)):
@@ -202,7 +202,8 @@ def run_study(root, arms, rates, seeds, tokens, pre_tokens, pre_rate, given):
                 result = run_arm(study, arm, rate, config, tokenizer, planned)
                 result["pretrain"] = pretrained
                 timed = [os.path.join(study.run_dir(arm, rate), "export")] + ([plain_export] if plain_export else [])
-                ms = ms_per_token(timed, _first_question(), _DECODE_TOKENS.value, _DECODE_REPEATS.value)
+                ms = ms_per_token(timed, _first_question(), _DECODE_TOKENS.value,
+                                  2 if _QUICK.value else _DECODE_REPEATS.value)
                 result["decode_ms_per_token"] = round(ms[0], 4)
                 if plain_export:
                     result["decode_ms_per_token_plain"] = round(ms[1], 4)

@@ -102,11 +102,11 @@ def _record(arm, seed, rate, validation, test, **extra):
     base = {"arm": arm, "overrides": {"train.seed": seed}, "seed": seed, "learning_rate": rate, "tokens": 4096,
             "steps": 1, "validation_ppl": validation, "test_ppl": test, "test_bits_per_byte": None,
             "test_tokens": 100, "hit_rate": 0.0 if arm == "ft_plain" else 0.7, "inference_flops_per_token": 1.0,
-            "train_flops": 1.0, "fgram_capacity": 0, "train_seconds": 60.0, "commit": "x", "corpus": "wordnet_chat",
+            "train_flops": 1e12, "fgram_capacity": 0, "train_seconds": 60.0, "train_tokens_per_s": 3000.0, "commit": "x", "corpus": "wordnet_chat",
             "splits_sha256": None, "source": None, "platform": "cpu", "pretrain": "gcide, 2M tokens",
             "decode_ms_per_token": 1.0, "host_table_bytes": 0 if arm == "ft_plain" else 5_000_000}
     if arm != "ft_plain":
-        base.update(decode_ms_per_token=1.1, decode_ms_per_token_plain=1.0, train_seconds=300.0)
+        base.update(decode_ms_per_token=1.1, decode_ms_per_token_plain=1.0, train_flops=3e12, train_tokens_per_s=1000.0)
     base.update(extra)
     quality_records.check(base) and pytest.fail(quality_records.check(base))
     return base
@@ -128,11 +128,13 @@ def test_the_block_picks_each_arms_rate_by_the_first_seeds_validation_and_says_w
     assert "reaches 19.20 test perplexity" in text and "against 22.20 for the plain fine-tune (-13.5%)" in text
     assert "20.70 for the same f-gram model trained from scratch (-7.2%)" in text
     assert "decoding 1.10 ms per token against 1.00 for the plain export timed alongside (+10.0%)" in text
-    assert "5.0 MB in host RAM" in text and "(5.00x)" in text
+    assert "5.0 MB in host RAM" in text and "Cost: 3.00x the plain fine-tune's training FLOPs (1,000 training tokens/s " \
+        "against 3,000 here)" in text
     worse = runs[:3] + [_record("ft_scone_pretrained", s, 5e-4, 18.0, 23.0) for s in (0, 1)] + runs[5:]
     assert "does not hold" in finetune_table.verdict(finetune_table.chosen(worse))
     page = tables.fill("a\n<!-- records:finetune -->\nold\n<!-- /records -->\nb\n", runs)
-    assert "| plain fine-tune (`ft_plain`) | 0.002 | 22.00 (19.00) | 22.40 (19.50) | 22.20 |" in page
+    assert "| plain fine-tune (`ft_plain`) | 0.002 | 22.00 (19.00) | 22.40 (19.50) | 22.20 | 1e12 (3,000) | 1.00 | 0.0 |  |" \
+        in page
     assert page.startswith("a\n<!-- records:finetune -->\nFine-tuning corpus `wordnet_chat`") and page.endswith("b\n")
 
 

@@ -61,7 +61,7 @@ _PRE_TOKENS = flags.DEFINE_string("pretrain_tokens", "3m", "Pretraining tokens o
 _PRE_RATE = flags.DEFINE_string("pretrain_learning_rate", "2e-3", "Pretraining peak learning rate "
                                 "(docs/quality.md: the rate validation chose on GCIDE and the kernel documentation).")
 _TOKENS = flags.DEFINE_string("tokens", "1m", "Fine-tuning tokens of each run (rows of 16 x 256 positions).")
-_RATES = flags.DEFINE_list("learning_rates", ["3e-4", "1e-3", "3e-3"], "Fine-tuning peak rates swept by the first seed.")
+_RATES = flags.DEFINE_list("learning_rates", ["5e-4", "2e-3", "8e-3"], "Fine-tuning peak rates swept by the first seed.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Fine-tuning seeds (train.seed); the first sweeps the rates.")
 _VOCAB = flags.DEFINE_integer("vocab_size", 2048, "Pieces of the tokenizer trained on the pretraining split.")
 _RECORDS = flags.DEFINE_string("records", records.RECORDS, "The study's records ('' = none; with --quick, only if given).")

@@ -74,8 +74,10 @@ def verdict(best: dict) -> str:
             f"f-gram model grown from the larger pretrained model reaches {p:.2f} test perplexity on the assistant "
             f"tokens, against {a:.2f} for the plain fine-tune ({_percent(p, a)}) and {s:.2f} for the same f-gram "
             f"model trained from scratch ({_percent(p, s)}).")
-    seconds = [_mean(x, "train_seconds") for x in (pre, plain)]
-    cost = f" Cost: {seconds[0] / 60:.1f} minutes of training against {seconds[1] / 60:.1f} ({seconds[0] / seconds[1]:.2f}x)"
+    flops, speed = ([_mean(x, key) for x in (pre, plain)] for key in ("train_flops", "train_tokens_per_s"))
+    cost = f" Cost: {flops[0] / flops[1]:.2f}x the plain fine-tune's training FLOPs"
+    if speed[0] and speed[1]:
+        cost += f" ({speed[0]:,.0f} training tokens/s against {speed[1]:,.0f} here)"
     ms, ms_plain = _mean(pre, "decode_ms_per_token"), _mean(pre, "decode_ms_per_token_plain")
     if ms is not None and ms_plain is not None:
         cost += (f"; decoding {ms:.2f} ms per token against {ms_plain:.2f} for the plain export timed alongside "
@@ -84,6 +86,13 @@ def verdict(best: dict) -> str:
     if table is not None:
         cost += f"; an f-gram table of {table / 1e6:.1f} MB in host RAM (nothing more on the accelerator)"
     return text + cost + "."
+
+
+def _flops(seeds: dict[int, dict]) -> str:
+    """Training FLOPs (the model formula: the same on any machine) and the median training tokens/s measured (on
+    a shared machine, the load's as much as the model's; a resumed run's too, where its minutes are not)."""
+    speed = _mean(seeds, "train_tokens_per_s")
+    return f"{_mean(seeds, 'train_flops'):.3g}".replace("e+", "e") + (f" ({speed:,.0f})" if speed else "")
 
 
 def _cell(entry: dict | None) -> str:
@@ -95,7 +104,7 @@ def section(records: list[dict]) -> str:
     study = latest(records)
     best = chosen(study)
     seeds = sorted({s for _, found in best.values() for s in found})
-    lines = ["| arm | learning rate | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | training minutes "
+    lines = ["| arm | learning rate | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | training FLOPs (tokens/s) "
              "| decode ms/token (plain alongside) | host table MB | hit rate |", "|---|---|" + "---|" * (len(seeds) + 5)]
     for arm in ARMS:
         if arm not in best:
@@ -106,7 +115,7 @@ def section(records: list[dict]) -> str:
         table = _mean(found, "host_table_bytes")
         hit = f"{_mean(found, 'hit_rate'):.2f}" if arm != "ft_plain" else ""
         lines.append(f"| {LABELS[arm]} | {rate:g} | " + " | ".join(_cell(found.get(s)) for s in seeds) +
-                     f" | {_mean(found, 'test_ppl'):.2f} | {_mean(found, 'train_seconds') / 60:.1f} | {decode} | "
+                     f" | {_mean(found, 'test_ppl'):.2f} | {_flops(found)} | {decode} | "
                      f"{'' if table is None else f'{table / 1e6:.1f}'} | {hit} |")
     sweep = ["| arm | learning rate | seed | validation ppl | test ppl |", "|---|---|---|---|---|"]
     for (arm, _, rate, _, _, _), found in sorted(by_seed(study).items(), key=lambda x: (ARMS.index(x[0][0]), x[0][2])):
@@ -126,10 +135,11 @@ def _pretrained(records: list[dict]) -> str:
     last = {r["arm"]: r for r in distinct(records) if r["arm"] in PRETRAIN_ARMS}
     if not last:
         return ""
-    rows = ["| pretrained model | corpus | tokens | test ppl (validation) | training minutes |", "|---|---|---|---|---|"]
+    rows = ["| pretrained model | corpus | tokens | test ppl (validation) | training FLOPs (tokens/s) |",
+            "|---|---|---|---|---|"]
     for arm in PRETRAIN_ARMS:
         if arm in last:
             r = last[arm]
             rows.append(f"| `{arm}` | {r['corpus']} | {r['tokens'] / 1e6:.2f}M | {r['test_ppl']:.2f} "
-                        f"({r['validation_ppl']:.2f}) | {r['train_seconds'] / 60:.1f} |")
+                        f"({r['validation_ppl']:.2f}) | {_flops({0: r})} |")
     return "The pretrained models (test perplexity on the pretraining corpus's test split):\n\n" + "\n".join(rows)

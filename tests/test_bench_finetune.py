@@ -116,7 +116,8 @@ def test_the_block_picks_each_arms_rate_by_the_first_seeds_validation_and_says_w
     """Hand-made records: each arm's chosen rate is the one of lowest seed-0 validation (not test) perplexity, the
     means are over the seeds at that rate, and the sentence compares the pretrained arm with the other two.
     Caught: the arms unpacked in the wrong order (plain taken for the pretrained arm: the sentence said 'holds' with
-    the plain fine-tune's figure as SCONE's), and the rate chosen by test perplexity."""
+    the plain fine-tune's figure as SCONE's), the rate chosen by test perplexity, and a second setting of an arm at
+    one rate silently replacing the first."""
     runs = [_record("ft_plain", 0, 5e-4, 20.0, 21.0), _record("ft_plain", 0, 2e-3, 19.0, 22.0),
             _record("ft_plain", 1, 2e-3, 19.5, 22.4),
             _record("ft_scone_pretrained", 0, 5e-4, 18.0, 19.0), _record("ft_scone_pretrained", 1, 5e-4, 18.2, 19.4),
@@ -136,6 +137,9 @@ def test_the_block_picks_each_arms_rate_by_the_first_seeds_validation_and_says_w
     assert "| plain fine-tune (`ft_plain`) | 0.002 | 22.00 (19.00) | 22.40 (19.50) | 22.20 | 1e12 (3,000) | 1.00 | 0.0 |  |" \
         in page
     assert page.startswith("a\n<!-- records:finetune -->\nFine-tuning corpus `wordnet_chat`") and page.endswith("b\n")
+    other = _record("ft_plain", 0, 2e-3, 10.0, 11.0, overrides={"train.seed": 0, "data.seq_len": 128})
+    with pytest.raises(ValueError, match="hold ft_plain at 0.002 under two settings"):  # not one silently kept
+        finetune_table.chosen(runs + [other])
 
 
 def test_fine_tunes_from_other_pretraining_are_other_settings_and_a_null_bits_per_byte_is_a_record():

@@ -38,6 +38,10 @@ def chosen(records: list[dict]) -> dict[str, tuple[float, dict[int, dict]]]:
     """arm -> (the rate its first seed's validation chose, seed -> entry at that rate)."""
     rates: dict[str, dict[float, dict[int, dict]]] = {}
     for setting, seeds in by_seed(records).items():
+        if setting[2] in rates.get(setting[0], {}):
+            raise ValueError(f"The fine-tuning records hold {setting[0]} at {setting[2]:g} under two settings: the "
+                             "block compares one setting per arm. Fix: record a study of other settings with another "
+                             "fine-tuning corpus name or token budget (--chat_dir, --tokens).")
         rates.setdefault(setting[0], {})[setting[2]] = seeds
     out = {}
     for arm in ARMS:

@@ -10,7 +10,9 @@ Arms (every one starts its decoder from the main model's Hugging Face export, mo
 Both SCONE arms read a token table of their own (scone.own_token_embedding: the source's, or a random one) and mix
 their rows in through scone.gate from g = 0, so step 0 of every arm is the plain fine-tune and the two SCONE arms
 differ in the f-gram model's initialisation alone. Their f-grams are counted on the rendered training
-conversations. The runs train, export and score like the quality study's (study.py's run_arm, the main job's
+conversations. A seed sets the data order (data.shuffle_seed) as well as train.seed: the plain arm and the pretrained
+arm at equal widths have no random parameter, so train.seed alone would repeat a run. The runs train, export and
+score like the quality study's (study.py's run_arm, the main job's
 config from configs/finetune_hf.py instead of configs/quality.py), one Study per seed in WORKDIR/seed<N>.
 """
 from __future__ import annotations
@@ -79,7 +81,8 @@ class FinetuneStudy(Study):
             t.log_every = max(1, min(20, t.num_steps // 10))
             t.eval_every, t.eval_batches = t.num_steps, 0
             t.checkpoint_every, t.keep_checkpoints = max(1, min(200, t.num_steps)), 1
-            t.seed = self.seed
+            t.seed = config.data.shuffle_seed = self.seed  # a fine-tune from a checkpoint has few random parameters
+            # (none in ft_plain and ft_scone_pretrained at equal widths): a seed is its data order as well
             if rate is not None:
                 t.learning_rate = float(rate)
             set_overrides(config, extra or {})
@@ -98,7 +101,7 @@ class FinetuneStudy(Study):
     def recorded_keys(self, config) -> list[str]:
         """The settings a record names as its overrides (records.py): what tells the arms and studies apart, not
         the files' paths (a copied corpus or checkpoint is the same run)."""
-        keys = ["data.seq_len", "data.global_batch_size", "data.loss_on", "train.seed"]
+        keys = ["data.seq_len", "data.global_batch_size", "data.loss_on", "data.shuffle_seed", "train.seed"]
         if config.scone.enabled:
             keys += ["scone.num_layers", "scone.d_model", "scone.num_fgrams", "scone.max_len", "scone.gate",
                      "scone.gate_learning_rate_multiplier", "scone.own_token_embedding"]

@@ -152,8 +152,10 @@ def version(record: dict) -> int:
 def effective(record: dict) -> dict:
     """The run's settings apart from its seed, as their difference from version 1's defaults: its version's
     defaults (SCONE arms) with its overrides on top, less what equals version 1's defaults and less the keys
-    that cannot change the result (config_keys' LOOP keys)."""
-    given = {k: v for k, v in record["overrides"].items() if k != "train.seed" and k not in LOOP_KEYS}
+    that cannot change the result (config_keys' LOOP keys). data.shuffle_seed equal to the seed is the seed (the
+    fine-tuning study's seeds set the data order too: study/finetune.py), not a setting."""
+    given = {k: v for k, v in record["overrides"].items() if k != "train.seed" and k not in LOOP_KEYS
+             and not (k == "data.shuffle_seed" and v == record["seed"])}  # a seed that is its data order too
     defaults = DEFAULTS[version(record)] if record["arm"].startswith("scone") else {}
     merged = {**defaults, **given}
     first = DEFAULTS[1]

@@ -34,9 +34,10 @@ def test_quick_run_records_every_arm_from_the_serving_path_and_a_rerun_trains_no
     """--quick pretrains both models, exports them as Hugging Face checkpoints, fine-tunes the three arms and records
     five runs whose test perplexity is the one serving.evaluate wrote for the run's export. Caught: the f-gram source
     exported from the main run instead of the larger one (hf_large's config had 2 layers, and the source arm's
-    record said scone.num_layers=2); a record made from the validation figure instead of test_eval.json's."""
+    record said scone.num_layers=2); a record made from the validation figure instead of test_eval.json's; a seed
+    that set train.seed alone (ft_plain's seed 1 repeated seed 0 to the last digit: it has no random parameter)."""
     workdir, path = tmp_path / "ft", tmp_path / "runs.jsonl"
-    args = _args(corpus, chat, workdir, "--quick", "--large_arm=baseline_2x", f"--records={path}")
+    args = _args(corpus, chat, workdir, "--quick", "--large_arm=baseline_2x", "--seeds=1", f"--records={path}")
     result = run_tool("tools/bench_finetune.py", args, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     recorded = quality_records.read(str(path))
@@ -46,7 +47,8 @@ def test_quick_run_records_every_arm_from_the_serving_path_and_a_rerun_trains_no
     assert json.load(open(workdir / "hf_main" / "config.json"))["n_layer"] == 2
     fine = {r["arm"]: r for r in recorded[2:]}
     for arm, r in fine.items():
-        served = json.load(open(workdir / "seed0" / arm / f"lr{r['learning_rate']}" / "test_eval.json"))
+        served = json.load(open(workdir / "seed1" / arm / f"lr{r['learning_rate']}" / "test_eval.json"))
+        assert r["seed"] == r["overrides"]["train.seed"] == r["overrides"]["data.shuffle_seed"] == 1
         assert r["test_ppl"] == served["perplexity"] and math.isfinite(r["test_ppl"]) and r["test_ppl"] > 1
         assert r["test_bits_per_byte"] is None and r["corpus"] == os.path.basename(chat)
         assert r["decode_ms_per_token"] > 0 and r["pretrain"].startswith("split, ")
@@ -144,8 +146,15 @@ def test_the_block_picks_each_arms_rate_by_the_first_seeds_validation_and_says_w
 
 def test_fine_tunes_from_other_pretraining_are_other_settings_and_a_null_bits_per_byte_is_a_record():
     """`pretrain` tells runs apart (records.settings), and test_bits_per_byte may be null (conversations) but not a
-    string. Caught: settings() without `pretrain` (two studies' seed-0 runs merged into one averaged entry)."""
+    string; a data order equal to the seed is the seed, another one a setting. Caught: settings() without
+    `pretrain` (two studies' seed-0 runs merged into one averaged entry); effective() keeping data.shuffle_seed
+    (the fine-tuning study's seeds 0 and 1 became two settings of one seed each)."""
     a, b = _record("ft_plain", 0, 1e-3, 20.0, 21.0), _record("ft_plain", 0, 1e-3, 30.0, 31.0, pretrain="other")
     assert quality_records.settings(a) != quality_records.settings(b)
     assert len(quality_records.by_seed([a, b])) == 2
     assert "test_bits_per_byte" in quality_records.check({**a, "test_bits_per_byte": "x"})
+    seed0 = _record("ft_plain", 0, 1e-3, 20.0, 21.0, overrides={"train.seed": 0, "data.shuffle_seed": 0})
+    seed1 = _record("ft_plain", 1, 1e-3, 20.5, 21.5, overrides={"train.seed": 1, "data.shuffle_seed": 1})
+    other_order = _record("ft_plain", 1, 1e-3, 20.5, 21.5, overrides={"train.seed": 1, "data.shuffle_seed": 7})
+    assert list(quality_records.by_seed([seed0, seed1]).values()) == [{0: dict(seed0, runs=1), 1: dict(seed1, runs=1)}]
+    assert len(quality_records.by_seed([seed0, other_order])) == 2  # a data order other than the seed's: a setting

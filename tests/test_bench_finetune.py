@@ -127,7 +127,8 @@ def test_the_block_picks_each_arms_rate_by_the_first_seeds_validation_and_says_w
     best = finetune_table.chosen(runs)
     assert best["ft_plain"][0] == 2e-3 and sorted(best["ft_plain"][1]) == [0, 1]
     text = finetune_table.verdict(best)
-    assert text.startswith("**The paper's direction holds here** (on each of the 2 seeds all three arms share)")
+    assert text.startswith("**The paper's direction holds here**: SCONE with its f-gram model grown")
+    assert "seed by seed it is ahead of the plain fine-tune on 2 of 2 and of the one from scratch on 2 of 2." in text
     assert "reaches 19.20 test perplexity" in text and "against 22.20 for the plain fine-tune (-13.5%)" in text
     assert "20.70 for the same f-gram model trained from scratch (-7.2%)" in text
     assert "decoding 1.10 ms per token against 1.00 for the plain export timed alongside (+10.0%)" in text

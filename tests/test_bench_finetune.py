@@ -100,6 +100,40 @@ def test_an_unfinished_run_given_as_the_main_model_is_refused(chat, tmp_path):
     assert f"{run} is not a finished run (its last step is 0 of 10)" in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
+def test_finished_runs_given_must_share_one_tokenizer_json(chat, tmp_path):
+    """--main_workdir / --large_workdir: a run with the workdir's SentencePiece tokenizer, or two runs of different
+    tokenizer.json files, are refused before anything is written. Caught: the tokenizers left unchecked (the study
+    went on with the runs: no exit 2 before WORKDIR was written)."""
+    def finished(name, tokenizer_path):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"train": {"num_steps": 3}, "data": {"tokenizer_path": tokenizer_path}}))
+        (run / "metrics.jsonl").write_text(json.dumps({"split": "step", "step": 3}) + "\n")
+        (run / "DONE").write_text(json.dumps({"step": 3}))
+        return run
+
+    def refused(main, large):
+        result = run_tool("tools/bench_finetune.py", [f"--main_workdir={main}", f"--large_workdir={large}",
+                                                      f"--chat_dir={chat}", f"--workdir={tmp_path / 'w'}"])
+        assert result.returncode == 2 and not (tmp_path / "w").exists()
+        return result.stderr.strip().splitlines()[-1]
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    paths = []
+    for i, words in enumerate((["a", "b"], ["b", "a"])):
+        tok = Tokenizer(models.WordLevel({w: j for j, w in enumerate(words + ["<|endoftext|>"])}, unk_token="a"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.add_special_tokens(["<|endoftext|>"])
+        tok.save(str(tmp_path / f"tok{i}.json"))
+        paths.append(str(tmp_path / f"tok{i}.json"))
+    sentencepiece = finished("sp", "")
+    one, other = finished("one", paths[0]), finished("other", paths[1])
+    assert "sp was trained with a SentencePiece tokenizer (its workdir tokenizer.model)" in refused(sentencepiece, one)
+    assert "read different tokenizers" in refused(one, other)
+
+
 def _record(arm, seed, rate, validation, test, **extra):
     base = {"arm": arm, "overrides": {"train.seed": seed}, "seed": seed, "learning_rate": rate, "tokens": 4096,
             "steps": 1, "validation_ppl": validation, "test_ppl": test, "test_bits_per_byte": None,

@@ -31,16 +31,17 @@ its f-gram model grown from the larger model or trained from scratch.
    block that `python tools/plot_quality.py` rebuilds in docs/quality.md. A rerun skips finished runs and resumes a
    half-trained one. RESULT lines: ppl_<arm>_seed<N>, decode_ms_per_token_<arm>_seed<N>.
 Bad input (a missing flag, an unknown arm, a rate or seed that is not one, both pretraining splits and workdirs or
-neither, a corpus folder without its files, a workdir that is not a finished run, a WORKDIR another study uses) is
-one line and exit 2 before anything is written.
+neither, a corpus folder without its files, a workdir that is not a finished run, given runs that do not read one
+tokenizer.json, a WORKDIR another study uses) is one line and exit 2 before anything is written.
 """
 from __future__ import annotations
 
+import json
 import os
 
 from absl import flags
 
-from scone_jax.data.tokenizer import Tokenizer
+from scone_jax.data.tokenizer import HUGGINGFACE, Tokenizer
 from scone_jax.runtime import logs, ownership, tool_main
 from scone_jax.study import checks, finetune, finetune_table, records, runs as study_runs, shared_tokenizer
 from scone_jax.study.decode_time import ms_per_token
@@ -101,11 +102,8 @@ def main():
     if any(splits) == any(given) or (any(splits) and not all(splits)) or (any(given) and not all(given)):
         raise ValueError("Give either all three --pretrain_*_files (pretrain here) or both --main_workdir and "
                          "--large_workdir (finished runs), not both and not part of either.")
-    for run in filter(None, given):
-        why = study_runs.unfinished(run, (study_runs.read_json(os.path.join(run, "config.json")) or
-                                          {"train": {"num_steps": -1}})["train"]["num_steps"])
-        if why:
-            raise ValueError(f"{run} is not a finished run ({why}). Fix: name a run that trained to its last step.")
+    if all(given):
+        _check_given_runs(given)
     missing = [n for n in ("train.jsonl", "validation.jsonl", "test.jsonl", "chat_template.jinja")
                if not os.path.isfile(os.path.join(_CHAT.value, n))]
     if missing:
@@ -115,6 +113,27 @@ def main():
     os.makedirs(root, exist_ok=True)
     with ownership.hold(root):
         run_study(root, arms, rates, seeds, tokens, pre_tokens, pre_rate, given)
+
+
+def _check_given_runs(runs: list[str]) -> None:
+    """--main_workdir and --large_workdir: finished runs that read one tokenizer.json (the f-gram model grown from
+    the larger one must read the main model's ids as the same tokens: hf/fgram_source.py)."""
+    paths = []
+    for run in runs:
+        config = study_runs.read_json(os.path.join(run, "config.json")) or {"train": {"num_steps": -1}, "data": {}}
+        why = study_runs.unfinished(run, config["train"]["num_steps"])
+        if why:
+            raise ValueError(f"{run} is not a finished run ({why}). Fix: name a run that trained to its last step.")
+        path = config["data"].get("tokenizer_path", "")
+        if not path or Tokenizer.load(path).kind != HUGGINGFACE:
+            raise ValueError(f"{run} was trained with a SentencePiece tokenizer ({path or 'its workdir tokenizer.model'}), "
+                             "but an f-gram model grown from a checkpoint needs the tokenizer.json both models read. "
+                             "Fix: pretrain them with this tool (the --pretrain_*_files flags), or train both with one "
+                             "tokenizer.json (data.tokenizer_path).")
+        paths.append(path)
+    if open(paths[0], "rb").read() != open(paths[1], "rb").read():
+        raise ValueError(f"{runs[0]} and {runs[1]} read different tokenizers ({paths[0]}, {paths[1]}). Fix: two runs "
+                         "trained with one tokenizer.json.")
 
 
 def _append(record: dict, rename: str | None = None) -> None:
@@ -223,8 +242,6 @@ def run_study(root, arms, rates, seeds, tokens, pre_tokens, pre_rate, given):
 
 def _first_question() -> str:
     """The prompt the decode timing continues: the first test conversation's question."""
-    import json
-
     with open(os.path.join(_CHAT.value, "test.jsonl")) as f:
         return json.loads(f.readline())["messages"][0]["content"]
 

@@ -85,7 +85,7 @@ def test_a_model_fine_tuned_on_questions_answers_them_through_the_generation_job
     that follow. A tiny SCONE model fine-tuned on them (f-grams counted on the rendered conversations) is exported
     and asked through `python -m scone_jax.serving.generate_batch` (chat prompts, the template's end-of-turn
     token as stop, f-gram rows from the table): greedy, it answers the questions it learned and none of 6 it never
-    saw; sampled 4 times, pass@4 >= pass@1. Caught: the stop token of conversations left out (every sample then
+    saw; sampled twice, pass@2 >= pass@1. Caught: the stop token of conversations left out (every sample then
     ran on to --max_new_tokens past <|im_end|>, and none matched)."""
     from scone_jax.serving import export, generate_batch
     from tests.chat_data import write_conversations as write
@@ -95,7 +95,7 @@ def test_a_model_fine_tuned_on_questions_answers_them_through_the_generation_job
     learned, unseen = qa_pairs(12), qa_pairs(6, offset=100)
     config = chat_config(path, write(str(tmp_path / "train.jsonl"), learned), seq_len=64, global_batch_size=8)
     config.model.update(dict(d_model=64, d_ff=128, position="rope"))
-    config.train.update(dict(num_steps=300, warmup_steps=10, learning_rate=1e-2, checkpoint_every=300, log_every=100))
+    config.train.update(dict(num_steps=120, warmup_steps=10, learning_rate=1e-2, checkpoint_every=120, log_every=40))
     config.scone.update(dict(enabled=True, max_len=3, num_fgrams=300, min_count=2, fgram_capacity=128, num_layers=1,
                              extract_max_tokens=100_000))
     workdir, bundle_dir = str(tmp_path / "run"), str(tmp_path / "export")
@@ -118,9 +118,9 @@ def test_a_model_fine_tuned_on_questions_answers_them_through_the_generation_job
     assert all(r["finish_reason"] == "stop" for r in rows if r["correct"])
     assert summary["pass@1"] == pytest.approx(sum(correct.values()) / 18)
     args = {"export": bundle_dir, "prompts": str(prompts), "output": str(tmp_path / "sampled.jsonl"), "summary": "",
-            "num_samples": 4, "max_new_tokens": 24, "temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 0,
-            "batch_size": 16, "pass_at": "1,4", "chat_template": "", "stop_tokens": "", "table": "ram",
+            "num_samples": 2, "max_new_tokens": 24, "temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 0,
+            "batch_size": 36, "pass_at": "1,2", "chat_template": "", "stop_tokens": "", "table": "ram",
             "max_table_bytes": 0}
     generate_batch.run(types.SimpleNamespace(**{k: types.SimpleNamespace(value=v) for k, v in args.items()}))
     sampled = json.loads((tmp_path / "sampled.jsonl.summary.json").read_text())
-    assert sampled["samples_per_prompt"] == 4 and sampled["pass@4"] >= sampled["pass@1"] > 0.3
+    assert sampled["samples_per_prompt"] == 2 and sampled["pass@2"] >= sampled["pass@1"] > 0.3

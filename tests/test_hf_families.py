@@ -123,3 +123,21 @@ def test_the_family_of_a_model_section():
         families.of_model(dict(llama, embedding_multiplier=2.0))
     with pytest.raises(HfConfigError, match="num_kv_heads=0 \\(has 2\\)"):  # GPT-2 has no grouped-query attention
         families.of_model(dict(gpt2, num_kv_heads=2))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "olmo"])
+def test_fields_a_config_json_leaves_out_take_transformers_defaults(family):
+    """A config.json written without its optional fields (the norm's epsilon, tied embeddings) gives the values
+    transformers' own config class fills in for it. Caught: Qwen3's missing rms_norm_eps read as 1e-7; GPT-2's
+    missing tie_word_embeddings read as untied."""
+    from transformers import AutoConfig
+
+    hf = written(family)
+    for field in ("rms_norm_eps", "layer_norm_epsilon", "tie_word_embeddings"):
+        hf.pop(field, None)
+    keys = families.of_config(hf, "config.json").model_keys(hf, "config.json")
+    theirs = AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "transformers_version"})
+    eps = getattr(theirs, "rms_norm_eps", None) or getattr(theirs, "layer_norm_epsilon", None)
+    if family != "olmo":  # OLMo's LayerNorm has a fixed epsilon of its own, not a config field
+        assert keys["norm_eps"] == eps
+    assert keys["tie_embeddings"] == theirs.tie_word_embeddings

@@ -117,7 +117,7 @@ def test_jsonl_corpus_trains_from_a_glob_over_the_directory_and_reruns_overwrite
 @pytest.mark.parametrize("case, message", [
     ("no_match", "error: No files match the pattern '{tmp}/missing-*.txt'. Fix: check the path/glob."),
     ("empty", "error: The 1 file(s) matching '{tmp}/blank.txt' hold zero documents"),
-    ("format", "error: --format='csv' is unknown; use one of text, jsonl."),
+    ("format", "error: --format='csv' is unknown; use one of text, jsonl, chat."),
     ("output", "error: --output='{tmp}/blank.txt/out' is not writable (Not a directory). Fix: choose a directory"),
     ("tokenizer", "error: --tokenizer='{tmp}/none.model' does not exist. Fix: point it at a SentencePiece .model"),
     ("not_a_tokenizer", "error: {tmp}/c.txt is neither a SentencePiece model nor a Hugging Face tokenizer.json"),

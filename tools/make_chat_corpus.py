@@ -28,10 +28,13 @@ from absl import flags
 
 from scone_jax.runtime import tool_main
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("wordnet_dir", "/usr/share/wordnet", "WordNet 3.0's dict directory (data.noun, data.verb, ...).")
-flags.DEFINE_string("output", "", "Directory for the corpus (created).")
-flags.DEFINE_integer("max_synsets", 0, "Keep this many synsets (those of the smallest CRCs; 0 = all).")
+
+def _define_flags():
+    """Defined only when this file runs as a program: tests import it beside other tools with an --output."""
+    flags.DEFINE_string("wordnet_dir", "/usr/share/wordnet", "WordNet 3.0's dict directory (data.noun, data.verb, ...).")
+    flags.DEFINE_string("output", "", "Directory for the corpus (created).")
+    flags.DEFINE_integer("max_synsets", 0, "Keep this many synsets (those of the smallest CRCs; 0 = all).")
+
 
 PARTS = {"noun": "noun", "verb": "verb", "adj": "adjective", "adv": "adverb"}
 SPLITS = (("train", 90), ("validation", 5), ("test", 5))  # percent of synsets
@@ -86,6 +89,7 @@ def write_text(path: str, text: str) -> None:
 
 
 def run() -> None:
+    FLAGS = flags.FLAGS
     tool_main.require(output=FLAGS.output)
     files = {part: os.path.join(FLAGS.wordnet_dir, f"data.{part}") for part in PARTS}
     missing = [path for path in files.values() if not os.path.isfile(path)]
@@ -117,4 +121,5 @@ def run() -> None:
 
 
 if __name__ == "__main__":
+    _define_flags()
     tool_main.run(run)

@@ -42,6 +42,7 @@ from scone_jax.hf.families.base import BLOCKS, Part, Tensor
 class LoadReport:
     bytes_read: int = 0  # bytes read from the checkpoint's files by this process
     seconds: float = 0.0
+    read_seconds: float = 0.0  # of `seconds`, in reading the files (the rest: placing and converting on the devices)
     tensors: int = 0  # parameters made
 
 
@@ -152,6 +153,7 @@ def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State, *, by_rows: bool
             index = _ranges(index, shape)
             key = tuple((s.start, s.stop) for s in index)
             if key not in blocks:  # devices that share a block (a replicated axis) read it once
+                started = time.perf_counter()
                 block = _aligned_empty(tuple(s.stop - s.start for s in index), dtype)
                 if stacked:
                     for row, i in enumerate(range(index[0].start, index[0].stop)):
@@ -159,6 +161,7 @@ def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State, *, by_rows: bool
                 else:
                     checkpoint.read_into(tensor, layer, stored_block(tensor, part, index), block)
                 report.bytes_read += block.nbytes
+                report.read_seconds += time.perf_counter() - started
                 blocks[key] = block
             return blocks[key]
 

@@ -57,7 +57,7 @@ OPTIONAL = ("accelerator_bytes", "host_table_bytes", "train_tokens_per_s", "pret
 SCONE_ONLY = ("scone.", "train.fgram_model_delay_steps")
 OE_ONLY = ("overencoding.",)
 # configs/quality.py's defaults that changed, per version, for the SCONE arms (a baseline reads none of them).
-# Version 1: the method's (no delay); 2: the delay chosen on validation (docs/quality.md, "In short").
+# Version 1: the method's (no delay); 2: the delay chosen on validation (docs/quality.md, "How the study got here").
 DEFAULTS = {1: {"train.fgram_model_delay_steps": 0}, 2: {"train.fgram_model_delay_steps": 80}}
 DEFAULTS_VERSION = max(DEFAULTS)  # configs/quality.py's now: what a record appended today carries
 # Keys that say how a run was fitted to its machine (workers, job slots, logging, checkpoints), never what it

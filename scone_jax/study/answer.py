@@ -1,0 +1,93 @@
+"""docs/quality.md's opening table, the study's answer, from its records (study/records.py): each main arm at
+the settings configs/quality.py defines today, per corpus, token budget and platform, against the baseline.
+
+A row is one arm's runs whose effective settings (records.effective) are exactly what a run given no override
+gets under today's defaults (records.DEFAULTS_VERSION), whatever version they were recorded under, at the
+learning rate with the lowest validation perplexity (the mean over its seeds: the study's rule for every
+family), trained for exactly the row's tokens. Its test perplexity is the mean over those seeds (each seed one
+entry, records.by_seed), against the 2-block baseline's mean of the same corpus, tokens and platform. A corpus,
+budget and platform without that baseline has no row: there is nothing to be against. Arms outside ARMS (the
+ablations, which docs/quality.md's other tables hold, and the fine-tuning arms `ft_*`) are left out.
+"""
+from __future__ import annotations
+
+from scone_jax.study.protocol import family
+from scone_jax.study.records import DEFAULTS_VERSION, by_seed, effective
+
+# The study's main arms (study.MAIN_ARMS: trained for --tokens) and the 1x arms of its ablation budget
+# (protocol.SHORT_ARMS), in the order of the table's rows; oe and oe_5x join it as soon as they are recorded.
+ARMS = ("baseline", "baseline_short", "baseline_2x", "scone", "scone_short", "oe", "oe_5x")
+BASELINES = ("baseline", "baseline_short")  # the 2-block baseline a row is against (at --tokens, at --ablation_tokens)
+# Where each family's extra input rows live when the model is served (the record field that sizes them).
+PLACES = {"baseline": ("none", None), "oe": ("accelerator", "accelerator_bytes"),
+          "scone": ("host RAM or disk", "host_table_bytes")}
+
+
+def at_defaults(record: dict) -> bool:
+    """Whether the run's effective settings are those of a run of its arm given no override today."""
+    today = dict(record, overrides={}, defaults_version=DEFAULTS_VERSION)
+    return effective(record) == effective(today)
+
+
+def _mean(seeds: dict[int, dict], key: str) -> float:
+    return sum(seeds[s][key] for s in sorted(seeds)) / len(seeds)
+
+
+def rows(records: list[dict]) -> list[dict]:
+    """The table's rows in order (corpus and platform as first recorded, larger budgets first, arms as in ARMS):
+    arm, corpus, platform, tokens, learning_rate, seeds (how many), test_ppl (their mean), reference (the
+    baseline the others are against), versus (percent against its mean), inference_flops_per_token, place,
+    place_bytes (None where not recorded)."""
+    groups: dict[tuple, dict[str, dict[float, dict]]] = {}
+    for (arm, tokens, rate, _, platform, corpus), seeds in by_seed(records).items():
+        if arm in ARMS and at_defaults(next(iter(seeds.values()))):
+            groups.setdefault((corpus, platform, tokens), {}).setdefault(arm, {})[rate] = seeds
+    first = {}
+    for r in records:
+        first.setdefault(r["corpus"], len(first))
+        first.setdefault(("platform", r["platform"]), len(first))
+    out = []
+    for corpus, platform, tokens in sorted(groups, key=lambda g: (first[g[0]], first[("platform", g[1])], -g[2])):
+        arms = groups[(corpus, platform, tokens)]
+        chosen = {arm: min(rates.items(), key=lambda kv: (_mean(kv[1], "validation_ppl"), kv[0]))
+                  for arm, rates in arms.items()}
+        reference = next((a for a in BASELINES if a in chosen), None)
+        if reference is None:
+            continue
+        base_ppl = _mean(chosen[reference][1], "test_ppl")
+        for arm in (a for a in ARMS if a in chosen):
+            rate, seeds = chosen[arm]
+            ppl = _mean(seeds, "test_ppl")
+            last = seeds[max(seeds)]
+            place, field = PLACES[family(arm)]
+            out.append({"arm": arm, "corpus": corpus, "platform": platform, "tokens": tokens, "learning_rate": rate,
+                        "seeds": len(seeds), "test_ppl": ppl, "reference": arm == reference,
+                        "versus": 100 * (ppl / base_ppl - 1),
+                        "inference_flops_per_token": last["inference_flops_per_token"], "place": place,
+                        "place_bytes": last.get(field) if field else None})
+    return out
+
+
+_WITH = {"accelerator": " with the decoder", "host RAM or disk": ""}  # what a recorded size counts
+
+
+def _millions(tokens: int) -> str:
+    return f"{tokens / 1e6:.1f}".removesuffix(".0") + "M"
+
+
+def table(records: list[dict]) -> str:
+    """rows() as markdown; refused when no row has a baseline (the page would lose its answer silently)."""
+    found = rows(records)
+    if not found:
+        raise ValueError("No corpus has a 2-block baseline run at today's defaults, so the answer table is empty. "
+                         "Fix: append the baseline's runs to the records (tools/bench_quality.py does).")
+    lines = ["| arm | corpus | tokens | learning rate | seeds | test perplexity (mean) | against the baseline "
+             "| inference FLOPs per token | table lives in |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in found:
+        corpus = r["corpus"] if r["platform"] == "cpu" else f"{r['corpus']} ({r['platform']})"
+        versus = "" if r["reference"] else f"{r['versus']:+.1f}%"
+        size = "" if r["place_bytes"] is None else f" ({r['place_bytes'] / 1e6:.1f} MB{_WITH[r['place']]})"
+        flops = f"{r['inference_flops_per_token']:.3g}".replace("e+0", "e")
+        lines.append(f"| `{r['arm']}` | {corpus} | {_millions(r['tokens'])} | {r['learning_rate']:g} | {r['seeds']} | "
+                     f"{r['test_ppl']:.2f} | {versus} | {flops} | {r['place']}{size} |")
+    return "\n".join(lines)

@@ -62,8 +62,8 @@ from scone_jax.config import define_override_flag, load_config_file, override_fl
 from scone_jax.runtime import ownership, tool_main
 from scone_jax.study import checks, figure, records, runs as study_runs
 from scone_jax.study.protocol import best_rate, family, sweep_stopped, without_short_arms
-from scone_jax.study.study import (ARMS, CONFIG, SWEPT, Study, fgram_capacity, markdown,
-                                   parse_rates, parse_tokens, run_arm, write_json)
+from scone_jax.study.study import (ARMS, CONFIG, SWEPT, Study, fgram_settings, markdown, parse_rates,
+                                   parse_tokens, run_arm)
 from scone_jax.training import assets
 
 _SOURCE = flags.DEFINE_enum("source", "jsonl", ["text", "jsonl", "arrayrecord"], "Corpus format (data.source).")
@@ -176,19 +176,9 @@ def run_study(study: Study, probe, arms: list[str], rates: list[str]):
             study.skipped.add((arm, rate))
             continue
         if key not in study.results["runs"]:
-            extra = {}
             config = study.config(arm, rate, tokenizer=tokenizer)
             if config.scone.enabled:
-                vocab_dir = os.path.join(root, f"fgrams_s{config.scone.num_fgrams}_k{config.scone.max_len}")
-                vocab = assets.ensure_vocab(config.scone, config.data, tokenizer, vocab_dir)
-                extra["scone.vocab_path"] = os.path.join(vocab_dir, "fgrams")
-                saved = study_runs.read_json(os.path.join(vocab_dir, "capacity.json"))
-                if saved is None or saved["rows"] != config.data.global_batch_size * config.data.seq_len:
-                    saved = {"capacity": fgram_capacity(config, tokenizer, vocab),
-                             "rows": config.data.global_batch_size * config.data.seq_len}
-                    write_json(os.path.join(vocab_dir, "capacity.json"), saved)
-                extra["scone.fgram_capacity"] = saved["capacity"]
-                config = study.config(arm, rate, extra, tokenizer)
+                config = study.config(arm, rate, fgram_settings(study, config, tokenizer), tokenizer)
             study.results["runs"][key] = run_arm(study, arm, rate, config, tokenizer, resolved + planned[len(resolved):])
             study.save(_RECORD.value)
             if _RECORDS.value and (not _QUICK.value or flags.FLAGS["records"].present):

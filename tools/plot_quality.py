@@ -4,7 +4,8 @@
 
 Every `<!-- records:NAME -->...<!-- /records -->` block of --markdown is rebuilt from --records (the rows of
 each table: scone_jax/study/tables.py's TABLES; `answer`: the page's opening table, scone_jax/study/answer.py;
-`all`: every run); the prose around them stays as written.
+`finetune`: the fine-tuning comparison of tools/bench_finetune.py, scone_jax/study/finetune_table.py; `all`: every
+run); the prose around them stays as written.
 The figure plots each table row marked for it, the mean over its seeds, against inference and training FLOPs
 (needs matplotlib: the [plot] extra). Prints every plotted arm's seeds and mean.
 """

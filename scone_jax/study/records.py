@@ -17,6 +17,13 @@ the accelerator (`accelerator_bytes`: Over-Encoding's tables among them), the f-
 (`host_table_bytes`, in host RAM or on disk; 0 without SCONE) and the median training throughput
 (`train_tokens_per_s`); older records lack them.
 
+Records of the fine-tuning study (tools/bench_finetune.py, arms `ft_*` and `pretrain_*`) carry more OPTIONAL
+fields: `pretrain` (what the fine-tuned models started from: the pretraining corpus, tokens, arms and tokenizer;
+runs from other pretraining are other settings), `decode_ms_per_token` (greedy decoding of the export, one row, ms per
+token) and `decode_ms_per_token_plain` (the plain fine-tune's export, timed alternately with it in the same
+process: the pair to compare on a shared machine). A fine-tune scored on conversations has no bits per byte (its
+loss covers the assistant tokens only): `test_bits_per_byte` is null there.
+
 `overrides` are relative to configs/quality.py's defaults when the run was recorded, and those defaults
 change as the study finds better ones. So a record carries `defaults_version` (DEFAULTS_VERSION when
 appended; a record without it is version 1, the method's defaults), and readers compare runs by `effective`
@@ -43,7 +50,8 @@ FIELDS = ("arm", "overrides", "seed", "learning_rate", "tokens", "steps", "valid
           "test_bits_per_byte", "test_tokens", "hit_rate", "inference_flops_per_token", "train_flops",
           "fgram_capacity", "train_seconds", "commit", "corpus", "splits_sha256", "source", "platform")
 # Fields of records appended since Over-Encoding joined the study (module docstring), absent from older ones.
-OPTIONAL = ("accelerator_bytes", "host_table_bytes", "train_tokens_per_s")
+OPTIONAL = ("accelerator_bytes", "host_table_bytes", "train_tokens_per_s", "pretrain", "decode_ms_per_token",
+            "decode_ms_per_token_plain")
 # Settings a run without SCONE never reads: left out of a baseline's overrides, so that a baseline of a study
 # run with e.g. --config.scone.output_norm=false is the same baseline as any other. Likewise Over-Encoding's.
 SCONE_ONLY = ("scone.", "train.fgram_model_delay_steps")
@@ -96,7 +104,7 @@ _TYPES = {
     "steps": (lambda v: _integer(v) and v > 0, "an integer > 0"),
     "validation_ppl": (lambda v: _number(v) and v >= 1, "a finite perplexity (a number >= 1)"),
     "test_ppl": (lambda v: _number(v) and v >= 1, "a finite perplexity (a number >= 1)"),
-    "test_bits_per_byte": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "test_bits_per_byte": (lambda v: v is None or _number(v) and v >= 0, "a number >= 0 or null"),
     "test_tokens": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
     "hit_rate": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "inference_flops_per_token": (lambda v: _number(v) and v >= 0, "a number >= 0"),
@@ -111,6 +119,9 @@ _TYPES = {
     "accelerator_bytes": (lambda v: _integer(v) and v > 0, "an integer > 0"),
     "host_table_bytes": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
     "train_tokens_per_s": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "pretrain": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "decode_ms_per_token": (lambda v: _number(v) and v > 0, "a number > 0"),
+    "decode_ms_per_token_plain": (lambda v: _number(v) and v > 0, "a number > 0"),
 }
 
 
@@ -141,8 +152,10 @@ def version(record: dict) -> int:
 def effective(record: dict) -> dict:
     """The run's settings apart from its seed, as their difference from version 1's defaults: its version's
     defaults (SCONE arms) with its overrides on top, less what equals version 1's defaults and less the keys
-    that cannot change the result (config_keys' LOOP keys)."""
-    given = {k: v for k, v in record["overrides"].items() if k != "train.seed" and k not in LOOP_KEYS}
+    that cannot change the result (config_keys' LOOP keys). data.shuffle_seed equal to the seed is the seed (the
+    fine-tuning study's seeds set the data order too: study/finetune.py), not a setting."""
+    given = {k: v for k, v in record["overrides"].items() if k != "train.seed" and k not in LOOP_KEYS
+             and not (k == "data.shuffle_seed" and v == record["seed"])}  # a seed that is its data order too
     defaults = DEFAULTS[version(record)] if record["arm"].startswith("scone") else {}
     merged = {**defaults, **given}
     first = DEFAULTS[1]
@@ -237,9 +250,10 @@ def _device_kind() -> str:
 
 def settings(record: dict) -> tuple:
     """What makes runs seeds of one protocol: arm, token budget (the exact tokens trained), learning rate,
-    effective settings but the seed, the platform and the corpus."""
+    effective settings but the seed, the platform and the corpus (with what a fine-tune started from, `pretrain`)."""
     rest = tuple(effective(record).items())
-    return record["arm"], record["tokens"], float(record["learning_rate"]), rest, record["platform"], record["corpus"]
+    corpus = record["corpus"] + (f" after {record['pretrain']}" if record.get("pretrain") else "")
+    return record["arm"], record["tokens"], float(record["learning_rate"]), rest, record["platform"], corpus
 
 
 def _figures(record: dict) -> tuple:
@@ -276,5 +290,6 @@ def seed_entry(runs: list[dict]) -> dict:
     entry = dict(runs[0], runs=len(runs))
     if len(runs) > 1:
         for k in ("validation_ppl", "test_ppl", "test_bits_per_byte", "hit_rate"):
-            entry[k] = sum(r[k] for r in runs) / len(runs)
+            if all(r[k] is not None for r in runs):  # bits per byte: null for a fine-tune on conversations
+                entry[k] = sum(r[k] for r in runs) / len(runs)
     return entry

@@ -77,8 +77,12 @@ class Study:
         self.results = study_runs.read_json(self.results_path) or {"runs": {}, "arms": {}}
 
     # --- configs -----------------------------------------------------------------------------------
+    def config_arg(self, arm: str) -> str:
+        """The main job's --config for `arm` (a study of another config file overrides it: study/finetune.py)."""
+        return f"{CONFIG}:{variant(arm)}"
+
     def config(self, arm: str, rate: str | None = None, extra: dict | None = None, tokenizer=None):
-        config = load_config_file(f"{CONFIG}:{variant(arm)}")
+        config = load_config_file(self.config_arg(arm))
         with config.unlocked():
             set_overrides(config, self.overrides)
             config.data.update(self.data)
@@ -99,7 +103,7 @@ class Study:
     def flags_for(self, config, arm: str) -> list[str]:
         """The main job's command line for this arm: the variant plus every key the study sets."""
         flat = _flatten(config.to_dict())
-        base = _flatten(load_config_file(f"{CONFIG}:{variant(arm)}").to_dict())
+        base = _flatten(load_config_file(self.config_arg(arm)).to_dict())
         return [f"--config.{k}={v}" for k, v in flat.items() if base.get(k) != v]
 
     # --- progress ----------------------------------------------------------------------------------
@@ -149,6 +153,20 @@ def fgram_capacity(config, tokenizer, vocab, sample: int = 64) -> int:
     steps = config.train.num_steps
     used = [int((build(int(b)).fgram_lengths > 0).sum()) for b in np.linspace(0, steps - 1, min(sample, steps))]
     return int(math.ceil(max(used) * 1.25 / 128) * 128)
+
+
+def fgram_settings(study: Study, config, tokenizer) -> dict:
+    """The f-gram vocabulary and capacity a SCONE run of `study` trains with, as config overrides: the vocabulary
+    counted once per (S, K) into WORKDIR/fgrams_s<S>_k<K> on the run's training data, the capacity measured once
+    per rows per step (fgram_capacity) and kept beside it."""
+    vocab_dir = os.path.join(study.root, f"fgrams_s{config.scone.num_fgrams}_k{config.scone.max_len}")
+    vocab = assets.ensure_vocab(config.scone, config.data, tokenizer, vocab_dir)
+    rows = config.data.global_batch_size * config.data.seq_len
+    saved = study_runs.read_json(os.path.join(vocab_dir, "capacity.json"))
+    if saved is None or saved["rows"] != rows:
+        saved = {"capacity": fgram_capacity(config, tokenizer, vocab), "rows": rows}
+        write_json(os.path.join(vocab_dir, "capacity.json"), saved)
+    return {"scone.vocab_path": os.path.join(vocab_dir, "fgrams"), "scone.fgram_capacity": saved["capacity"]}
 
 
 def flops(config) -> tuple[float, float, int]:
@@ -205,7 +223,7 @@ def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> di
 
     allow = []
     for _ in range(4):  # a capacity overflow: raise it and resume from the checkpoint the run saved
-        rc, last = run_cli(["-m", "scone_jax.main", f"--config={CONFIG}:{variant(arm)}", f"--workdir={workdir}",
+        rc, last = run_cli(["-m", "scone_jax.main", f"--config={study.config_arg(arm)}", f"--workdir={workdir}",
                       *study.flags_for(config, arm), *([f"--allow_config_change={','.join(allow)}"] if allow else [])],
                      log, show)
         if rc == 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from scone_jax.study import answer
+from scone_jax.study import answer, finetune_table
 from scone_jax.study.records import by_seed, distinct, effective
 
 DELAY40 = {"train.fgram_model_delay_steps": 40}
@@ -190,7 +190,8 @@ _END = "<!-- /records -->"
 
 def fill(markdown: str, records: list[dict]) -> str:
     """`markdown` with every `<!-- records:NAME -->...<!-- /records -->` block rebuilt from `records`
-    (NAME: a key of TABLES, `answer` for the page's opening table (study/answer.py), or `all` for every run);
+    (NAME: a key of TABLES, `answer` for the page's opening table (study/answer.py), `finetune` for the fine-tuning
+    study's (study/finetune_table.py), or `all` for every run);
     the text around the blocks is kept as written."""
     out, rest = [], markdown
     while _MARKER in rest:
@@ -198,15 +199,12 @@ def fill(markdown: str, records: list[dict]) -> str:
         name, _, after = after.partition(" -->")
         if _END not in after:
             raise ValueError(f"The block '{_MARKER}{name} -->' has no '{_END}' after it. Fix: close it.")
-        if name not in ("all", "answer") and name not in TABLES:
-            raise ValueError(f"Unknown records table {name!r}; the tables are {sorted(TABLES)}, 'answer' and 'all'.")
+        if name not in ("all", "answer", "finetune") and name not in TABLES:
+            raise ValueError(f"Unknown records table {name!r}; the tables are {sorted(TABLES)}, 'answer', 'finetune' "
+                             "and 'all'.")
         rest = after.partition(_END)[2]
-        if name == "all":
-            body = every_run(records)
-        elif name == "answer":
-            body = answer.table(records)
-        else:
-            body = table(name, records)
+        special = {"all": every_run, "answer": answer.table, "finetune": finetune_table.section}
+        body = special[name](records) if name in special else table(name, records)
         out.append(f"{before}{_MARKER}{name} -->\n{body}\n{_END}")
     return "".join(out) + rest
 

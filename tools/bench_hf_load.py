@@ -38,14 +38,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from scone_jax.hf import synthetic  # noqa: E402
 
-_SIZE_GB = flags.DEFINE_float("size_gb", 3.0, "Checkpoint size in GB (bf16 weights); must be > 0.")
-_SHARD_GB = flags.DEFINE_float("shard_gb", 1.0, "Size of each safetensors shard in GB; must be > 0.")
-_DIR = flags.DEFINE_string("dir", "", "Directory for the checkpoint ('' = a temporary one); must be empty or absent.")
-_KEEP = flags.DEFINE_bool("keep", False, "Keep the checkpoint after the run.")
-_REPEATS = flags.DEFINE_integer("repeats", 2, "Rounds of (disk read, load); the best of each is reported; >= 1.")
-_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "The decoder's parameter dtype.")
-_QUICK = flags.DEFINE_bool("quick", False, "A checkpoint of a few MB (width 256), one round: checks that the script "
-                           "runs, in seconds; its figures say nothing about the disk.")
+
+def _define_flags():
+    """Defined only when this file runs as a program: tests import it beside other benchmarks with a --quick."""
+    global _SIZE_GB, _SHARD_GB, _DIR, _KEEP, _REPEATS, _PARAM_DTYPE, _QUICK
+    _SIZE_GB = flags.DEFINE_float("size_gb", 3.0, "Checkpoint size in GB (bf16 weights); must be > 0.")
+    _SHARD_GB = flags.DEFINE_float("shard_gb", 1.0, "Size of each safetensors shard in GB; must be > 0.")
+    _DIR = flags.DEFINE_string("dir", "", "Directory for the checkpoint ('' = a temporary one); must be empty or absent.")
+    _KEEP = flags.DEFINE_bool("keep", False, "Keep the checkpoint after the run.")
+    _REPEATS = flags.DEFINE_integer("repeats", 2, "Rounds of (disk read, load); the best of each is reported; >= 1.")
+    _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "The decoder's parameter dtype.")
+    _QUICK = flags.DEFINE_bool("quick", False, "A checkpoint of a few MB (width 256), one round: checks that the script "
+                               "runs, in seconds; its figures say nothing about the disk.")
+
 
 READ_BYTES = 16 * 2**20
 SHAPE = dict(d_model=2048, num_heads=16, num_kv_heads=4, d_ff=5632, vocab_size=32000)
@@ -158,4 +163,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

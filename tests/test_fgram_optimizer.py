@@ -38,9 +38,9 @@ def set_counts(state, count: int):
     return jax.tree_util.tree_map_with_path(put, state)
 
 
-def largest_moves(config, state_steps: int, cap_count: int):
-    """Runs the production train step `state_steps` times from a fresh state, then once more with every optimizer
-    counter set to `cap_count`; per step, (largest move of an f-gram-model parameter / lr, same for the rest / lr)."""
+def production_training(config):
+    """(spec, a fresh state, the production train step, one production batch, params: state -> each parameter in
+    float64 by path) for `config` on its mesh."""
     mesh = sharding.make_mesh(config.mesh)
     spec = state_lib.state_spec(config, mesh)
     state = state_lib.init_state(config, spec)
@@ -52,6 +52,14 @@ def largest_moves(config, state_steps: int, cap_count: int):
         return {jax.tree_util.keystr(p): np.asarray(x, np.float64)
                 for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(state_lib.model_of(spec.graphdef, state),
                                                                           nnx.Param))}
+
+    return spec, state, step, batch, params
+
+
+def largest_moves(config, state_steps: int, cap_count: int):
+    """Runs the production train step `state_steps` times from a fresh state, then once more with every optimizer
+    counter set to `cap_count`; per step, (largest move of an f-gram-model parameter / lr, same for the rest / lr)."""
+    spec, state, step, batch, params = production_training(config)
 
     out = []
     for i in range(state_steps + 1):
@@ -127,17 +135,7 @@ def test_the_gate_trains_at_its_own_multiple_of_the_fgram_models_rate():
     config = scone_config()
     config.scone.update(dict(gate=True, learning_rate_multiplier=2.0, gate_learning_rate_multiplier=5.0))
     config_lib.validate(config)
-    mesh = sharding.make_mesh(config.mesh)
-    spec = state_lib.state_spec(config, mesh)
-    state = state_lib.init_state(config, spec)
-    step = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
-    batch = sharding.global_batch(production_batch(num_shards=sharding.num_batch_shards(mesh), capacity=48)[0]
-                                  .for_device(), mesh)
-
-    def params(state):
-        return {jax.tree_util.keystr(p): np.asarray(x, np.float64)
-                for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(state_lib.model_of(spec.graphdef, state),
-                                                                          nnx.Param))}
+    _, state, step, batch, params = production_training(config)
 
     moves = []
     for _ in range(2):

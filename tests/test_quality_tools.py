@@ -267,7 +267,8 @@ def test_bench_quality_quick_runs_the_over_encoding_arm(corpus, tmp_path):
     result = run_tool("tools/bench_quality.py", args, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (record,) = quality_records.read(str(records))
-    assert record["arm"] == "oe" and set(quality_records.OPTIONAL) <= set(record)
+    assert record["arm"] == "oe" and set(quality_records.SERVING_FIELDS) <= set(record)
+    assert not set(quality_records.FINETUNE_FIELDS) & set(record)  # a pretraining arm: no fine-tuning fields
     served = json.loads((tmp_path / "study" / "oe" / "lr0.0005" / "test_eval.json").read_text())
     assert served["perplexity"] == record["test_ppl"] and 1 < record["test_ppl"] < 600 and record["hit_rate"] == 0
     assert record["host_table_bytes"] == 0 and record["train_tokens_per_s"] > 0

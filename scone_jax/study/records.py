@@ -50,8 +50,10 @@ FIELDS = ("arm", "overrides", "seed", "learning_rate", "tokens", "steps", "valid
           "test_bits_per_byte", "test_tokens", "hit_rate", "inference_flops_per_token", "train_flops",
           "fgram_capacity", "train_seconds", "commit", "corpus", "splits_sha256", "source", "platform")
 # Fields of records appended since Over-Encoding joined the study (module docstring), absent from older ones.
-OPTIONAL = ("accelerator_bytes", "host_table_bytes", "train_tokens_per_s", "pretrain", "decode_ms_per_token",
-            "decode_ms_per_token_plain")
+SERVING_FIELDS = ("accelerator_bytes", "host_table_bytes", "train_tokens_per_s")
+# Fields only the fine-tuning study's records carry (module docstring).
+FINETUNE_FIELDS = ("pretrain", "decode_ms_per_token", "decode_ms_per_token_plain")
+OPTIONAL = SERVING_FIELDS + FINETUNE_FIELDS
 # Settings a run without SCONE never reads: left out of a baseline's overrides, so that a baseline of a study
 # run with e.g. --config.scone.output_norm=false is the same baseline as any other. Likewise Over-Encoding's.
 SCONE_ONLY = ("scone.", "train.fgram_model_delay_steps")

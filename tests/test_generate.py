@@ -182,3 +182,27 @@ def test_the_prompt_follows_the_bundles_add_bos(served, monkeypatch, capsys, add
     assert prompts[0].tolist() == [([tok.bos_id] if add_bos else []) + ids]
     assert prompt_lib.prompt_ids(tok, "", False).tolist() == [tok.eos_id]  # no text, no bos: the previous eos
     assert capsys.readouterr().out.startswith("And God said")
+
+
+def test_prompts_of_lengths_in_one_cache_size_share_one_compiled_step(served, monkeypatch):
+    """Prompts of 6 and 9 tokens with 10 new tokens fill 16 and 19 cache slots, both rounded up to 64: the
+    one-token step is traced once for both (a prompt set of 40 lengths compiled 40 steps before), the prefills
+    once each, and each prompt still decodes exactly what the full forward pass gives it. Caught: the cache sized
+    by the tokens it holds (the one-token step then traced again for the second length)."""
+    traced = []
+    hidden_states = scone.hidden_states
+
+    def counting(decoder, batch, cache=None):
+        if cache is not None:  # the generator's steps, not the full pass compared with
+            traced.append(batch.inputs.shape)
+        return hidden_states(decoder, batch, cache)
+
+    monkeypatch.setattr(scone, "hidden_states", counting)
+    generator = generate.Generator(served)
+    ids = real_text_rows(served)
+    for p in (6, 9):
+        out = generator.generate(ids[:, :p], num_tokens=10, forced=ids[:, p:p + 10])
+        full, _ = full_forward_logits(served, ids[:, :p + 10])
+        np.testing.assert_allclose(out["logits"], full[:, p - 1:p + 9], rtol=1e-4, atol=1e-4)
+    assert sorted(traced) == [(2, 1), (2, 6), (2, 9)]
+    assert generate.cache_slots(16) == generate.cache_slots(64) == 64 and generate.cache_slots(65) == 128

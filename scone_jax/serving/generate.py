@@ -30,6 +30,19 @@ from scone_jax.model import scone, transformer
 from scone_jax.runtime import logs, tool_main
 from scone_jax.serving import inference
 
+# The KV cache's slots, rounded up to a multiple of this: the one-token step's shapes depend on the cache's
+# length only, so prompts whose lengths round to the same size share one compiled step instead of compiling
+# their own (a prompt set of 40 lengths compiled 40 steps). Unwritten slots are masked (cached_attention).
+CACHE_SLOTS_MULTIPLE = 64
+
+# Each row's key for step i: one compiled function for every call (a jit built per call compiled per call).
+_step_keys = jax.jit(jax.vmap(jax.random.fold_in, (0, None)))
+
+
+def cache_slots(length: int) -> int:
+    """The KV cache length for `length` tokens: `length` rounded up to a multiple of CACHE_SLOTS_MULTIPLE."""
+    return -(-length // CACHE_SLOTS_MULTIPLE) * CACHE_SLOTS_MULTIPLE
+
 
 def filtered_logits(logits, temperature: float, top_k: int = 0, top_p: float = 1.0):
     """`logits` [..., V] / temperature, every token outside the top_k (0 = all) and then outside the nucleus of
@@ -119,13 +132,12 @@ class Generator:
             raise ValueError(f"Prompt ({p}) + {num_tokens} new tokens exceed model.max_seq_len="
                              f"{self.served.config.model.max_seq_len}, the longest sequence the model knows.")
         row_keys = jax.random.split(jax.random.key(seed), b) if row_keys is None else row_keys
-        step_keys = jax.jit(jax.vmap(jax.random.fold_in, (0, None)))
         stops = None if stop_ids is None else np.asarray(sorted(stop_ids), np.int32)
         done = np.zeros(b, bool)
         tokens = np.zeros((b, length), np.int32)
         tokens[:, :p] = prompts
-        cache = self.empty_cache(b, length)
-        new, last, cache = self._call(cache, prompts, step_keys(row_keys, 0))
+        cache = self.empty_cache(b, cache_slots(length))
+        new, last, cache = self._call(cache, prompts, _step_keys(row_keys, 0))
         logits = [last]
         start_time, steps = None, 0
         matcher, hasher, ids = self.served.matcher, self.served.hasher, None
@@ -149,7 +161,7 @@ class Generator:
             elif self.use_table:
                 ids, prefix = matcher.match_next(prefix, tokens[:, end])
                 ids = ids[:, None]
-            new, last, cache = self._call(cache, tokens[:, end:end + 1], step_keys(row_keys, i), ids)
+            new, last, cache = self._call(cache, tokens[:, end:end + 1], _step_keys(row_keys, i), ids)
             logits.append(last)
             steps += i >= 2
         else:

@@ -13,7 +13,8 @@ line i draws with the key fold_in(fold_in(key(--seed), i), j), so what it draws 
 --batch_size or on the other prompts.
 
 Prompts of different lengths: the KV cache holds one position counter for the whole batch (no left padding),
-so a batch holds samples of prompts of one token length; each length compiles its own steps.
+so a batch holds samples of prompts of one token length; each length compiles its own prefill, and the
+one-token step is shared by the lengths whose KV cache rounds to the same size (generate.cache_slots).
 
 Writes --output, one line per sample in prompt order: {"id", "sample", "text" (the new tokens up to the stop,
 decoded), "tokens" (their ids), "finish_reason" ("stop" or "length"), "correct" (with an answer: the exact

@@ -127,6 +127,7 @@ def _matched_batch(seed: int = 0):
     return jax.tree.map(jnp.asarray, scone.for_device()), jax.tree.map(jnp.asarray, plain.for_device())
 
 
+@pytest.mark.slow  # trains two runs: the fast tier keeps the parity case above
 def test_step_zero_equals_the_plain_fine_tune(checkpoints):
     """The SCONE run (Qwen3 main + a wider, deeper Qwen3 f-gram model, g = 0) and the plain fine-tune of the same
     main checkpoint: the same summed loss, token count and gradient of every decoder parameter on a batch where

@@ -49,7 +49,7 @@ def stored(directory) -> dict:
 SLOW = pytest.mark.slow  # each builds and saves a whole run: the fast tier keeps one case of each kind
 ROUND_TRIPS = [  # (family, transformers overrides, checkpoint dtype, source shard size, export shard bytes)
     pytest.param("llama", {}, torch.bfloat16, "40KB", 60_000, id="llama-bf16-shards"),
-    pytest.param("qwen3", dict(tie=True), torch.bfloat16, None, None, id="qwen3-tied-bf16"),
+    pytest.param("qwen3", dict(tie=True), torch.bfloat16, None, None, marks=SLOW, id="qwen3-tied-bf16"),
     pytest.param("gpt2", {}, torch.float32, None, None, marks=SLOW, id="gpt2-fp32"),
     pytest.param("olmo", dict(tie=True), torch.float32, None, None, marks=SLOW, id="olmo-tied-fp32"),
     pytest.param("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
@@ -105,7 +105,7 @@ def scratch_config(tokenizer, sharded=False, **model):
 
 LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False)
 SCRATCH = [  # (family, model keys)
-    pytest.param("gpt2", {}, id="gpt2"),
+    pytest.param("gpt2", {}, marks=SLOW, id="gpt2"),
     pytest.param("qwen3", dict(LLAMA_STYLE, qk_norm=True, num_kv_heads=2, head_dim=16, norm_eps=1e-6, rope_theta=1e6),
                  id="qwen3"),
     pytest.param("llama", LLAMA_STYLE, marks=SLOW, id="llama"),
@@ -167,6 +167,7 @@ def test_what_no_family_expresses_is_refused_in_one_line(change, named):
     assert named in str(e.value) and "\n" not in str(e.value) and "Fix:" in str(e.value), str(e.value)
 
 
+@SLOW
 def test_an_output_holding_other_files_is_refused(tmp_path):
     """An export never overwrites what it did not write: a bundle, another checkpoint, any file, a file beside a
     finished export of ours; and an export of another step of the run at the same output is refused. Caught: the
@@ -199,6 +200,7 @@ def test_an_output_holding_other_files_is_refused(tmp_path):
     assert meta["step"] == 0
 
 
+@SLOW
 def test_an_export_stopped_while_writing_is_unfinished_and_a_rerun_completes_it(tmp_path, monkeypatch):
     """An export stopped after it claimed its output (here: the weights' writer raising) leaves a marker that says
     unfinished, and the same command again writes the whole checkpoint, the tensors an uninterrupted export writes.

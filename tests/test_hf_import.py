@@ -52,16 +52,18 @@ def loaded_decoder(directory, config, by_rows=None):
     return nnx.merge(spec.model_graphdef, params), params, spec, report, checkpoint
 
 
+SLOW = pytest.mark.slow  # the fast tier keeps one case of each family and one of each loading route
+
 CASES = [  # (family, tie, transformers overrides, scan_layers); 2 k/v heads for 4 query heads except GPT-2's
     pytest.param("gpt2", False, {}, True, id="gpt2-untied"),
-    pytest.param("gpt2", True, {}, False, id="gpt2-tied-unscanned"),
+    pytest.param("gpt2", True, {}, False, id="gpt2-tied-unscanned", marks=SLOW),
     pytest.param("llama", False, {}, True, id="llama-untied"),  # head_dim 16 != 48 / 4
-    pytest.param("llama", True, {"rope_parameters": LLAMA31}, False, id="llama3.1-tied-unscanned"),
-    pytest.param("qwen3", False, {}, True, id="qwen3-untied"),
+    pytest.param("llama", True, {"rope_parameters": LLAMA31}, False, id="llama3.1-tied-unscanned", marks=SLOW),
+    pytest.param("qwen3", False, {}, True, id="qwen3-untied", marks=SLOW),
     pytest.param("qwen3", True, {}, True, id="qwen3-tied"),
-    pytest.param("qwen3", False, {"rope_parameters": YARN}, True, id="qwen3-yarn"),
+    pytest.param("qwen3", False, {"rope_parameters": YARN}, True, id="qwen3-yarn", marks=SLOW),
     pytest.param("olmo", False, {}, True, id="olmo-untied"),
-    pytest.param("olmo", True, {}, False, id="olmo-tied-unscanned"),
+    pytest.param("olmo", True, {}, False, id="olmo-tied-unscanned", marks=SLOW),
 ]
 
 
@@ -77,7 +79,7 @@ def test_logits_match_transformers(tmp_path, family, tie, overrides, scan):
     print(f"{family} tie={tie} {overrides}: max |logit difference| {worst:.1e}")
 
 
-@pytest.mark.parametrize("by_rows", [False, True], ids=["target_blocks", "rows_then_moved"])
+@pytest.mark.parametrize("by_rows", [False, pytest.param(True, marks=SLOW)], ids=["target_blocks", "rows_then_moved"])
 def test_each_block_is_read_once_into_its_sharding(tmp_path, by_rows):
     """Over data 2 x fsdp 2 x tensor 2 every parameter is made in its spec's sharding, with the values the file
     holds in our layout (the [out, in] weights transposed), and the bytes read are the checkpoint's tensors' bytes

@@ -41,6 +41,11 @@ TEXTS = ["In the beginning God created the heaven", "And the LORD said unto Mose
          "Let there be light: and there was light."]
 
 
+# Tests on the two exported runs (about a minute of training and export on 2 cores, then transformers' models):
+# the slow tier; the fast tier keeps the checks of the table file, the matcher and the remote-code choice.
+EXPORTED = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def scone_export(tmp_path_factory):
     return hf_scone_runs.exports(tmp_path_factory, "scone")
@@ -79,6 +84,7 @@ def our_logits(served, rows):
     return np.asarray(logits), batch.fgram_ids
 
 
+@EXPORTED
 def test_the_export_holds_the_bundles_rows_and_code_of_its_own(scone_export, baseline_export):
     """The table's bytes are the bundle table's (bf16, same rows), the vocabulary is the run's, config.json nests the
     family's config, and the remote code imports nothing but the standard library, numpy, torch and transformers."""
@@ -109,6 +115,7 @@ def test_the_export_holds_the_bundles_rows_and_code_of_its_own(scone_export, bas
         assert imported <= {"json", "math", "os", "numpy", "torch", "transformers", "__future__"}, (name, imported)
 
 
+@EXPORTED
 @pytest.mark.parametrize("kind", ["scone", "baseline"])
 def test_padded_batches_score_as_ours(loaded, kind):
     """Four rows of several lengths, right- and left-padded (position_ids from the mask, as generate makes them):
@@ -153,6 +160,7 @@ def prompts_for(served, lengths=(11, 7)):
     return chosen
 
 
+@EXPORTED
 @pytest.mark.parametrize("kind", ["scone", "baseline"])
 def test_greedy_generation_gives_our_tokens(loaded, kind):
     """transformers' generate (greedy, KV cache) continues each prompt with the tokens scone_jax's Generator picks at
@@ -256,6 +264,7 @@ def test_the_matcher_follows_the_method(vocab):
     assert (matcher.longest(tokens, np.ones_like(real)) != want).any()  # the padding did hold matches
 
 
+@EXPORTED
 def test_decoding_windows_find_every_match(loaded, vocab):
     """Decoding one token at a time (what generate does with a KV cache): the window prepare_inputs_for_generation
     hands forward finds, at every step, the f-gram the whole left-padded sequence has there (the reference above),
@@ -286,6 +295,7 @@ def test_decoding_windows_find_every_match(loaded, vocab):
             model(input_ids=torch.from_numpy(tokens[:, 4:5]), cache=out.cache, use_cache=True)
 
 
+@EXPORTED
 def test_the_harness_hf_backend_scores_as_our_adapter(loaded, scone_export):
     """lm_eval's HFLM with pretrained=the export and trust_remote_code=True: the loglikelihoods (and is-greedy) of
     text requests equal our harness adapter's on the bundle within 1e-4: the same tokens (the export's tokenizer.json
@@ -309,6 +319,7 @@ def test_the_harness_hf_backend_scores_as_our_adapter(loaded, scone_export):
     assert min(want for want, _ in ours) < -5
 
 
+@EXPORTED
 def test_an_output_holding_other_files_is_refused(scone_export, tmp_path):
     """A SCONE export, like any --format=hf export, never writes into a directory holding what it did not write."""
     out = tmp_path / "out"
@@ -319,6 +330,7 @@ def test_an_output_holding_other_files_is_refused(scone_export, tmp_path):
     assert os.listdir(out) == ["notes.txt"]
 
 
+@EXPORTED
 @pytest.mark.parametrize("damage", ["truncated", "appended", "config_rows"])
 def test_a_table_that_disagrees_with_config_is_refused(scone_export, tmp_path, damage):
     """The module checks the table file against config.json before any weight loads: a truncated or padded file, or

@@ -8,6 +8,17 @@ import numpy as np
 from scone_jax.batch import Batch
 from scone_jax.config import base_config
 
+# An XLA flag of every JAX process of the suite (conftest.py sets it for the test processes, xla_flags for the jobs
+# they start): the tests compile far more than they run, and LLVM's optimisation of the CPU code is most of a
+# compile (the same tests took 27% less CPU without it). The programs are the same HLO; only the machine code is
+# less optimised, so results agree with an optimised build's to float rounding, never more.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a JAX process a test starts: FAST_COMPILE, and `devices` virtual CPU devices if given."""
+    return FAST_COMPILE + ("" if devices is None else f" --xla_force_host_platform_device_count={devices}")
+
 
 def small_config(**model_overrides):
     """A 2-layer, 64-wide model on the embedded corpus with a 512-piece tokenizer."""
@@ -73,7 +84,7 @@ def run_tool(script: str, args, timeout: float = 600, env: dict | None = None):
     on the CPU's one device (not the suite's 8 virtual ones), `env` over that environment; the CompletedProcess
     with text stdout and stderr."""
     command = [sys.executable, *script.split(), *map(str, args)]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": "", **(env or {})}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": xla_flags(), **(env or {})}
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -116,7 +127,7 @@ def run_main(workdir, *args, config: str = "tests/small_config.py", devices: int
     """`python -m scone_jax.main` in a new process on `devices` virtual CPU devices (CompletedProcess, text);
     `file_size_limit_kb` runs it under `ulimit -f` (bash, kB); `platforms=None` leaves JAX_PLATFORMS unset, as a
     user does (JAX then tries every backend installed, libtpu's included)."""
-    env = {**os.environ, "JAX_PLATFORMS": platforms, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "JAX_PLATFORMS": platforms, "XLA_FLAGS": xla_flags(devices)}
     if platforms is None:
         del env["JAX_PLATFORMS"]
     command = [sys.executable, "-m", "scone_jax.main", f"--config={config}", f"--workdir={workdir}", *map(str, args)]
@@ -147,7 +158,7 @@ def run_processes(argvs: list, timeout: float = 240, devices: int = 4) -> list:
     `timeout` (a whole two-process run takes ~30 s: far below that, far above "hung"). CompletedProcesses."""
     import time
 
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen(a, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for a in argvs]
     deadline, results = time.monotonic() + timeout, []

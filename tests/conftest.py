@@ -1,12 +1,12 @@
-"""Test setup: 8 virtual CPU devices (before JAX starts), one compilation cache for the session, and
-parsed absl flags for grain workers."""
+"""Test setup: 8 virtual CPU devices and fast compiles (tests/common.FAST_COMPILE) before JAX starts, one
+compilation cache for the session, and parsed absl flags for grain workers."""
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from tests.common import xla_flags  # noqa: E402 - imports no backend: the flags below still apply
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite starts the same small jobs again and again (resume, preemption, ownership tests); one
 # persistent compilation cache for the session, inherited by every process a test starts, compiles

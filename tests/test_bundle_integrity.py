@@ -16,12 +16,12 @@ import tensorstore as ts
 from scone_jax.runtime import storage
 from scone_jax.serving import bundle, export, inference, table as table_lib
 from tests import serving_run
-from tests.common import REPO
+from tests.common import REPO, xla_flags
 
 # A failed orbax restore leaves its other reads' coroutines to be collected later, in whichever test runs then.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8)}
 ROWS = 2000  # the shared run's f-grams; files of 64 rows: 32 files, the last one 16 rows
 
 

@@ -19,7 +19,7 @@ from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab
 from scone_jax.serving import bundle, evaluate, inference
 from scone_jax.training import assets, checkpoint, state as state_lib
 from tests import serving_run
-from tests.common import REPO, training_graph_eval as held_out_of_state
+from tests.common import REPO, training_graph_eval as held_out_of_state, xla_flags
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_named_sets_are_each_evaluated_as_alone_and_averaged(tmp_path_factory, t
 @pytest.mark.slow
 def test_cli_writes_the_json_result(tmp_path_factory, text, training_graph_eval, tmp_path):
     path = serving_run.exported(tmp_path_factory, "float32")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8)}
     out = tmp_path / "result.json"
     result = subprocess.run(
         [sys.executable, "-m", "scone_jax.serving.evaluate", f"--export={path}", "--config.data.source=text",

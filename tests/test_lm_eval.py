@@ -20,7 +20,7 @@ from scone_jax.data import corpus
 from scone_jax.model import scone
 from scone_jax.serving import evaluate, generate, inference, lm_eval as harness
 from tests import serving_run
-from tests.common import REPO
+from tests.common import REPO, xla_flags
 
 PROGRAM = "scone_jax.serving.lm_eval"
 
@@ -260,7 +260,7 @@ metric_list:
 
 def cli_env(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in harness.OFFLINE_VARIABLES}  # the program sets them
-    return env | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    return env | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8),
                   "HF_HOME": str(tmp_path / "hf_home")}  # datasets' cache stays in the test's directory
 
 

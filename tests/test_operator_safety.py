@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.common import REPO, run_main, run_tool
+from tests.common import REPO, run_main, run_tool, xla_flags
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -56,7 +56,7 @@ def wait_for(condition, timeout: float, what):
 
 
 def start(args: list, env_extra: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": REPO, **(env_extra or {})}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(), "PYTHONPATH": REPO, **(env_extra or {})}
     return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from scone_jax import sharding
 from scone_jax.training import checkpoint, state as state_lib, train
-from tests.common import REPO, free_port, main_process_argv as cli, small_config, step_records
+from tests.common import REPO, free_port, main_process_argv as cli, small_config, step_records, xla_flags
 
 pytestmark = pytest.mark.slow  # every test here starts processes or runs whole jobs
 
@@ -50,7 +50,7 @@ runpy.run_module("scone_jax.main", run_name="__main__")
 
 def start_cli(tokenizer_path, workdir, gate_file=None):
     """`python -m scone_jax.main` on the small config; with gate_file, gated at SIGNAL_AT (GATED_MAIN)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu"}
     args = [f"--config.train.{k}={v}" for k, v in OVERRIDES.items()]
     program = ["-m", "scone_jax.main"]
     if gate_file is not None:
@@ -133,7 +133,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpointed_step(tok
     workdir, port = str(tmp_path / "two"), free_port()
     args = [f"--workdir={workdir}", "--config.train.num_steps=1000", "--config.train.log_every=1",
             "--config.train.checkpoint_every=1000", "--startup_timeout=60"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen(cli(tokenizer_path, port, i, 2, *args), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:

@@ -12,7 +12,7 @@ import pytest
 
 from scone_jax import config as config_lib
 from scone_jax.training import profile
-from tests.common import REPO, run_main, small_config, step_records
+from tests.common import REPO, run_main, small_config, step_records, xla_flags
 
 
 @pytest.mark.parametrize("value", ["5", "0:3", "4:2", "a:b", "3:"])
@@ -107,7 +107,7 @@ def test_profiling_where_libtpu_is_loaded_off_a_tpu_is_refused_before_training(t
     ])
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={**env, "PYTHONPATH": REPO, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+                            env={**env, "PYTHONPATH": REPO, "XLA_FLAGS": xla_flags(1)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("refused: train.profile_steps=1:1: this process loaded libtpu (installed here) but runs on the cpu, and "
             "libtpu's profiler crashes jax.profiler outside a TPU. Fix: set JAX_PLATFORMS=cpu") in result.stdout

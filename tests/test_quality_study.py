@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from scone_jax.study import records as quality_records
-from tests.common import REPO, run_tool
+from tests.common import REPO, run_tool, xla_flags
 from tests.test_quality_tools import corpus, quality_args  # noqa: F401 - corpus is a fixture
 
 
@@ -53,7 +53,7 @@ def test_a_full_study_appends_its_records_by_default_with_every_override_and_its
                         "--allow_epochs", "--config.data.seq_len=64", "--config.model.max_seq_len=64",
                         "--config.data.global_batch_size=8", "--config.data.vocab_size=512",
                         "--config.data.worker_count=0", "--config.train.keep_checkpoints=2", "--config.train.seed=3")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(checkout), "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(checkout), "XLA_FLAGS": xla_flags()}
     result = subprocess.run([sys.executable, "tools/bench_quality.py", *args], cwd=checkout, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from scone_jax.study import protocol as quality_protocol, records as quality_records, runs as quality_runs
-from tests.common import REPO, run_tool
+from tests.common import REPO, run_tool, xla_flags
 from scone_jax.study import geometry
 from tools import embedding_scale, split_corpus
 
@@ -333,7 +333,7 @@ def test_the_training_job_of_a_killed_bench_quality_stops_with_it(corpus, tmp_pa
     args = quality_args(corpus, study, "--arms=baseline", "--learning_rates=1e-3", "--tokens=2m", "--allow_epochs",
                         "--config.data.seq_len=64", "--config.model.max_seq_len=64",
                         "--config.data.global_batch_size=8", "--config.data.vocab_size=512")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XLA_FLAGS": xla_flags()}
     parent = subprocess.Popen([sys.executable, "tools/bench_quality.py", *args], cwd=REPO, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     job = None

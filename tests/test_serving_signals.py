@@ -12,7 +12,7 @@ import pytest
 
 from scone_jax.serving import bundle, export
 from tests import serving_run
-from tests.common import REPO
+from tests.common import REPO, xla_flags
 
 pytestmark = pytest.mark.slow  # every test here starts a process
 
@@ -78,7 +78,7 @@ runpy.run_module(program, run_name="__main__", alter_sys=True)
 def run_until_signalled(tmp_path, sig, program: str, gate: tuple, args: list) -> tuple[int, str, str]:
     """Start PROGRAM gated at `gate` (module, name, calls), send `sig` once it printed GATE; (status, stdout,
     stderr without the GATE line)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8)}
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-c", GATED, program, *gate, *args], cwd=REPO, env=env,
@@ -125,7 +125,7 @@ def test_a_signal_handled_inside_a_garbage_collection_stops_evaluate(tmp_path_fa
     path = serving_run.exported(tmp_path_factory, "float32")
     text = serving_run.eval_text(tmp_path_factory)
     result = tmp_path / "result.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8)}
     name = signal.Signals(sig).name
     done = subprocess.run([sys.executable, "-c", IN_GC, "scone_jax.serving.evaluate", "scone_jax.runtime.prefetch",
                            "DispatchWindow.add", "2", name, f"--export={path}", "--config.data.source=text",

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from scone_jax.runtime.prefetch import DispatchWindow, Prefetcher
 from scone_jax.serving import bundle, table as table_lib
 from tests import serving_run
-from tests.common import REPO
+from tests.common import REPO, xla_flags
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_dispatch_window_keeps_xla_cpu_from_deadlocking_on_collectives():
     serving.evaluate did): XLA:CPU's pool fills with tasks of different programs waiting for each other, logs
     "rendezvous ... may be stuck" and aborts the process after about a minute (3 of 3 runs of this program,
     and a crash of the test suite)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8)}
     result = subprocess.run([sys.executable, "-c", _MANY_PROGRAMS, "3000"], env=env, capture_output=True, text=True,
                             timeout=240, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from scone_jax.runtime import ownership, storage
-from tests.common import REPO, free_port, main_process_argv as cli, record_list, run_processes
+from tests.common import REPO, free_port, main_process_argv as cli, record_list, run_processes, xla_flags
 
 NUM_STEPS, GATE_STEP = 4, 2
 
@@ -208,7 +208,7 @@ def test_a_signal_while_the_lease_is_taken_runs_its_handler_once_after_it(tmp_pa
 
 def start_cli(tokenizer_path, workdir, gate=None, lease_s=2):
     """`python -m scone_jax.main` on the small config; with `gate` (a path), waiting at GATE_STEP (GATED_MAIN)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu",
            ownership.LEASE_ENV: str(lease_s)}
     program = ["-m", "scone_jax.main"]
     if gate is not None:

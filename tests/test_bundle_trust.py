@@ -192,6 +192,7 @@ def test_a_crafted_layer_count_is_refused_before_the_model_is_built(bundle_copy)
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow  # trains and exports a run of its own
 def test_the_layers_of_an_unscanned_stack_are_counted_from_its_numbered_blocks(tmp_path_factory, tmp_path):
     """An export of a model with model.scan_layers=False keeps one array per block (stack.blocks.0.*, .1.*): its
     layers are counted from those numbers, and a config asking for another count is refused before the model is

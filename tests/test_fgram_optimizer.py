@@ -126,6 +126,7 @@ def test_grad_clip_norm_0_passes_a_huge_gradient_unchanged():
         np.testing.assert_allclose(mu[name], (1 - config.train.b1) * g, rtol=1e-3, atol=1e-6 * scale, err_msg=name)
 
 
+@pytest.mark.slow  # the fast tier keeps one multiplier case
 def test_the_gate_trains_at_its_own_multiple_of_the_fgram_models_rate():
     """scone.gate_learning_rate_multiplier G on top of scone.learning_rate_multiplier M: g moves by lr x M x G a
     step (its gradient is not 0 at g = 0), the rest of the f-gram model by lr x M once g is no longer 0 (at g = 0

@@ -104,6 +104,7 @@ def _prompt_file(tmp_path, rows):
     return path
 
 
+@pytest.mark.slow  # compiles a prefill per prompt length
 def test_greedy_samples_are_the_generators_output_for_each_prompt_alone(served, tmp_path, monkeypatch):
     """Prompts of four token lengths, batched by length (two prompts share one): each sample is the Generator's greedy
     continuation of that prompt decoded alone, and the scores follow the answers given. Caught: a batch's samples
@@ -129,6 +130,7 @@ def test_greedy_samples_are_the_generators_output_for_each_prompt_alone(served, 
     assert summary["pass@1"] == summary["pass@2"] == pytest.approx(3 / 5) and summary["prompts"] == 5
 
 
+@pytest.mark.slow  # three whole generation jobs
 def test_samples_do_not_depend_on_the_batching_and_stop_at_a_stop_token(served, tmp_path, monkeypatch):
     """Temperature 1 with top-p: one sample at a time or eight together draw the same tokens (each row's own
     key). A stop token ends its sample there ("stop", the token left out) while the others run on. Caught: one

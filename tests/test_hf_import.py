@@ -101,6 +101,7 @@ def test_each_block_is_read_once_into_its_sharding(tmp_path, by_rows):
     np.testing.assert_array_equal(embed, file.read("model.embed_tokens.weight"))
 
 
+@pytest.mark.slow  # the fast tier reads bf16 in test_hf_export's round trip
 def test_a_bf16_checkpoint_loads_exactly_into_fp32_parameters(tmp_path):
     """bf16 safetensors (read without torch) become fp32 parameters holding the same values, and the logits match
     transformers' model computed in fp32 from those weights."""

@@ -206,3 +206,18 @@ def test_prompts_of_lengths_in_one_cache_size_share_one_compiled_step(served, mo
         np.testing.assert_allclose(out["logits"], full[:, p - 1:p + 9], rtol=1e-4, atol=1e-4)
     assert sorted(traced) == [(2, 1), (2, 6), (2, 9)]
     assert generate.cache_slots(16) == generate.cache_slots(64) == 64 and generate.cache_slots(65) == 128
+
+
+def test_row_r_draws_token_i_with_fold_in_of_its_key_and_i(served):
+    """The documented key schedule (Generator.generate): row r draws its new token i from the logits that chose it
+    with fold_in(row_keys[r], i), the prompt's first token included (i = 0); generate_batch's per-sample keys rest
+    on it. Checked against generate.sample called with those keys by hand. Caught: the prefill drawing with
+    fold_in(key, 1), the key of the next token (the samples then stayed reproducible and batch-independent)."""
+    prompts = np.full((2, 4), served.tokenizer.bos_id, np.int32)
+    row_keys = jax.random.split(jax.random.key(7), 2)
+    out = generate.Generator(served, temperature=1.0).generate(prompts, 4, row_keys=row_keys)
+    for r in range(2):
+        for i in range(4):
+            key = jax.random.fold_in(row_keys[r], i)
+            want = generate.sample(jnp.asarray(out["logits"][r, i]), key, 1.0)
+            assert out["tokens"][r, 4 + i] == int(want), (r, i)

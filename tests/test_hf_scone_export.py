@@ -42,7 +42,7 @@ TEXTS = ["In the beginning God created the heaven", "And the LORD said unto Mose
 
 
 # Tests on the two exported runs (about a minute of training and export on 2 cores, then transformers' models):
-# the slow tier; the fast tier keeps the checks of the table file, the matcher and the remote-code choice.
+# the slow tier; the fast tier keeps the checks of the table file and the remote-code choice.
 EXPORTED = pytest.mark.slow
 
 
@@ -239,6 +239,7 @@ def vocab(scone_export):
     return load_vocab(os.path.join(scone_export["workdir"], "fgrams"))
 
 
+@EXPORTED  # its vocabulary is the exported run's
 def test_the_matcher_follows_the_method(vocab):
     """The remote code's matcher (sorted keys, prefix ids) against the plain reading of §2 on 24 rows of f-gram text:
     right padding, left padding, and a masked stretch inside a row, the padding itself holding f-gram tokens (so a

@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 
 from absl import app, flags
 
@@ -40,16 +41,19 @@ from scone_jax.hf import synthetic  # noqa: E402
 
 
 def _define_flags():
-    """Defined only when this file runs as a program: tests import it beside other benchmarks with a --quick."""
-    global _SIZE_GB, _SHARD_GB, _DIR, _KEEP, _REPEATS, _PARAM_DTYPE, _QUICK
-    _SIZE_GB = flags.DEFINE_float("size_gb", 3.0, "Checkpoint size in GB (bf16 weights); must be > 0.")
-    _SHARD_GB = flags.DEFINE_float("shard_gb", 1.0, "Size of each safetensors shard in GB; must be > 0.")
-    _DIR = flags.DEFINE_string("dir", "", "Directory for the checkpoint ('' = a temporary one); must be empty or absent.")
-    _KEEP = flags.DEFINE_bool("keep", False, "Keep the checkpoint after the run.")
-    _REPEATS = flags.DEFINE_integer("repeats", 2, "Rounds of (disk read, load); the best of each is reported; >= 1.")
-    _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "The decoder's parameter dtype.")
-    _QUICK = flags.DEFINE_bool("quick", False, "A checkpoint of a few MB (width 256), one round: checks that the script "
-                               "runs, in seconds; its figures say nothing about the disk.")
+    """The command-line flags, defined only when this file runs as a program (tests import it beside other
+    benchmarks with a --quick of their own)."""
+    return types.SimpleNamespace(
+        size_gb=flags.DEFINE_float("size_gb", 3.0, "Checkpoint size in GB (bf16 weights); must be > 0."),
+        shard_gb=flags.DEFINE_float("shard_gb", 1.0, "Size of each safetensors shard in GB; must be > 0."),
+        dir=flags.DEFINE_string("dir", "", "Directory for the checkpoint ('' = a temporary one); must be empty or "
+                                "absent."),
+        keep=flags.DEFINE_bool("keep", False, "Keep the checkpoint after the run."),
+        repeats=flags.DEFINE_integer("repeats", 2, "Rounds of (disk read, load); the best of each is reported; >= 1."),
+        param_dtype=flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"],
+                                      "The decoder's parameter dtype."),
+        quick=flags.DEFINE_bool("quick", False, "A checkpoint of a few MB (width 256), one round: checks that the "
+                                "script runs, in seconds; its figures say nothing about the disk."))
 
 
 READ_BYTES = 16 * 2**20
@@ -124,17 +128,16 @@ def load_rate(directory: str, param_dtype: str) -> tuple[float, int, float]:
     return report.bytes_read / seconds, report.bytes_read, report.bytes_read / max(report.read_seconds, 1e-9)
 
 
-def main(argv):
-    del argv
-    for name, value in (("size_gb", _SIZE_GB.value), ("shard_gb", _SHARD_GB.value)):
+def main(f):
+    for name, value in (("size_gb", f.size_gb.value), ("shard_gb", f.shard_gb.value)):
         if not value > 0:
             sys.exit(f"bench_hf_load: error: --{name}={value} must be > 0.")
-    size_gb, shard_gb, repeats, shape = _SIZE_GB.value, _SHARD_GB.value, _REPEATS.value, SHAPE
-    if _QUICK.value:
+    size_gb, shard_gb, repeats, shape = f.size_gb.value, f.shard_gb.value, f.repeats.value, SHAPE
+    if f.quick.value:
         size_gb, shard_gb, repeats, shape = 0.01, 0.004, 1, QUICK_SHAPE
-    if _REPEATS.value < 1:
-        sys.exit(f"bench_hf_load: error: --repeats={_REPEATS.value} must be at least 1.")
-    directory = _DIR.value or tempfile.mkdtemp(prefix="bench_hf_load-")
+    if f.repeats.value < 1:
+        sys.exit(f"bench_hf_load: error: --repeats={f.repeats.value} must be at least 1.")
+    directory = f.dir.value or tempfile.mkdtemp(prefix="bench_hf_load-")
     os.makedirs(directory, exist_ok=True)
     if os.listdir(directory):
         sys.exit(f"bench_hf_load: error: --dir={directory} is not empty; the benchmark writes a checkpoint there. "
@@ -148,7 +151,7 @@ def main(argv):
         disk, loads, reads = [], [], []
         for round_ in range(repeats):
             disk.append(disk_read_rate(weight_files(directory)))
-            rate, read, read_rate = load_rate(directory, _PARAM_DTYPE.value)
+            rate, read, read_rate = load_rate(directory, f.param_dtype.value)
             loads.append(rate)
             reads.append(read_rate)
             print(f"round {round_ + 1}: disk {disk[-1] / 1e9:.2f} GB/s, load {rate / 1e9:.2f} GB/s "
@@ -158,10 +161,10 @@ def main(argv):
         print(f"RESULT hf_load_vs_disk_ratio {max(loads) / max(disk):.3f}")
         print(f"RESULT hf_read_vs_disk_ratio {max(reads) / max(disk):.3f}")
     finally:
-        if not _KEEP.value:
+        if not f.keep.value:
             shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    _flags = _define_flags()
+    app.run(lambda argv: main(_flags))

@@ -4,7 +4,7 @@ import os
 import shutil
 import tempfile
 
-from tests.common import xla_flags  # noqa: E402 - imports no backend: the flags below still apply
+from tests.common import xla_flags  # starts no JAX backend, so the XLA_FLAGS set below still apply
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -33,17 +33,18 @@ perplexity was no better (docs/quality.md). The step count, learning rate, f-gra
 vocabulary path are set by the tool (or on the command line, e.g. --config.train.num_steps=1220 for 10M
 tokens).
 
-The SCONE arms hold the f-gram model's updates back for their first 80 steps
-(train.fgram_model_delay_steps=80; 0 in the method): the best setting the study found on validation
-(1x at 10M tokens, two seeds: 31.90 / 31.80 against 32.12 / 32.05 with 40 steps; docs/quality.md), so a
-user running tools/bench_quality.py on a new corpus gets it without flags, and
---config.train.fgram_model_delay_steps=0 gives the method's. Records made before this default say so
-(scone_jax/study/records.py: defaults_version). The other experiments on how the f-gram model trains
-are settings of the tool (docs/training.md), off here: --config.train.fgram_model_delay_steps_per_layer=20
-with --config.train.fgram_model_delay_steps=0 (20, 40, 80 steps for the 1-, 2-, 4-block f-gram models),
---config.scone.learning_rate_multiplier=0.5, --config.scone.gate=true. A baseline arm refuses the last two
-(they mean nothing without SCONE) unless its run is already finished, so pass --arms with SCONE arms only
-when its runs are not.
+The SCONE arms hold the f-gram model's updates back for their first 6.5% of steps
+(train.fgram_model_delay_fraction=0.065; 0 in the method): 80 of the 1,221 steps of 10M tokens, the best
+delay the study found on validation there (1x, two seeds: 31.90 / 31.80 against 32.12 / 32.05 with 40
+steps), and 24 of the 367 of 3M, where 80 steps would be 22% of the run (docs/quality.md, "The hold-back
+at each budget": what it costs or buys at each budget on both corpora), so a user running tools/bench_quality.py on a new corpus
+gets it without flags, and --config.train.fgram_model_delay_fraction=0 gives the method's. Records made
+before this default say so (scone_jax/study/records.py: defaults_version). The other experiments on how
+the f-gram model trains are settings of the tool (docs/training.md), off here:
+--config.train.fgram_model_delay_steps_per_layer=20 with --config.train.fgram_model_delay_fraction=0
+(20, 40, 80 steps for the 1-, 2-, 4-block f-gram models), --config.scone.learning_rate_multiplier=0.5,
+--config.scone.gate=true. A baseline arm refuses the last two (they mean nothing without SCONE) unless its
+run is already finished, so pass --arms with SCONE arms only when its runs are not.
 """
 import math
 
@@ -54,6 +55,8 @@ from scone_jax.config import base_config
 # Over-Encoding arm -> m (prime, so coprime with any model.vocab_size); n and k are OE_N, OE_K for both
 OE_ARMS = {"oe": 20_011, "oe_5x": 100_003}
 OE_N, OE_K = 3, 4
+# The SCONE arms' hold-back: the f-gram model's updates wait for this share of the run (docstring).
+HOLD_BACK = 0.065
 # arm -> (decoder blocks, f-gram model blocks (0 = no SCONE), S, K)
 ARMS = {
     "baseline": (2, 0, 0, 0),
@@ -91,7 +94,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         s.num_layers, s.num_fgrams, s.max_len, s.min_count = fgram_layers, num_fgrams, max_len, 5
         s.fgram_capacity = 4096
         s.input_multiplier = m.embedding_multiplier  # the f-gram model's blocks get the scaled input too
-        t.fgram_model_delay_steps = 80  # chosen on validation (docstring; study/records.py DEFAULTS[2])
+        t.fgram_model_delay_fraction = HOLD_BACK  # chosen on validation (docstring; study/records.py DEFAULTS[3])
     if arm in OE_ARMS:
         config.overencoding.update(dict(enabled=True, n=OE_N, k=OE_K, m=OE_ARMS[arm]))
     config.lock()

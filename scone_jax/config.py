@@ -242,6 +242,17 @@ def _check_chat(d: ml_collections.ConfigDict) -> None:
             raise ValueError(f"data.{key}={d[key]!r} is not valid. Fix: one of {', '.join(map(repr, words))}.")
 
 
+# The keys that each give the f-gram model's delay (training/optimizer.fgram_model_delay): at most one may be > 0.
+DELAY_KEYS = ("fgram_model_delay_steps", "fgram_model_delay_steps_per_layer", "fgram_model_delay_fraction")
+
+
+def delay_steps_for_fraction(fraction: float, num_steps: int) -> int:
+    """train.fgram_model_delay_fraction's D: ceil(fraction x num_steps), the first steps that make up at least
+    that share of the run (0 for 0). The product is rounded to 9 decimals first, so a share that is a whole
+    number of steps (0.1 of 10) is that number and not one more from a float's last bit."""
+    return math.ceil(round(fraction * num_steps, 9))
+
+
 def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
     """The f-gram model's own settings mean nothing without one (a baseline run), and the delay has one value."""
     s, t = config.scone, config.train
@@ -256,10 +267,10 @@ def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"scone.gate_learning_rate_multiplier={s.gate_learning_rate_multiplier!r} is set without "
                          "scone.gate: there is no gate to train. Fix: set --config.scone.gate=True, or leave the "
                          "multiplier at 1.0.")
-    if t.fgram_model_delay_steps and t.fgram_model_delay_steps_per_layer:
-        raise ValueError(f"train.fgram_model_delay_steps={t.fgram_model_delay_steps} and "
-                         f"train.fgram_model_delay_steps_per_layer={t.fgram_model_delay_steps_per_layer} are both set; "
-                         "they are two ways to give the one delay. Fix: set one of them to 0.")
+    delays = [f"train.{key}={t[key]}" for key in DELAY_KEYS if t[key]]
+    if len(delays) > 1:
+        raise ValueError(f"{', '.join(delays[:-1])} and {delays[-1]} are set; they are ways to give the one delay. "
+                         "Fix: keep one of them and set the others to 0.")
 
 
 def check_fgram_source(config: ml_collections.ConfigDict) -> None:

@@ -283,8 +283,12 @@ KEYS = (
         "between 0 and > 0 on resume is refused.", ">= 0", optimizer_state="switched between 0 and > 0"),
     Key("train.fgram_model_delay_steps_per_layer", 0, SETTING,
         "the same delay scaled with the f-gram model's depth: D = this x scone.num_layers (so 20 gives a 1-, 2-, "
-        "4-block f-gram model D = 20, 40, 80); 0 = off. At most one of the two delay keys may be > 0.", ">= 0",
+        "4-block f-gram model D = 20, 40, 80); 0 = off. At most one of the three delay keys may be > 0.", ">= 0",
         optimizer_state="switched between 0 and > 0"),
+    Key("train.fgram_model_delay_fraction", 0.0, SETTING,
+        "the same delay as a share of the run: D = ceil(this x train.num_steps) (0.065 gives 80 of 1,221 steps and "
+        "24 of 367), so one setting holds back the same part of a short and a long run; 0 = off. At most one of "
+        "the three delay keys may be > 0.", "in [0, 1)", optimizer_state="switched between 0 and > 0"),
     Key("train.grad_accum_steps", 1, SETTING,
         "micro-batches per step; must divide the rows per data shard (and, with SCONE, scone.fgram_capacity, which "
         "is split evenly across micro-batches)", ">= 1", " (1 = no accumulation)"),

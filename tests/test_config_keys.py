@@ -126,7 +126,8 @@ def test_a_key_that_reshapes_the_train_state_is_declared_so():
     assert undeclared == []
     assert config_keys.optimizer_state_fix() == (
         "the optimizer settings the checkpoint was saved with (train.fgram_model_delay_steps or "
-        "train.fgram_model_delay_steps_per_layer switched between 0 and > 0 changes the optimizer's state)")
+        "train.fgram_model_delay_steps_per_layer or train.fgram_model_delay_fraction switched between 0 and > 0 "
+        "changes the optimizer's state)")
 
 
 def test_the_exported_step_key_leaves_out_exactly_the_loop_keys():

@@ -127,6 +127,7 @@ WHY = {
     "train.grad_clip_norm": ("step", "the clipping of the gradient"),
     "train.fgram_model_delay_steps": ("step", "the f-gram model's update scale per step"),
     "train.fgram_model_delay_steps_per_layer": ("step", "the f-gram model's update scale per step"),
+    "train.fgram_model_delay_fraction": ("step", "the f-gram model's update scale per step"),
     "train.grad_accum_steps": ("step", "the micro-batches the step splits each batch into"),
     "train.log_every": ("loop", "how often the loop logs"),
     "train.eval_every": ("loop", "how often the loop evaluates"),

@@ -87,7 +87,9 @@ def largest_moves(config, state_steps: int, cap_count: int):
     pytest.param(dict(fgram_model_delay_steps=3), 1.0, [0, 0, 0, 1 / 3, 2 / 3, 1],  # boundary: full at the last
                  marks=pytest.mark.slow),  # step, 2D = 6
     pytest.param(dict(), 0.5, [0.5] * 6, marks=pytest.mark.slow),  # no delay: the multiplier alone (optax.scale)
-], ids=["D1-lr-x2.5", "D2-per-layer-lr-x2.5", "D3-ends-at-the-last-step", "no-delay-lr-x0.5"])
+    pytest.param(dict(fgram_model_delay_fraction=0.15), 1.0, [0, 0, 0.5, 1, 1, 1],  # D = ceil(0.15 x 8 steps) = 2
+                 marks=pytest.mark.slow),
+], ids=["D1-lr-x2.5", "D2-per-layer-lr-x2.5", "D3-ends-at-the-last-step", "no-delay-lr-x0.5", "D2-share-of-8"])
 def test_the_fgram_models_update_factor_step_by_step(train_keys, multiplier, want):
     config = scone_config(**train_keys)
     config.scone.learning_rate_multiplier = multiplier
@@ -96,6 +98,19 @@ def test_the_fgram_models_update_factor_step_by_step(train_keys, multiplier, wan
     fgram, rest = np.array([m[0] for m in moves]), np.array([m[1] for m in moves])
     np.testing.assert_allclose(fgram, want + [multiplier], atol=1e-4)  # long after 2D: exactly the multiplier
     np.testing.assert_allclose(rest, 1.0, atol=1e-4)  # the decoder and T: the rate itself, every step
+
+
+@pytest.mark.parametrize("fraction,num_steps,want", [
+    (0.15, 8, 2), (0.065, 1221, 80), (0.065, 367, 24), (0.1, 10, 1), (0.3, 10, 3), (0.0, 1221, 0), (0.999, 3, 3)])
+def test_a_delay_given_as_a_share_of_the_run_is_the_steps_that_make_up_at_least_that_share(fraction, num_steps, want):
+    """train.fgram_model_delay_fraction=f holds the f-gram model back for D = ceil(f x train.num_steps) steps
+    (docs/training.md): 80 of the 1,221 steps of the study's 10M tokens, 24 of 3M's 367; a share that is a whole
+    number of steps is that number (0.3 x 10 is 3.0000000000000004 in floats). Caught: round() (0.15 of 8 gave 1;
+    0.065 of 1,221 gave 79), int() (79, 23), ceil without the rounding (0.3 of 10 gave 4), the share of
+    train.warmup_steps instead of train.num_steps."""
+    config = scone_config(fgram_model_delay_fraction=fraction, num_steps=num_steps, warmup_steps=num_steps // 2)
+    config_lib.validate(config)
+    assert optimizer.fgram_model_delay(config) == want
 
 
 def test_grad_clip_norm_0_passes_a_huge_gradient_unchanged():
@@ -164,8 +179,13 @@ def test_the_gate_trains_at_its_own_multiple_of_the_fgram_models_rate():
     ("scone.gate_learning_rate_multiplier", 5.0, r"^scone\.gate_learning_rate_multiplier=5\.0 is set without "
                                                  r"scone\.gate: there is no gate to train\. Fix: "),
     ("train.fgram_model_delay_steps_per_layer", 10, r"^train\.fgram_model_delay_steps=40 and "
-                                                    r"train\.fgram_model_delay_steps_per_layer=10 are both set.*Fix: "
-                                                    r"set one of them to 0\.$"),
+                                                    r"train\.fgram_model_delay_steps_per_layer=10 are set; they are "
+                                                    r"ways to give the one delay\. Fix: keep one of them and set the "
+                                                    r"others to 0\.$"),
+    ("train.fgram_model_delay_fraction", 0.065, r"^train\.fgram_model_delay_steps=40 and "
+                                                r"train\.fgram_model_delay_fraction=0\.065 are set; .*Fix: keep one "),
+    ("train.fgram_model_delay_fraction", 1.0, r"^train\.fgram_model_delay_fraction=1\.0 is not valid: it must be "
+                                              r"in \[0, 1\)"),
 ])
 def test_fgram_settings_that_mean_nothing_are_refused_in_one_line(key, value, message):
     """On a baseline run (scone disabled) the f-gram model's settings are refused, a multiplier of 0 or below
@@ -174,8 +194,8 @@ def test_fgram_settings_that_mean_nothing_are_refused_in_one_line(key, value, me
     config = small_config()
     section, name = key.split(".")
     config[section][name] = value
-    if name == "fgram_model_delay_steps_per_layer":
-        config.train.fgram_model_delay_steps = 40
+    if name.startswith("fgram_model_delay_") and (name, value) != ("fgram_model_delay_fraction", 1.0):
+        config.train.fgram_model_delay_steps = 40  # the other delay key set beside it
     with pytest.raises(ValueError, match=message) as e:
         config_lib.validate(config)
     assert "\n" not in str(e.value)
@@ -219,12 +239,12 @@ def test_a_resume_that_changes_the_gate_or_the_multiplier_is_refused_naming_the_
 
 def test_the_quality_study_takes_them_as_overrides(tmp_path):
     """tools/bench_quality.py's --config.KEY=VALUE sets them on configs/quality.py's arms, whose defaults are the
-    method's but the 80-step delay chosen on validation; the per-layer delay follows each arm's f-gram depth, and
+    method's but the delay of 6.5% of the run chosen on validation; the per-layer delay follows each arm's f-gram depth, and
     a baseline arm refuses the gate and the multiplier. Caught: the per-layer delay not multiplied by
     scone.num_layers (fgram_model_delay returning P)."""
     from scone_jax.study.study import Study
 
-    overrides = {"scone.learning_rate_multiplier": 0.5, "scone.gate": True, "train.fgram_model_delay_steps": 0,
+    overrides = {"scone.learning_rate_multiplier": 0.5, "scone.gate": True, "train.fgram_model_delay_fraction": 0.0,
                  "train.fgram_model_delay_steps_per_layer": 20}
     arms = ["baseline", "scone_fgram0.5x", "scone", "scone_fgram2x"]
     plain = Study(str(tmp_path), arms, 3_000_000, 3_000_000, ["0.001"], {}, "", False, {})
@@ -236,6 +256,6 @@ def test_the_quality_study_takes_them_as_overrides(tmp_path):
             0.5, True, delay)
         default = plain.config(arm, "0.001")
         assert (default.scone.learning_rate_multiplier, default.scone.gate, optimizer.fgram_model_delay(default)) == (
-            1.0, False, 80)
+            1.0, False, 24)  # 6.5% of 3M tokens' 367 steps
     with pytest.raises(ValueError, match=r"^scone\.learning_rate_multiplier=0\.5 is set on a run without SCONE"):
         config_lib.validate(study.config("baseline", "0.001"))

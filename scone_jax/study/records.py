@@ -28,7 +28,8 @@ loss covers the assistant tokens only): `test_bits_per_byte` is null there.
 change as the study finds better ones. So a record carries `defaults_version` (DEFAULTS_VERSION when
 appended; a record without it is version 1, the method's defaults), and readers compare runs by `effective`
 settings: that version's defaults plus the overrides, told as their difference from version 1. An old run
-with train.fgram_model_delay_steps=80 and a new one with no override are then the same setting. A record keeps
+with train.fgram_model_delay_steps=80 and a new 10M run with no override (today's share, 0.065 of 1,221 steps:
+80) are then the same setting. A record keeps
 every override it was given, but runs are compared only by what changes their result: the keys config_keys.py
 declares LOOP (data.worker_count, train.max_steps_per_run: how a run was fitted to its machine and job slots)
 are left out of the effective settings.
@@ -40,7 +41,7 @@ import json
 import math
 import os
 
-from scone_jax import config_keys
+from scone_jax import config as config_lib, config_keys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORDS = os.path.join(REPO, "experiments", "quality", "runs.jsonl")
@@ -56,11 +57,13 @@ FINETUNE_FIELDS = ("pretrain", "decode_ms_per_token", "decode_ms_per_token_plain
 OPTIONAL = SERVING_FIELDS + FINETUNE_FIELDS
 # Settings a run without SCONE never reads: left out of a baseline's overrides, so that a baseline of a study
 # run with e.g. --config.scone.output_norm=false is the same baseline as any other. Likewise Over-Encoding's.
-SCONE_ONLY = ("scone.", "train.fgram_model_delay_steps")
+SCONE_ONLY = ("scone.", "train.fgram_model_delay_")
 OE_ONLY = ("overencoding.",)
 # configs/quality.py's defaults that changed, per version, for the SCONE arms (a baseline reads none of them).
-# Version 1: the method's (no delay); 2: the delay chosen on validation (docs/quality.md, "How the study got here").
-DEFAULTS = {1: {"train.fgram_model_delay_steps": 0}, 2: {"train.fgram_model_delay_steps": 80}}
+# Version 1: the method's (no delay); 2: the delay chosen on validation at 10M tokens (docs/quality.md, "How the
+# study got here"); 3: that delay as a share of the run (80 of 1,221 steps at 10M, 24 of 367 at 3M).
+_STEPS, _FRACTION = "train.fgram_model_delay_steps", "train.fgram_model_delay_fraction"
+DEFAULTS = {1: {_STEPS: 0, _FRACTION: 0.0}, 2: {_STEPS: 80, _FRACTION: 0.0}, 3: {_STEPS: 0, _FRACTION: 0.065}}
 DEFAULTS_VERSION = max(DEFAULTS)  # configs/quality.py's now: what a record appended today carries
 # Keys that say how a run was fitted to its machine (workers, job slots, logging, checkpoints), never what it
 # computes: kept in a record's overrides, left out of the settings runs are compared by.
@@ -154,12 +157,16 @@ def version(record: dict) -> int:
 def effective(record: dict) -> dict:
     """The run's settings apart from its seed, as their difference from version 1's defaults: its version's
     defaults (SCONE arms) with its overrides on top, less what equals version 1's defaults and less the keys
-    that cannot change the result (config_keys' LOOP keys). data.shuffle_seed equal to the seed is the seed (the
+    that cannot change the result (config_keys' LOOP keys). A delay given as a share of the run is told as the
+    steps it gave (train.fgram_model_delay_steps), so runs held back equally long meet however it was asked. data.shuffle_seed equal to the seed is the seed (the
     fine-tuning study's seeds set the data order too: study/finetune.py), not a setting."""
     given = {k: v for k, v in record["overrides"].items() if k != "train.seed" and k not in LOOP_KEYS
              and not (k == "data.shuffle_seed" and v == record["seed"])}  # a seed that is its data order too
     defaults = DEFAULTS[version(record)] if record["arm"].startswith("scone") else {}
     merged = {**defaults, **given}
+    if merged.get(_FRACTION):  # the delay as the steps it gives this run: 80 steps of a 10M run, however asked
+        merged[_STEPS] = config_lib.delay_steps_for_fraction(merged.pop(_FRACTION), record["steps"])
+    merged.pop(_FRACTION, None)
     first = DEFAULTS[1]
     return dict(sorted((k, v) for k, v in merged.items() if not (k in first and first[k] == v)))
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 
 from scone_jax.study import answer, finetune_table
-from scone_jax.study.records import by_seed, distinct, effective
+from scone_jax.config import delay_steps_for_fraction
+from scone_jax.study.records import DEFAULTS, DEFAULTS_VERSION, by_seed, distinct, effective
 
 DELAY40 = {"train.fgram_model_delay_steps": 40}
 DELAY80 = {"train.fgram_model_delay_steps": 80}  # configs/quality.py's default from defaults_version 2
@@ -34,6 +35,33 @@ def row(label: str, arm: str, budget: str, rate: float, overrides: dict | None =
     the set of the plot it joins ("" the main one, None none)."""
     return {"label": label, "arm": arm, "budget": budget, "rate": rate, "overrides": overrides or {},
             "figure": figure, "platform": platform, "corpus": corpus}
+
+
+def budget_tokens(budget: str) -> int:
+    """The tokens a row's budget names ("10m" -> 10,000,000; "8.5m", "500k" too): bench_quality's --tokens."""
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9}[budget[-1]]
+    return round(float(budget[:-1]) * scale)
+
+
+def _holdback_rows() -> list[dict]:
+    """The hold-back at each budget on each corpus: the 1x SCONE arm without one, at the delays tried, and at
+    today's default (records.DEFAULTS' share of the run: 24 steps at 3M, 80 at 10M), beside the 2-block
+    baseline."""
+    share, out = DEFAULTS[DEFAULTS_VERSION]["train.fgram_model_delay_fraction"], []
+    for name, corpus, delays_3m, delays_10m in (("kernel docs", "linux_doc", (0, 20, 24, 40, 80), (0, 40, 80)),
+                                                ("GCIDE", "gcide", (0, 24, 80), (0, 80))):
+        for budget, rate, arm, delays in (("3m", 1e-3, "scone_short", delays_3m), ("10m", 2e-3, "scone", delays_10m)):
+            steps = -(-budget_tokens(budget) // 8192)  # bench_quality's steps of 8,192 tokens
+            for d in delays:
+                words = (f"held back {d} steps, {100 * d / steps:.1f}% of the run" if d else
+                         "no hold-back (the method)")
+                if d == delay_steps_for_fraction(share, steps):
+                    words += " (today's default)"
+                out.append(row(f"{name} {budget.upper()}: `{arm}`, {words}", arm, budget, rate,
+                               {"train.fgram_model_delay_steps": d} if d else {}, corpus=corpus))
+            base = arm.replace("scone", "baseline")
+            out.append(row(f"{name} {budget.upper()}: `{base}` (reference)", base, budget, 2e-3, corpus=corpus))
+    return out
 
 
 TABLES = {
@@ -91,6 +119,7 @@ TABLES = {
         ("`baseline` (2 blocks)", "baseline", {}), ("`baseline_2x` (4 blocks)", "baseline_2x", {}),
         ("`scone` (1x), delayed 80 steps", "scone", DELAY80),
         ("`oe` (Over-Encoding: n = 3, k = 4, m = 20,011)", "oe", {}))],
+    "holdback": _holdback_rows(),
     "collapse": [
         row("3M at 2e-3: `baseline_short`", "baseline_short", "3m", 2e-3),
         row("3M at 2e-3: `scone_short`", "scone_short", "3m", 2e-3),
@@ -102,12 +131,6 @@ TABLES = {
         row("3M at 5e-4: `scone_fgram2x`", "scone_fgram2x", "3m", 5e-4),
     ],
 }
-
-
-def budget_tokens(budget: str) -> int:
-    """The tokens a row's budget names ("10m" -> 10,000,000; "8.5m", "500k" too): bench_quality's --tokens."""
-    scale = {"k": 10**3, "m": 10**6, "b": 10**9}[budget[-1]]
-    return round(float(budget[:-1]) * scale)
 
 
 def trained_for(record: dict, budget: str) -> bool:

@@ -1,13 +1,14 @@
 """AdamW with linear warmup, cosine decay to a floor and global-norm clipping; optionally the f-gram model's
-updates held back for the first steps (train.fgram_model_delay_steps), its learning rate a multiple of the rest's
-(scone.learning_rate_multiplier) and scone.gate's a further multiple of that (scone.gate_learning_rate_multiplier),
-docs/training.md."""
+updates held back for the first steps (train.fgram_model_delay_steps, _per_layer or _fraction), its learning rate
+a multiple of the rest's (scone.learning_rate_multiplier) and scone.gate's a further multiple of that
+(scone.gate_learning_rate_multiplier), docs/training.md."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from scone_jax import config as config_lib
 from scone_jax.model import roles
 
 
@@ -37,9 +38,11 @@ def decay_mask(params, weight_decay: float = 0.0):
 
 def fgram_model_delay(config) -> int:
     """D, the f-gram model's delay in steps: train.fgram_model_delay_steps, or
-    train.fgram_model_delay_steps_per_layer times the f-gram model's depth (config.validate refuses both)."""
+    train.fgram_model_delay_steps_per_layer times the f-gram model's depth, or
+    config.delay_steps_for_fraction(train.fgram_model_delay_fraction, train.num_steps) (config.validate refuses two)."""
     t = config.train
-    return t.fgram_model_delay_steps or t.fgram_model_delay_steps_per_layer * config.scone.num_layers
+    return (t.fgram_model_delay_steps or t.fgram_model_delay_steps_per_layer * config.scone.num_layers
+            or config_lib.delay_steps_for_fraction(t.fgram_model_delay_fraction, t.num_steps))
 
 
 def fgram_model_update_scale(delay: int, multiplier: float = 1.0) -> optax.Schedule:

@@ -1,5 +1,10 @@
 """One tiny trained SCONE run and its export, made once per test session and shared by the
-export, table, evaluate, generate, integrity and GCS tests (module globals outlive each test module)."""
+export, table, evaluate, generate, integrity and GCS tests (module globals outlive each test module).
+Under pytest-xdist the workers of a session share them too: the first to need one builds it in the
+session's directory under a file lock and marks it done; the others wait on the lock and open it. Tests
+only read them (a test that damages one works on copy_of)."""
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -29,15 +34,37 @@ def scone_config(tokenizer_path):
     return config
 
 
+@contextlib.contextmanager
+def _built_once(tmp_path_factory, name: str):
+    """Yields (directory, whether this process must build it): `name` in the directory every worker of the
+    session shares, held under its lock until the block ends; done once a block that built it ends cleanly."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/popen-gwK: pytest-N
+    path = root / f"shared_{name}"
+    with open(root / f"shared_{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = path / "DONE"
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)  # what a worker that failed while building left
+            path.mkdir()
+        yield str(path), not done.exists()
+        done.touch()
+
+
 def trained_run(tmp_path_factory) -> dict:
     """{'workdir', 'config', 'tokenizer', 'vocab'}: a SCONE run directory as train.run leaves it,
     with a checkpoint of the initial state (training steps would only cost compile time here)."""
     if "run" not in _CACHE:
-        root = str(tmp_path_factory.mktemp("scone_run"))
-        tokenizer = assets.ensure_tokenizer(small_config().data, os.path.join(root, "tok"))
-        config = scone_config(tokenizer.path)
-        workdir = os.path.join(root, "run")
-        tokenizer, vocab = run_lib.save_initial_state(config, workdir, 1)
+        with _built_once(tmp_path_factory, "scone_run") as (root, build):
+            tokenizer = assets.ensure_tokenizer(small_config().data, os.path.join(root, "tok"))
+            config = scone_config(tokenizer.path)
+            workdir = os.path.join(root, "run")
+            if build:
+                tokenizer, vocab = run_lib.save_initial_state(config, workdir, 1)
+            else:  # what the run's build restores for an existing run: its tokenizer, vocab size and f-grams
+                tokenizer = assets.existing_tokenizer(config.data, workdir)
+                assets.resolve_vocab_size(config, tokenizer)
+                vocab = assets.existing_vocab(config.scone, tokenizer, workdir)
         _CACHE["run"] = {"workdir": workdir, "config": config, "tokenizer": tokenizer, "vocab": vocab}
     return _CACHE["run"]
 
@@ -78,8 +105,10 @@ def exported(tmp_path_factory, dtype: str) -> str:
     key = "export_" + dtype
     if key not in _CACHE:
         run = trained_run(tmp_path_factory)
-        path = str(tmp_path_factory.mktemp("export") / dtype)
-        export.export(run["workdir"], path, dtype=dtype, chunk_rows=64, batch_rows=512)
+        with _built_once(tmp_path_factory, key) as (root, build):
+            path = os.path.join(root, dtype)
+            if build:
+                export.export(run["workdir"], path, dtype=dtype, chunk_rows=64, batch_rows=512)
         _CACHE[key] = path
     return _CACHE[key]
 

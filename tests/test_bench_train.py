@@ -1,0 +1,39 @@
+"""tools/bench_train.py's Over-Encoding arms (--oe_m): timed beside the baseline and SCONE on the same tokens,
+and a bad modulus refused in one line before anything is built. Throughput itself is the tool's figure, not a
+test's: these check what it runs and prints."""
+import re
+
+import pytest
+
+from tests.common import run_tool
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--oe_m=20k"], r"--oe_m=20k: '20k' is not a table modulus \(a positive integer\)\. Fix: e\.g\. "
+                     r"--oe_m=20011,100003\.$"),
+    (["--oe_m=1009", "--oe_n=1"], r"overencoding\.n=1 .*"),
+])
+def test_a_bad_over_encoding_arm_is_refused_in_one_line_before_a_run_is_built(flags, message):
+    """Caught: int() on the text (a ValueError traceback's 'invalid literal for int()'), the arm's config not
+    validated before the builds (n = 1 reached the model)."""
+    result = run_tool("tools/bench_train.py", ["--quick", *flags], timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("bench_train: error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "RESULT" not in result.stdout
+
+
+@pytest.mark.slow
+def test_over_encoding_arms_are_timed_beside_the_baseline_on_their_own_hashed_batches():
+    """--quick --oe_m=1009,2003 on the tiny config: each arm's line and RESULT figures, its FLOPs per step the
+    baseline's plus its [d, d] projection's and the tables' gathers (more than the baseline's, far less than
+    SCONE's). Caught: the arms built but left out of the alternating rounds (no line), an arm timed on the
+    baseline's batches without n-gram ids (the step refused them)."""
+    result = run_tool("tools/bench_train.py", ["--quick", "--oe_m=1009,2003"], timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    gflops = {name: float(x) for name, x in re.findall(r"^(\S+)\s+step .* ([\d.]+) GFLOP/step", result.stdout, re.M)}
+    assert set(gflops) == {"baseline", "scone", "oe_m1009", "oe_m2003"}, result.stdout
+    assert gflops["baseline"] < gflops["oe_m1009"] == gflops["oe_m2003"] < gflops["scone"]
+    results = dict(re.findall(r"^RESULT (\S+) ([\d.]+)$", result.stdout, re.M))
+    for name in ("oe_m1009", "oe_m2003"):
+        assert float(results[f"{name}_train_tokens_per_s"]) > 0 and float(results[f"{name}_step_time_ratio"]) > 0

@@ -99,7 +99,7 @@ def _write(path, lines):
     ("tokens", 1.5, "has tokens=1.5, which must be an integer > 0"),
     ("overrides", ["train.seed"], 'has overrides=["train.seed"], which must be an object of dotted keys'),
     ("platform", 7, "has platform=7, which must be a non-empty string"),
-    ("defaults_version", 9, "has defaults_version=9, which must be one of [1, 2]"),
+    ("defaults_version", 9, "has defaults_version=9, which must be one of [1, 2, 3]"),
 ])
 def test_a_mistyped_record_is_refused_naming_its_line_and_field(tmp_path, committed, field, value, message):
     """A record whose field has the wrong type reads as one line naming the file, the line and the field, and is

@@ -157,16 +157,18 @@ def version(record: dict) -> int:
 def effective(record: dict) -> dict:
     """The run's settings apart from its seed, as their difference from version 1's defaults: its version's
     defaults (SCONE arms) with its overrides on top, less what equals version 1's defaults and less the keys
-    that cannot change the result (config_keys' LOOP keys). A delay given as a share of the run is told as the
-    steps it gave (train.fgram_model_delay_steps), so runs held back equally long meet however it was asked. data.shuffle_seed equal to the seed is the seed (the
-    fine-tuning study's seeds set the data order too: study/finetune.py), not a setting."""
+    that cannot change the result (config_keys' LOOP keys). A SCONE delay given as a share of the run is told
+    as the steps it gave (train.fgram_model_delay_steps), so runs held back equally long meet however it was
+    asked. data.shuffle_seed equal to the seed is the seed (the fine-tuning study's seeds set the data order
+    too: study/finetune.py), not a setting."""
     given = {k: v for k, v in record["overrides"].items() if k != "train.seed" and k not in LOOP_KEYS
              and not (k == "data.shuffle_seed" and v == record["seed"])}  # a seed that is its data order too
     defaults = DEFAULTS[version(record)] if record["arm"].startswith("scone") else {}
     merged = {**defaults, **given}
-    if merged.get(_FRACTION):  # the delay as the steps it gives this run: 80 steps of a 10M run, however asked
-        merged[_STEPS] = config_lib.delay_steps_for_fraction(merged.pop(_FRACTION), record["steps"])
-    merged.pop(_FRACTION, None)
+    if defaults and _FRACTION in merged:  # SCONE: the delay as the steps it gave this run, however it was asked
+        fraction = merged.pop(_FRACTION)
+        if fraction:
+            merged[_STEPS] = config_lib.delay_steps_for_fraction(fraction, record["steps"])
     first = DEFAULTS[1]
     return dict(sorted((k, v) for k, v in merged.items() if not (k in first and first[k] == v)))
 

@@ -94,12 +94,12 @@ def test_another_platform_is_another_row_and_needs_its_own_baseline():
         answer.table([r for r in study() if not r["arm"].startswith("baseline")])
 
 
-def test_the_answer_covers_the_studys_main_arms_and_the_short_ones():
+def test_the_answer_covers_the_studys_main_arms():
     """Caught: an arm added to the study's main arms (study.MAIN_ARMS) without a row here."""
-    from scone_jax.study import protocol, study as quality_study
+    from scone_jax.study import study as quality_study
 
     main = [a for a in quality_study.MAIN_ARMS if not a.startswith("ft_")]
-    assert set(answer.ARMS) == set(main) | set(protocol.SHORT_ARMS)
+    assert set(answer.ARMS) == set(main)
 
 
 def _figures(text: str) -> set[str]:

@@ -25,15 +25,15 @@ def test_a_bad_over_encoding_arm_is_refused_in_one_line_before_a_run_is_built(fl
 
 @pytest.mark.slow
 def test_over_encoding_arms_are_timed_beside_the_baseline_on_their_own_hashed_batches():
-    """--quick --oe_m=1009,2003 on the tiny config: each arm's line and RESULT figures, its FLOPs per step the
-    baseline's plus its [d, d] projection's and the tables' gathers (more than the baseline's, far less than
-    SCONE's). Caught: the arms built but left out of the alternating rounds (no line), an arm timed on the
-    baseline's batches without n-gram ids (the step refused them)."""
-    result = run_tool("tools/bench_train.py", ["--quick", "--oe_m=1009,2003"], timeout=900)
+    """--quick --oe_m=1009 on the tiny config cut to one block each: the arm's line and RESULT figures, its FLOPs
+    per step the baseline's plus its [d, d] projection's (more than the baseline's, less than SCONE's). Caught:
+    the arm built but left out of the alternating rounds (no line), an arm timed on the baseline's batches
+    without n-gram ids (the step refused them)."""
+    result = run_tool("tools/bench_train.py", ["--quick", "--oe_m=1009", "--config.model.num_layers=1",
+                                               "--config.scone.num_layers=1"], timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     gflops = {name: float(x) for name, x in re.findall(r"^(\S+)\s+step .* ([\d.]+) GFLOP/step", result.stdout, re.M)}
-    assert set(gflops) == {"baseline", "scone", "oe_m1009", "oe_m2003"}, result.stdout
-    assert gflops["baseline"] < gflops["oe_m1009"] == gflops["oe_m2003"] < gflops["scone"]
+    assert set(gflops) == {"baseline", "scone", "oe_m1009"}, result.stdout
+    assert gflops["baseline"] < gflops["oe_m1009"] < gflops["scone"]
     results = dict(re.findall(r"^RESULT (\S+) ([\d.]+)$", result.stdout, re.M))
-    for name in ("oe_m1009", "oe_m2003"):
-        assert float(results[f"{name}_train_tokens_per_s"]) > 0 and float(results[f"{name}_step_time_ratio"]) > 0
+    assert float(results["oe_m1009_train_tokens_per_s"]) > 0 and float(results["oe_m1009_step_time_ratio"]) > 0

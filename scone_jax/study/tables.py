@@ -119,7 +119,8 @@ TABLES = {
     "gcide": [row(label, arm, "10m", 2e-3, overrides, corpus="gcide") for label, arm, overrides in (
         ("`baseline` (2 blocks)", "baseline", {}), ("`baseline_2x` (4 blocks)", "baseline_2x", {}),
         ("`scone` (1x), delayed 80 steps", "scone", DELAY80),
-        ("`oe` (Over-Encoding: n = 3, k = 4, m = 20,011)", "oe", {}))],
+        ("`oe` (Over-Encoding: n = 3, k = 4, m = 20,011)", "oe", {}),
+        ("`oe_5x` (m = 100,003)", "oe_5x", {}))],
     "holdback": _holdback_rows(),
     "collapse": [
         row("3M at 2e-3: `baseline_short`", "baseline_short", "3m", 2e-3),

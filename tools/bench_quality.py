@@ -21,7 +21,7 @@ compared with, since a model trained on fewer tokens is worse whatever its shape
 its token inputs by sqrt(d), the f-gram models' inputs included (configs/quality.py says why);
 --config.model.embedding_multiplier=1 --config.scone.input_multiplier=1 gives the method's plain inputs.
 Any config setting of configs/quality.py goes on every run the same way, ml_collections' --config.KEY=VALUE
-(e.g. --config.train.fgram_model_delay_steps=0 for the method's undelayed f-gram model).
+(e.g. --config.train.fgram_model_delay_fraction=0 for the method's undelayed f-gram model).
 
 Protocol: `baseline`, `scone` and `oe` each train at the --learning_rates values in ascending order, stop
 at the first whose validation perplexity is above the best of those below it, and keep the one with

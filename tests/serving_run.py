@@ -44,10 +44,11 @@ def _built_once(tmp_path_factory, name: str):
     with open(root / f"shared_{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = path / "DONE"
-        if not done.exists():
+        build = not done.exists()
+        if build:
             shutil.rmtree(path, ignore_errors=True)  # what a worker that failed while building left
             path.mkdir()
-        yield str(path), not done.exists()
+        yield str(path), build
         done.touch()
 
 

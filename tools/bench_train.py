@@ -90,7 +90,8 @@ def main():
     config_lib.validate(scone)  # a key the config file misspelled, a value out of range: one line, exit 2
     baseline = scone.copy_and_resolve_references()
     baseline.scone.enabled = False
-    configs = {"scone": scone, "baseline": baseline, **oe_configs(baseline, _OE_M.value, _OE_N.value, _OE_K.value)}
+    oe = oe_configs(baseline, _OE_M.value, _OE_N.value, _OE_K.value)
+    configs = {"scone": scone, "baseline": baseline, **oe}
     steps_per_round, rounds = (3, 3) if _QUICK.value else (5, 6)
     with tempfile.TemporaryDirectory() as workdir:  # the tokenizer and f-grams, made once (by the SCONE run)
         mesh = sharding.make_mesh(scone.mesh)
@@ -101,9 +102,8 @@ def main():
     plain = [Batch(inputs=b.inputs, targets=b.targets, segment_ids=b.segment_ids, positions=b.positions,
                    loss_mask=b.loss_mask) for b in batches]  # the same tokens, without f-gram arrays
     runners = {"baseline": step_runner(runs["baseline"], plain), "scone": step_runner(run, batches)}
-    for name in configs:
-        if name.startswith("oe_m"):  # the same tokens again, with the n-gram ids its loader hashed for them
-            runners[name] = step_runner(runs[name], pipeline.first_batches(runs[name].train_data, steps_per_round))
+    for name in oe:  # the same tokens again, with the n-gram ids its loader hashed for them
+        runners[name] = step_runner(runs[name], pipeline.first_batches(runs[name].train_data, steps_per_round))
     best = time_alternating(runners, rounds)
     base_s, scone_s = best["baseline"], best["scone"]
     tokens = scone.data.global_batch_size * scone.data.seq_len
@@ -129,7 +129,7 @@ def main():
     print(f"RESULT scone_flop_ratio {scone_flops / base_flops:.3f}")
     print(f"RESULT dedup_fgram_token_reduction {paper:.2f}")
     print(f"RESULT dedup_fgram_token_reduction_tiny_shard {tiny:.2f}")
-    for name in (n for n in best if n.startswith("oe_m")):
+    for name in oe:
         print(f"RESULT {name}_train_tokens_per_s {tokens / best[name]:.1f}")
         print(f"RESULT {name}_step_time_ratio {best[name] / base_s:.3f}")
 

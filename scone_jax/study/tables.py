@@ -43,6 +43,12 @@ def budget_tokens(budget: str) -> int:
     return round(float(budget[:-1]) * scale)
 
 
+def budget_steps(budget: str, tokens_per_step: int = 8192) -> int:
+    """The steps a budget trains: its tokens rounded up to whole steps (study.Study.config's train.num_steps;
+    configs/quality.py's steps are 32 rows of 256 tokens)."""
+    return -(-budget_tokens(budget) // tokens_per_step)
+
+
 def _holdback_rows() -> list[dict]:
     """The hold-back at each budget on each corpus: the 1x SCONE arm without one, at the delays tried, and at
     today's default (records.DEFAULTS' share of the run: 24 steps at 3M, 80 at 10M), beside the 2-block
@@ -51,7 +57,7 @@ def _holdback_rows() -> list[dict]:
     for name, corpus, delays_3m, delays_10m in (("kernel docs", "linux_doc", (0, 12, 20, 24, 40, 80), (0, 40, 80)),
                                                 ("GCIDE", "gcide", (0, 12, 24, 80), (80,))):
         for budget, rate, arm, delays in (("3m", 1e-3, "scone_short", delays_3m), ("10m", 2e-3, "scone", delays_10m)):
-            steps = -(-budget_tokens(budget) // 8192)  # bench_quality's steps of 8,192 tokens
+            steps = budget_steps(budget)
             for d in delays:
                 words = (f"held back {d} steps, {100 * d / steps:.1f}% of the run" if d else
                          "no hold-back (the method)")
@@ -140,7 +146,7 @@ def trained_for(record: dict, budget: str) -> bool:
     steps (study.Study.config's train.num_steps), so 10M is 1,221 steps of 8,192 tokens, and a 9.6M or a 10.4M
     run is not a 10M run."""
     per_step, rest = divmod(record["tokens"], record["steps"])
-    return rest == 0 and record["steps"] == -(-budget_tokens(budget) // per_step)
+    return rest == 0 and record["steps"] == budget_steps(budget, per_step)
 
 
 def runs_of(spec: dict, records: list[dict]) -> dict[int, dict]:

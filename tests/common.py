@@ -145,6 +145,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def processes_report(results: list) -> str:
+    """Every process's status and stderr, stack dumps left out (the faulthandler's and the C++ log's frames): when
+    one process of a job fails, the cause is usually another process's one line, which a tail would not show."""
+    dump = ("  File ", "    @ ", "Thread 0x", "Current thread 0x", "Extension modules", "*** ")
+    parts = []
+    for i, r in enumerate(results):
+        lines = [line for line in r.stderr.splitlines() if not line.startswith(dump)]
+        parts.append(f"--- process {i}: status {r.returncode}\n" + "\n".join(lines[-40:]))
+    return "\n".join(parts)
+
+
 def main_process_argv(tokenizer_path, port, process_id, num_processes, *extra) -> list:
     """argv of one process of a multi-process `python -m scone_jax.main` job on loopback (the tests'
     small config, its tokenizer)."""

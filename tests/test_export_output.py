@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from scone_jax.runtime import storage
+from scone_jax.runtime import storage, write_probe
 from scone_jax.serving import bundle, export, output_dir
 from tests import serving_run
 from tests.common import run_tool
@@ -83,6 +83,31 @@ def test_an_output_holding_anything_else_is_refused_before_anything_is_written(r
                             "writes only into one of those, or into an unfinished export of the same run, which it "
                             "resumes).") or case == "a_file", message
     assert snapshot(tmp_path) == before
+
+
+def test_a_directory_holding_only_a_write_probe_is_a_fresh_export(run, reference, tmp_path):
+    """Every process of a multi-process export claims --output, and each also probes it (write_probe.py writes and
+    deletes a file there), so one process may list the directory while another's probe file is in it; a probe the
+    user killed leaves one behind. Neither is content: the export goes ahead, equal to one into an empty directory;
+    beside a user's file the refusal names only that file. Caught: the probe's name counted as content (the
+    two-process export failed in CI: process 1 refused 'holds .write_probe-... but no export.json' and process 0
+    aborted waiting for it)."""
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / f"{write_probe.PROBE_PREFIX}0123abcd").write_text("ok")
+    assert export.claim_output(str(output)) is False
+    assert export.export(run["workdir"], str(output), **EXPORT)["rows_computed"] == 2000
+    assert bundle.Bundle.open(str(output)).meta == bundle.Bundle.open(reference).meta
+    np.testing.assert_array_equal(serving_run.ram_table(str(output)).gather(np.arange(2000)),
+                                  serving_run.ram_table(reference).gather(np.arange(2000)))
+
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / f"{write_probe.PROBE_PREFIX}0123abcd").write_text("ok")
+    (users / "notes.txt").write_text("keep me")
+    with pytest.raises(output_dir.OutputNotFreeError, match=f"--output={users} holds 'notes.txt', which a scone_jax "
+                                                            "export does not write; nothing"):
+        export.claim_output(str(users))
 
 
 def test_an_export_stopped_after_its_first_write_resumes_to_the_same_bundle(run, reference, tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ import pytest
 from scone_jax.data import pipeline, tokenizer as tokenizer_lib
 from scone_jax.serving import bundle, inference
 from tests import multihost_worker as worker, serving_run
-from tests.common import free_port, main_process_argv as cli, run_processes
+from tests.common import free_port, main_process_argv as cli, processes_report, run_processes
 
 pytestmark = pytest.mark.slow  # every test here starts processes or runs whole jobs
 
@@ -28,8 +28,8 @@ def run_workers(task: str, tokenizer_path: str, workdir: str) -> None:
     port = free_port()
     argvs = [[sys.executable, "-m", "tests.multihost_worker", task, str(port), str(i), "2", tokenizer_path, workdir]
              for i in range(2)]
-    for r in run_processes(argvs):
-        assert r.returncode == 0, r.stderr[-3000:]
+    results = run_processes(argvs)
+    assert all(r.returncode == 0 for r in results), processes_report(results)
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +170,7 @@ def test_export_from_two_processes_equals_the_one_process_export(tmp_path_factor
               "--dtype=float32", "--chunk_rows=64", "--batch_rows=512", f"--coordinator_address=127.0.0.1:{port}",
               "--num_processes=2", f"--process_id={i}", "--startup_timeout=60"] for i in range(2)]
     results = run_processes(argvs)
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
+    assert all(r.returncode == 0 for r in results), processes_report(results)
     assert "exported 2,000 f-grams" in results[0].stdout and "exported" not in results[1].stdout
     got, want = bundle.Bundle.open(output).meta, bundle.Bundle.open(reference).meta
     assert got == want  # same fingerprints of model, vocabulary and tokenizer; same shape and dtype

@@ -17,6 +17,9 @@ from scone_jax.runtime.errors import one_line
 
 # Storage clients log each failed retry with a traceback; the probe reports one line instead.
 _NOISY_LOGGERS = ("gcsfs", "google", "fsspec")
+# The probe file's name starts so: readers of a directory that may be probed at the same time (every process of a
+# job probes the same one) skip such names.
+PROBE_PREFIX = ".write_probe-"
 
 
 class WorkdirError(OSError):
@@ -32,7 +35,7 @@ def check_writable(workdir: str, timeout_s: float, flag: str = "--workdir") -> N
         try:
             path = epath.Path(workdir)
             path.mkdir(parents=True, exist_ok=True)
-            marker = path / f".write_probe-{uuid.uuid4().hex}"
+            marker = path / f"{PROBE_PREFIX}{uuid.uuid4().hex}"
             marker.write_text("ok")
             marker.unlink()
             outcome.append(None)

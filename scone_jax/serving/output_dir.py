@@ -12,11 +12,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 
-from scone_jax.runtime import storage
+from scone_jax.runtime import storage, write_probe
 from scone_jax.serving import bundle_files
 
-# check_writable's probe file (runtime/write_probe.py), left behind only if that probe was killed midway.
-PROBE_PREFIX = ".write_probe-"
 
 
 class OutputNotFreeError(ValueError):
@@ -44,10 +42,12 @@ def claim(path: str, *, names: Iterable[str], prefixes: Iterable[str] = (), mark
     empty (a fresh export), True if it holds an export of that kind (entries among `names`, or starting with one
     of `prefixes`, and `marker`, whose bytes `is_ours` recognises; the caller compares it with its own run).
     OutputNotFreeError, one line, for anything else. Reads only."""
-    present = entries(path)
+    # A probe file (runtime/write_probe.py) is not content: another process of the same job may be probing this
+    # directory right now, or a killed probe left it.
+    present = [n for n in entries(path) or () if not n.startswith(write_probe.PROBE_PREFIX)]
     if not present:
         return False
-    names, prefixes = set(names), (PROBE_PREFIX, *prefixes)
+    names, prefixes = set(names), tuple(prefixes)
     foreign = [n for n in present if n not in names and not n.startswith(prefixes)]
     fix = (f"Fix: pass a new or empty directory for {flag}, or remove what is there (an export writes only into "
            "one of those, or into an unfinished export of the same run, which it resumes).")

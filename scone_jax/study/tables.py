@@ -55,7 +55,7 @@ def _holdback_rows() -> list[dict]:
     baseline."""
     share, out = DEFAULTS[DEFAULTS_VERSION]["train.fgram_model_delay_fraction"], []
     for name, corpus, delays_3m, delays_10m in (("kernel docs", "linux_doc", (0, 12, 20, 24, 40, 80), (0, 40, 80)),
-                                                ("GCIDE", "gcide", (0, 12, 24, 80), (80,))):
+                                                ("GCIDE", "gcide", (0, 12, 24, 80), (0, 80))):
         for budget, rate, arm, delays in (("3m", 1e-3, "scone_short", delays_3m), ("10m", 2e-3, "scone", delays_10m)):
             steps = budget_steps(budget)
             for d in delays:

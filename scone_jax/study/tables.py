@@ -82,6 +82,7 @@ TABLES = {
         row("`scone_s100k`, delayed 40 steps", "scone_s100k", "10m", 2e-3, DELAY40, _D10M),
         row("`oe` (Over-Encoding: n = 3, k = 4, m = 20,011)", "oe", "10m", 2e-3),
         row("`oe` at 4e-3", "oe", "10m", 4e-3),
+        row("`oe` at 8e-3", "oe", "10m", 8e-3),
         row("`oe_5x` (m = 100,003) at 4e-3", "oe_5x", "10m", 4e-3),
     ],
     "10m_delay80": [row(label, arm, "10m", 2e-3, DELAY80) for label, arm in (

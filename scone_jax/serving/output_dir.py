@@ -16,7 +16,6 @@ from scone_jax.runtime import storage, write_probe
 from scone_jax.serving import bundle_files
 
 
-
 class OutputNotFreeError(ValueError):
     """--output holds something an export did not write, or is not a directory."""
 

@@ -25,13 +25,16 @@ def test_a_bad_over_encoding_arm_is_refused_in_one_line_before_a_run_is_built(fl
 
 @pytest.mark.slow
 def test_over_encoding_arms_are_timed_beside_the_baseline_on_their_own_hashed_batches():
-    """--quick --oe_m=1009 on the tiny config cut to one block each: the arm's line and RESULT figures, its FLOPs
-    per step the baseline's plus its [d, d] projection's (more than the baseline's, less than SCONE's). Caught:
-    the arm built but left out of the alternating rounds (no line), an arm timed on the baseline's batches
-    without n-gram ids (the step refused them)."""
+    """--quick --oe_m=1009 on the tiny config cut to one block each and 4 rows a batch: the arm's line and RESULT
+    figures, its FLOPs per step the baseline's plus its [d, d] projection's (more than the baseline's, less than
+    SCONE's), and the dedup line naming the batch it measured. Caught: the arm built but left out of the
+    alternating rounds (no line), an arm timed on the baseline's batches without n-gram ids (the step refused
+    them), the dedup line's shard written as the tiny config's 16 x 128 whatever the batch."""
     result = run_tool("tools/bench_train.py", ["--quick", "--oe_m=1009", "--config.model.num_layers=1",
-                                               "--config.scone.num_layers=1"], timeout=900)
+                                               "--config.scone.num_layers=1", "--config.data.global_batch_size=4",
+                                               "--config.scone.fgram_capacity=256"], timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^dedup: .* = [\d.]+ at 4 x 128 tokens per shard, ", result.stdout, re.M), result.stdout
     gflops = {name: float(x) for name, x in re.findall(r"^(\S+)\s+step .* ([\d.]+) GFLOP/step", result.stdout, re.M)}
     assert set(gflops) == {"baseline", "scone", "oe_m1009"}, result.stdout
     assert gflops["baseline"] < gflops["oe_m1009"] < gflops["scone"]

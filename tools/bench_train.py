@@ -9,7 +9,7 @@ n-gram ids hashed there) are prepared first, so the timings are the device step 
 in alternating rounds and each keeps its fastest round, so load from other jobs on a shared
 machine does not land on one of them only. MFU and the FLOP ratio use the
 formula in scone_jax/model/accounting.py. The dedup reduction is measured on the embedded
-corpus at the tiny config's shard (16 x 128 tokens) and at a paper-sized one (64 x 1024
+corpus at the config's shard (16 x 128 tokens for configs/tiny.py) and at a paper-sized one (64 x 1024
 tokens: the paper's 512 x 1024 batch over 8 data shards).
 """
 import tempfile
@@ -120,7 +120,9 @@ def main():
         f"{k.split('/')[1]} {np.mean([f[k] for f in figures]):.3f}" for k in figures[0]))
     tiny = 1.0 / np.mean([f["fgram/row_ratio"] for f in figures])
     paper = dedup_reduction(scone, tokenizer, batcher, 64, 1024, 1 if _QUICK.value else 4)
-    print(f"dedup: naive / deduplicated f-gram-model tokens = {tiny:.2f} at 16 x 128 tokens per shard, "
+    shard_rows = scone.data.global_batch_size // batcher.num_shards
+    print(f"dedup: naive / deduplicated f-gram-model tokens = {tiny:.2f} at {shard_rows} x {scone.data.seq_len} "
+          f"tokens per shard, "
           f"{paper:.2f} at 64 x 1024 (static capacity U={scone.scone.fgram_capacity} rows: "
           f"{np.mean([(b.fgram_slot >= 0).sum() for b in batches]) / scone.scone.fgram_capacity:.2f} at the tiny shard)")
     print(f"RESULT train_tokens_per_s {tokens / base_s:.1f}")

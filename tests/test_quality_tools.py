@@ -186,17 +186,19 @@ def quality_run(arm, test_ppl, tokens=3_000_000, rate=0.001):
 
 @pytest.mark.slow
 def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(corpus, tmp_path):
-    """--quick trains baseline and scone, exports both and scores the test split through serving.evaluate;
-    the RESULT lines carry the test perplexities it recorded, a rerun trains nothing, and a rerun with other
-    settings is refused. A job stopped early with exit 0 (train.max_steps_per_run) is neither exported nor
-    recorded, and the next invocation resumes it, also when an older bench_quality recorded it; the recorded
-    validation perplexity is the validation split's (served again here). Caught: finished runs reused whatever the
-    settings (check_finished_runs not called); run_arm without its quality_runs.unfinished check (the 60-step run
-    exported and recorded, exit 0); forget_unfinished_runs not called (the recorded 60-step run skipped); the
-    validation perplexity read from the last training log record (split "train") instead of the evaluation."""
+    """--quick --arms=baseline,scone,oe trains the three arms, exports them and scores the test split through
+    serving.evaluate; the RESULT lines carry the test perplexities it recorded, a rerun trains nothing (and without
+    --arms names baseline and scone only), and a rerun with other settings is refused. A job stopped early with
+    exit 0 (train.max_steps_per_run) is neither exported nor recorded, and the next invocation resumes it, also when
+    an older bench_quality recorded it; the recorded validation perplexity is the validation split's (served again
+    here). Caught: finished runs reused whatever the settings (check_finished_runs not called); run_arm without its
+    quality_runs.unfinished check (the 60-step run exported and recorded, exit 0); forget_unfinished_runs not
+    called (the recorded 60-step run skipped); the validation perplexity read from the last training log record
+    (split "train") instead of the evaluation; --quick replacing the --arms given by baseline and scone."""
     study, records = tmp_path / "study", tmp_path / "runs.jsonl"
-    args = quality_args(corpus, study, "--quick", "--allow_epochs", "--config.data.vocab_size=512",
-                        f"--records={records}")
+    common = quality_args(corpus, study, "--quick", "--allow_epochs", "--config.data.vocab_size=512",
+                          f"--records={records}")
+    args = [*common, "--arms=baseline,scone,oe"]
     stopped = run_tool("tools/bench_quality.py", [*args, "--config.train.max_steps_per_run=60"], timeout=900)
     assert stopped.returncode == 2, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert ("bench_quality: error: baseline/lr0.0005 stopped before finishing (its last step is 60 of 98), so it was "
@@ -208,21 +210,21 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     (study / "results.json").write_text(json.dumps({"arms": {}, "runs": {"baseline/lr0.0005": {
         **quality_run("baseline", 50.0, rate=0.0005), "steps": 98, "test_bits_per_byte": 1.0, "test_tokens": 1000,
         "hit_rate": 0.0, "fgram_capacity": 0, "train_seconds": 1.0, "commit": ""}}}))
-    first = run_tool("tools/bench_quality.py", args, timeout=900)
+    first = run_tool("tools/bench_quality.py", args, timeout=1200)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert ("[baseline/lr0.0005] recorded, but its run did not finish (its last step is 60 of 98): it resumes"
             in first.stdout)
     assert "Resumed from step 60" in (run / "train.log").read_text()
     results = json.loads((study / "results.json").read_text())
-    assert set(results["arms"]) == {"baseline", "scone"}
+    assert set(results["arms"]) == {"baseline", "scone", "oe"}
     # each finished run appended to the records with the study's settings (caught: the append call removed)
     appended = quality_records.read(str(records))
-    assert [r["arm"] for r in appended] == ["baseline", "scone"] and {r["seed"] for r in appended} == {0}
+    assert [r["arm"] for r in appended] == ["baseline", "scone", "oe"] and {r["seed"] for r in appended} == {0}
     assert {r["defaults_version"] for r in appended} == {quality_records.DEFAULTS_VERSION}
     assert all(r["overrides"]["data.vocab_size"] == 512 and r["overrides"]["data.seq_len"] == 64 for r in appended)
-    assert [r["test_ppl"] for r in appended] == [results["arms"][a]["test_ppl"] for a in ("baseline", "scone")]
-    assert appended[0]["splits_sha256"] == appended[1]["splits_sha256"] and appended[0]["corpus"] == corpus.name
-    for arm in ("baseline", "scone"):
+    assert [r["test_ppl"] for r in appended] == [results["arms"][a]["test_ppl"] for a in ("baseline", "scone", "oe")]
+    assert len({r["splits_sha256"] for r in appended}) == 1 and appended[0]["corpus"] == corpus.name
+    for arm in ("baseline", "scone", "oe"):
         r = results["arms"][arm]
         assert f"RESULT ppl_{arm} {r['test_ppl']:.3f}" in first.stdout
         served = json.loads((tmp_path / "study" / arm / f"lr{r['learning_rate']}" / "test_eval.json").read_text())
@@ -231,6 +233,7 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     assert results["arms"]["scone"]["hit_rate"] > 0.2 and results["arms"]["baseline"]["hit_rate"] == 0
     assert results["arms"]["scone"]["inference_flops_per_token"] == results["arms"]["baseline"]["inference_flops_per_token"]
     assert results["arms"]["scone"]["train_flops"] > results["arms"]["baseline"]["train_flops"]
+    _check_over_encoding_record(appended[2], study, first.stdout)
     # The recorded validation perplexity is the validation split's: the baseline's export scored there again.
     baseline = results["arms"]["baseline"]
     assert json.loads((run / "DONE").read_text())["step"] == baseline["steps"] == 98
@@ -240,9 +243,10 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     validation = json.loads((tmp_path / "v.json").read_text())["perplexity"]
     assert baseline["validation_ppl"] == pytest.approx(validation, rel=1e-4)
     assert abs(validation / baseline["test_ppl"] - 1) > 1e-2  # the two splits differ: the check tells them apart
-    again = run_tool("tools/bench_quality.py", args, timeout=600)
+    again = run_tool("tools/bench_quality.py", common, timeout=600)  # --quick's own arms: baseline and scone
     assert again.returncode == 0 and "training" not in again.stdout.replace("training split", "")
-    assert len(quality_records.read(str(records))) == 2  # a skipped run is not recorded again
+    assert [a for a in ("baseline", "scone", "oe") if f"RESULT ppl_{a} " in again.stdout] == ["baseline", "scone"]
+    assert len(quality_records.read(str(records))) == 3  # a skipped run is not recorded again
     # a finished run is not reused for other settings (here the method's plain input layer): refused in one line
     before = (tmp_path / "study" / "results.json").read_text()
     changed = run_tool("tools/bench_quality.py", [*args, "--config.model.embedding_multiplier=1"], timeout=600)
@@ -252,35 +256,26 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     assert (tmp_path / "study" / "results.json").read_text() == before
 
 
-@pytest.mark.slow
-def test_bench_quality_quick_runs_the_over_encoding_arm(corpus, tmp_path):
-    """`--quick --arms=oe` trains the Over-Encoding arm alone (one rate), exports it as a decoder bundle holding its
-    n-gram tables, scores the test split through serving.evaluate and records it with the figures the comparison
-    with SCONE needs: accelerator bytes (the decoder with its tables: theirs is most of it), no host table, the
-    projection's inference FLOPs, training tokens/s. Caught: --quick replacing the --arms given by baseline and
-    scone; the record's accelerator bytes taken from the decoder without its tables."""
+def _check_over_encoding_record(record, study, stdout):
+    """The `oe` arm's record from --quick: exported as a decoder bundle holding its n-gram tables, scored on the test
+    split through serving.evaluate, with the figures the comparison with SCONE needs: accelerator bytes (the decoder
+    with its tables: theirs is most of it), no host table, the projection's inference FLOPs, training tokens/s.
+    Caught: the record's accelerator bytes taken from the decoder without its tables."""
     from scone_jax.study import study as quality_study
 
-    records = tmp_path / "runs.jsonl"
-    args = quality_args(corpus, tmp_path / "study", "--quick", "--arms=oe", "--allow_epochs",
-                        "--config.data.vocab_size=512", f"--records={records}")
-    result = run_tool("tools/bench_quality.py", args, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (record,) = quality_records.read(str(records))
     assert record["arm"] == "oe" and set(quality_records.SERVING_FIELDS) <= set(record)
     assert not set(quality_records.FINETUNE_FIELDS) & set(record)  # a pretraining arm: no fine-tuning fields
-    served = json.loads((tmp_path / "study" / "oe" / "lr0.0005" / "test_eval.json").read_text())
+    served = json.loads((study / "oe" / "lr0.0005" / "test_eval.json").read_text())
     assert served["perplexity"] == record["test_ppl"] and 1 < record["test_ppl"] < 600 and record["hit_rate"] == 0
     assert record["host_table_bytes"] == 0 and record["train_tokens_per_s"] > 0
     tables = 4 * 16 * sum(20_011 + 2 * s + 1 for s in range(8))  # 8 float32 tables of width 16, their rows unpadded
-    vocab = json.loads((tmp_path / "study" / "oe" / "lr0.0005" / "config.json").read_text())["model"]["vocab_size"]
+    vocab = json.loads((study / "oe" / "lr0.0005" / "config.json").read_text())["model"]["vocab_size"]
     baseline = quality_study.flops(_quick_config(quality_study, "baseline", vocab))
     assert record["accelerator_bytes"] == quality_study.flops(_quick_config(quality_study, "oe", vocab))[2]
     assert 0 <= record["accelerator_bytes"] - baseline[2] - tables - 4 * 128 * 128 < 4 * 16 * 128  # + projection, pad
     assert record["inference_flops_per_token"] - baseline[0] == 2 * 128 * 128  # the [d, d] projection
-    assert f"RESULT accelerator_bytes_oe {record['accelerator_bytes']:.4g}" in result.stdout
-    assert f"RESULT train_tokens_per_s_oe {record['train_tokens_per_s']:.4g}" in result.stdout
-    assert not (tmp_path / "study" / "baseline").exists() and not (tmp_path / "study" / "scone").exists()
+    assert f"RESULT accelerator_bytes_oe {record['accelerator_bytes']:.4g}" in stdout
+    assert f"RESULT train_tokens_per_s_oe {record['train_tokens_per_s']:.4g}" in stdout
 
 
 def _quick_config(quality_study, arm, vocab_size):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import math
 import time
 
@@ -172,7 +171,6 @@ def load_decoder(checkpoint: HfCheckpoint, abstract: nnx.State, *, by_rows: bool
         blocks.clear()
         if tensor.transpose or stored.dtype != spec.dtype or not read.is_equivalent_to(spec.sharding, len(shape)):
             stored = _to_ours(tensor.transpose, spec.dtype, spec.sharding)(stored)
-        gc.collect()  # the blocks as read sit in reference cycles once converted: free them before the next read
         report.tensors += 1
         out.append((path, variable.replace(stored)))
     report.seconds = time.time() - start

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from scone_jax.study import finetune_table, records as quality_records, tables
-from tests.common import run_tool
+from tests.common import OPTIMISED, run_tool
 from tests.test_quality_tools import corpus  # noqa: F401 - a fixture: KJV text split into train/validation/test
 
 WORDNET = "/usr/share/wordnet"
@@ -38,7 +38,7 @@ def test_quick_run_records_every_arm_from_the_serving_path_and_a_rerun_trains_no
     that set train.seed alone (ft_plain's seed 1 repeated seed 0 to the last digit: it has no random parameter)."""
     workdir, path = tmp_path / "ft", tmp_path / "runs.jsonl"
     args = _args(corpus, chat, workdir, "--quick", "--large_arm=baseline_2x", "--seeds=1", f"--records={path}")
-    result = run_tool("tools/bench_finetune.py", args, timeout=1500)
+    result = run_tool("tools/bench_finetune.py", args, timeout=1500, env=OPTIMISED)
     assert result.returncode == 0, result.stderr[-3000:]
     recorded = quality_records.read(str(path))
     assert [r["arm"] for r in recorded] == ["pretrain_main", "pretrain_large", *ARMS]
@@ -61,7 +61,7 @@ def test_quick_run_records_every_arm_from_the_serving_path_and_a_rerun_trains_no
     assert "**The paper's direction" in (workdir / "finetune.md").read_text()
     logs = {p: p.stat().st_size for p in workdir.rglob("train.log")}
 
-    again = run_tool("tools/bench_finetune.py", args, timeout=600)
+    again = run_tool("tools/bench_finetune.py", args, timeout=600, env=OPTIMISED)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("finished before: skipped") == 5  # 2 pretrained models + 3 fine-tunes
     assert len(quality_records.read(str(path))) == 5

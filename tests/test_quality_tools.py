@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from scone_jax.study import protocol as quality_protocol, records as quality_records, runs as quality_runs
-from tests.common import REPO, run_tool, xla_flags
+from tests.common import OPTIMISED, REPO, run_tool, xla_flags
 from scone_jax.study import geometry
 from tools import embedding_scale, split_corpus
 
@@ -199,7 +199,8 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     common = quality_args(corpus, study, "--quick", "--allow_epochs", "--config.data.vocab_size=512",
                           f"--records={records}")
     args = [*common, "--arms=baseline,scone,oe"]
-    stopped = run_tool("tools/bench_quality.py", [*args, "--config.train.max_steps_per_run=60"], timeout=900)
+    stopped = run_tool("tools/bench_quality.py", [*args, "--config.train.max_steps_per_run=60"], timeout=900,
+                       env=OPTIMISED)
     assert stopped.returncode == 2, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert ("bench_quality: error: baseline/lr0.0005 stopped before finishing (its last step is 60 of 98), so it was "
             "not exported, scored or recorded. Rerun the same command to resume it") in stopped.stderr
@@ -210,7 +211,7 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     (study / "results.json").write_text(json.dumps({"arms": {}, "runs": {"baseline/lr0.0005": {
         **quality_run("baseline", 50.0, rate=0.0005), "steps": 98, "test_bits_per_byte": 1.0, "test_tokens": 1000,
         "hit_rate": 0.0, "fgram_capacity": 0, "train_seconds": 1.0, "commit": ""}}}))
-    first = run_tool("tools/bench_quality.py", args, timeout=1200)
+    first = run_tool("tools/bench_quality.py", args, timeout=1200, env=OPTIMISED)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert ("[baseline/lr0.0005] recorded, but its run did not finish (its last step is 60 of 98): it resumes"
             in first.stdout)
@@ -243,13 +244,14 @@ def test_bench_quality_quick_runs_every_stage_and_a_rerun_skips_finished_runs(co
     validation = json.loads((tmp_path / "v.json").read_text())["perplexity"]
     assert baseline["validation_ppl"] == pytest.approx(validation, rel=1e-4)
     assert abs(validation / baseline["test_ppl"] - 1) > 1e-2  # the two splits differ: the check tells them apart
-    again = run_tool("tools/bench_quality.py", common, timeout=600)  # --quick's own arms: baseline and scone
+    again = run_tool("tools/bench_quality.py", common, timeout=600, env=OPTIMISED)  # --quick's arms: baseline, scone
     assert again.returncode == 0 and "training" not in again.stdout.replace("training split", "")
     assert [a for a in ("baseline", "scone", "oe") if f"RESULT ppl_{a} " in again.stdout] == ["baseline", "scone"]
     assert len(quality_records.read(str(records))) == 3  # a skipped run is not recorded again
     # a finished run is not reused for other settings (here the method's plain input layer): refused in one line
     before = (tmp_path / "study" / "results.json").read_text()
-    changed = run_tool("tools/bench_quality.py", [*args, "--config.model.embedding_multiplier=1"], timeout=600)
+    changed = run_tool("tools/bench_quality.py", [*args, "--config.model.embedding_multiplier=1"], timeout=600,
+                       env=OPTIMISED)
     assert changed.returncode == 2, changed.stdout[-2000:] + changed.stderr[-2000:]
     assert "baseline/lr0.0005 in" in changed.stderr and "model.embedding_multiplier: 11.31" in changed.stderr
     assert "Traceback" not in changed.stderr and "training" not in changed.stdout.replace("training split", "")

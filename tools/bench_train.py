@@ -124,7 +124,7 @@ def main():
     print(f"dedup: naive / deduplicated f-gram-model tokens = {tiny:.2f} at {shard_rows} x {scone.data.seq_len} "
           f"tokens per shard, "
           f"{paper:.2f} at 64 x 1024 (static capacity U={scone.scone.fgram_capacity} rows: "
-          f"{np.mean([(b.fgram_slot >= 0).sum() for b in batches]) / scone.scone.fgram_capacity:.2f} at the tiny shard)")
+          f"{np.mean([(b.fgram_slot >= 0).sum() for b in batches]) / scone.scone.fgram_capacity:.2f} at that shard)")
     print(f"RESULT train_tokens_per_s {tokens / base_s:.1f}")
     print(f"RESULT scone_train_tokens_per_s {tokens / scone_s:.1f}")
     print(f"RESULT scone_step_time_ratio {scone_s / base_s:.3f}")

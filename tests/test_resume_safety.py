@@ -256,3 +256,25 @@ def test_a_non_finite_loss_right_after_a_restore_points_at_the_checkpoint(tokeni
     assert result.returncode == 3, result.stderr[-3000:]
     assert f"right after resuming from {directory}/3" in result.stderr
     assert f"mv {directory}/3 {directory}/3.bad" in result.stderr
+
+
+def test_the_first_start_on_a_step_0_checkpoint_is_checked_like_any_resume(tokenizer_path, tmp_path):
+    """tools/import_hf.py saves a run at step 0 (run.save_initial_state); the first training start on it must refuse
+    a changed data.seq_len or batch size as a later resume would, naming the keys and changing nothing. Bug it
+    caught: check_resume and _newest_meta took step 0 for 'no checkpoint' (`if not step`), so the start trained on
+    (and config.json recorded) a config the checkpoint was not made with."""
+    from scone_jax.training import run as run_lib
+
+    workdir = str(tmp_path / "w")
+    run_lib.save_initial_state(config_with(tokenizer_path, ONE_LAYER), workdir, 0)
+    before = tree_digest(workdir)
+    changed = config_with(tokenizer_path, ONE_LAYER)
+    changed.data.seq_len, changed.data.global_batch_size = 16, 8
+    with pytest.raises(checkpoint.CheckpointMismatchError,
+                       match=r"checkpoints/0 with a config .*data.seq_len: 32 -> 16; data.global_batch_size: 16 -> 8"):
+        run_lib.build(changed, workdir, sharding.make_mesh(changed.mesh))
+    assert tree_digest(workdir) == before
+    allowed = run_lib.build(changed, workdir, sharding.make_mesh(changed.mesh),
+                            allow_config_changes=("data.seq_len", "data.global_batch_size"))
+    allowed.close()
+    assert allowed.step == 0 and allowed.restored is not None  # the step-0 state, not a fresh one

@@ -270,7 +270,7 @@ def _newest_meta(ckpt) -> tuple[int | None, dict | None]:
     """(latest step, its metadata): (None, None) without checkpoints; metadata None if it cannot be read (the
     restore then reports the checkpoint as damaged)."""
     step = ckpt.latest_step()
-    if not step:
+    if step is None:  # (step 0 is a checkpoint too: tools/import_hf.py saves one)
         return step, None
     try:
         return step, ckpt.read_checkpoint_meta(step)
@@ -283,7 +283,7 @@ def check_resume(ckpt, newest: tuple, config, allowed, train_data: dict) -> None
     training files (appended, edited, added or removed: the same batch numbers would mean other documents),
     listing every difference."""
     step, meta = newest
-    if not step or meta is None:
+    if step is None or meta is None:  # step 0 (an imported run) is checked like any other
         return
     changes = [c for c in config_lib.resume_changes(meta.get("config", {}), config)]
     if "train_data" not in meta:

@@ -52,7 +52,8 @@ import ml_collections
 
 from scone_jax.config import base_config
 
-# Over-Encoding arm -> m (prime, so coprime with any model.vocab_size); n and k are OE_N, OE_K for both
+# Over-Encoding arm -> m (prime; with model.vocab_size 2,048, a power of two, every table's odd modulus m + 2s is
+# coprime with it, as docs/method.md §8 requires); n and k are OE_N, OE_K for both
 OE_ARMS = {"oe": 20_011, "oe_5x": 100_003}
 OE_N, OE_K = 3, 4
 # The SCONE arms' hold-back: the f-gram model's updates wait for this share of the run (docstring).

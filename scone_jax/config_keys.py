@@ -194,8 +194,8 @@ KEYS = (
         "divide model.d_model", ">= 1"),
     Key("overencoding.m", 100_001, STATE,
         "m: the first table's modulus; table s (0-based, order-major) hashes modulo m + 2s and has that many rows "
-        "plus the reserved 'no n-gram' row 0, about m x d_model parameters in all. Must be coprime with "
-        "model.vocab_size (the base of the ids)", ">= 2"),
+        "plus the reserved 'no n-gram' row 0, about m x d_model parameters in all. Every modulus m + 2s must be "
+        "coprime with model.vocab_size (the base of the ids)", ">= 2"),
 
     # data: corpus, tokenizer, batches
     Key("data.source", "kjv", STATE,

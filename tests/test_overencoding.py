@@ -10,6 +10,7 @@ Bugs each test was seen to catch when injected into production code (the docstri
   - the n-gram tables counted as matmul parameters in the FLOPs (dropped from model/roles.py's EMBEDDING_MODULES).
 """
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -182,7 +183,8 @@ def test_the_tables_are_embeddings_and_the_projection_a_decayed_matrix_counted_i
     ({"scone.enabled": True}, "overencoding.enabled and scone.enabled are both set"),
     ({"overencoding.n": 1}, "overencoding.n=1 is not valid: it must be >= 2"),
     ({"overencoding.k": 0}, "overencoding.k=0 is not valid: it must be >= 1"),
-    ({"overencoding.m": 1000}, "overencoding.m=1000 shares the factor 8 with model.vocab_size=512"),
+    ({"overencoding.m": 1000}, "overencoding.m=1000 gives table 0 the modulus m + 2*0 = 1,000, which shares the "
+                                "factor 8 with model.vocab_size=512"),
     ({"overencoding.m": 1000, "model.vocab_size": 0}, "overencoding.m=1000 is even, and model.vocab_size"),
     ({"overencoding.k": 3}, "model.d_model=64 does not split into the k(n-1) = 3 x 2 = 6 tables"),
     ({"overencoding.m": 2**31 - 3}, "gives moduli up to 2,147,483,651, beyond the int32 ids"),
@@ -202,7 +204,54 @@ def test_bad_settings_are_refused_in_one_line(settings, message):
     assert message in str(raised.value) and "\n" not in str(raised.value)
     if "coprime" in str(raised.value) and "e.g. overencoding.m=" in str(raised.value):
         fix = int(str(raised.value).rsplit("overencoding.m=", 1)[1].rstrip("."))
-        assert math.gcd(fix, config.model.vocab_size or 128) == 1
+        assert all(math.gcd(fix + 2 * s, config.model.vocab_size or 128) == 1 for s in range(4))
+
+
+def oldest_token_collisions(n, k, m, vocab, table):
+    """Groups of oldest tokens whose term x V^(n-1) mod M is the same in table `table` (so an order-n n-gram's id
+    cannot tell them apart), in Python integers from docs/method.md §8's formula: none where M is coprime with V
+    and V <= M (the term is then one-to-one), some where they share a factor."""
+    modulus = m + 2 * table
+    seen = {}
+    for x in range(vocab):
+        seen.setdefault(x * vocab ** (n - 1) % modulus, []).append(x)
+    return [group for group in seen.values() if len(group) > 1]
+
+
+@pytest.mark.parametrize("vocab,modulus,factor", [(32_000, 100_005, 5), (50_304, 100_005, 3)])
+def test_every_tables_modulus_must_be_coprime_with_the_vocabulary(vocab, modulus, factor):
+    """n = 3, k = 4, m = 100,001: m is coprime with V = 32,000 and with 50,304, but tables 2 and 7 (moduli 100,005
+    and 100,015) share 5 with 32,000, and tables 2 and 5 share 3 with 50,304: in them an n-gram's oldest tokens x and
+    x + M/g always collide. Refused in one line naming the modulus; the 8 moduli m, m + 2, ... cover every residue
+    of 3, 5 and 7, so no m avoids it and the fix is a vocabulary size, checked here to work. With k = 2 (4 tables)
+    an m exists and is suggested. Caught: the live bug of issue 64, only m checked against V (both passed)."""
+    assert oldest_token_collisions(3, 4, 100_001, vocab, table=2)  # the reason: real collisions
+    assert not oldest_token_collisions(3, 4, 100_001, vocab, table=0)
+    config = oe_config(n=3, k=4, m=100_001)  # d_model 64: 8 tables of width 8
+    with config.unlocked():
+        config.model.vocab_size = vocab
+    with pytest.raises(ValueError) as raised:
+        config_lib.validate(config)
+    message = str(raised.value)
+    assert f"modulus m + 2*2 = {modulus:,}, which shares the factor {factor} with model.vocab_size={vocab}" in message
+    assert "\n" not in message and "No m avoids it" in message
+    new_vocab, new_m = (int(x) for x in re.search(r"model.vocab_size=(\d+) with overencoding.m=(\d+)\.$",
+                                                  message).groups())
+    assert new_vocab >= vocab and new_vocab % 128 == 0
+    with config.unlocked():
+        config.model.vocab_size, config.overencoding.m = new_vocab, new_m
+    config_lib.validate(config)
+    assert all(math.gcd(m, new_vocab) == 1 for _, m in overencoding.tables(config.overencoding))
+
+    config = oe_config(n=3, k=2, m=100_001)
+    with config.unlocked():
+        config.model.vocab_size = 32_000
+    with pytest.raises(ValueError, match=r"modulus m \+ 2\*2 = 100,005, which shares the factor 5 .* e\.g\. "
+                                         r"overencoding\.m=100007\.$"):
+        config_lib.validate(config)
+    with config.unlocked():
+        config.overencoding.m = 100_007
+    config_lib.validate(config)
 
 
 def test_a_resume_that_changes_n_k_or_m_is_refused_naming_the_key(tmp_path, tokenizer_path):

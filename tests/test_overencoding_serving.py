@@ -112,8 +112,8 @@ def test_the_hugging_face_format_refuses_an_over_encoding_run(oe_run, tmp_path):
 def test_the_training_job_refuses_bad_settings_in_one_line_before_writing(tmp_path, tokenizer_path):
     """`python -m scone_jax.main` with an m that shares a factor with model.vocab_size (512), or with SCONE beside
     Over-Encoding: one line naming the key and the fix, exit 2, the workdir left empty."""
-    for flags, message in ((["--config.overencoding.m=1000"], "overencoding.m=1000 shares the factor 8 with "
-                                                               "model.vocab_size=512"),
+    for flags, message in ((["--config.overencoding.m=1000"], "overencoding.m=1000 gives table 0 the modulus "
+                                                               "m + 2*0 = 1,000, which shares the factor 8"),
                            (["--config.scone.enabled=true"], "overencoding.enabled and scone.enabled are both set")):
         workdir = tmp_path / flags[0].split(".")[-1].split("=")[0]
         result = run_main(workdir, "--config.overencoding.enabled=true", *flags,

@@ -36,9 +36,10 @@ def tables(oe_cfg) -> list[tuple[int, int]]:
 
 def check(config) -> None:
     """ValueError naming the key and the fix where overencoding's settings do not fit the run: SCONE or a Hugging
-    Face checkpoint beside it, a width that does not split into the k(n-1) tables, a modulus beyond int32, or
-    m sharing a factor with the ids' base V = model.vocab_size (once it is known: 0 means the tokenizer's size
-    rounded up to 128, so only an even m is refused before the tokenizer loads; run.build checks again after)."""
+    Face checkpoint beside it, a width that does not split into the k(n-1) tables, a modulus beyond int32, or a
+    table's modulus m + 2s sharing a factor with the ids' base V = model.vocab_size (once it is known: 0 means the
+    tokenizer's size rounded up to 128, so only an even m is refused before the tokenizer loads; run.build checks
+    again after)."""
     oe, m = config.overencoding, config.model
     if not oe.enabled:
         return
@@ -60,13 +61,46 @@ def check(config) -> None:
     vocab = m.vocab_size
     if not vocab and oe.m % 2 == 0:  # model.vocab_size 0 becomes the tokenizer's size rounded up to 128: even
         raise ValueError(f"overencoding.m={oe.m} is even, and model.vocab_size (0: the tokenizer's size rounded up "
-                         "to a multiple of 128) will be too; m must be coprime with it, the base of the n-gram ids. "
-                         f"Fix: an odd m, e.g. overencoding.m={oe.m + 1}.")
-    if vocab and math.gcd(oe.m, vocab) != 1:
-        fix = next(c for c in range(oe.m + 1, oe.m + 2 * vocab + 2) if math.gcd(c, vocab) == 1)
-        raise ValueError(f"overencoding.m={oe.m} shares the factor {math.gcd(oe.m, vocab)} with model.vocab_size="
-                         f"{vocab}, the base of the n-gram ids (id = sum_r x[t-r] V^r mod m + 2s): V^r mod m would lose "
-                         f"the older tokens' digits. Fix: an m coprime with {vocab}, e.g. overencoding.m={fix}.")
+                         "to a multiple of 128) will be too; every table's modulus m + 2s must be coprime with it, "
+                         f"the base of the n-gram ids. Fix: an odd m, e.g. overencoding.m={oe.m + 1}.")
+    if vocab:
+        _check_coprime(oe, count, vocab)
+
+
+def _check_coprime(oe, count: int, vocab: int) -> None:
+    """Every table's modulus M coprime with V: where g = gcd(M, V) > 1, V^r is a multiple of g, so an n-gram's oldest
+    tokens x and x + M/g get the same id in that table (with V = 32,000 and M = 100,005: tokens 20,001 apart).
+    The k(n-1) moduli m, m + 2, ... cover every residue of an odd prime p <= k(n-1), so a V with such a factor has
+    no good m: the fix is then a vocabulary size."""
+    bad = next(((s, modulus) for s, (_, modulus) in enumerate(tables(oe)) if math.gcd(modulus, vocab) > 1), None)
+    if bad is None:
+        return
+    s, modulus = bad
+    problem = (f"overencoding.m={oe.m} gives table {s} the modulus m + 2*{s} = {modulus:,}, which shares the factor "
+               f"{math.gcd(modulus, vocab)} with model.vocab_size={vocab}, the base of the n-gram ids (id = "
+               f"sum_r x[t-r] V^r mod m + 2s): that table would give an n-gram's oldest tokens x and "
+               f"x + {modulus // math.gcd(modulus, vocab):,} the same id.")
+    fix = coprime_m(oe.m, count, vocab)
+    if fix is not None:
+        raise ValueError(f"{problem} Fix: an m whose {count} moduli m, m + 2, ... are all coprime with {vocab}, e.g. "
+                         f"overencoding.m={fix}.")
+    blocking = next(p for p in range(3, count + 1) if vocab % p == 0 and all(p % q for q in range(2, p)))
+    new_vocab = next(v for v in range(-(-vocab // 128) * 128, 2**31, 128) if coprime_m(oe.m, count, v) is not None)
+    raise ValueError(f"{problem} No m avoids it: the {count} tables' moduli m, m + 2, ... always include a multiple "
+                     f"of {blocking}. Fix: a model.vocab_size without a prime factor <= {count} (or fewer tables, "
+                     f"overencoding.k or n), e.g. model.vocab_size={new_vocab} with "
+                     f"overencoding.m={coprime_m(oe.m, count, new_vocab)}.")
+
+
+def coprime_m(m: int, count: int, vocab: int) -> int | None:
+    """The first m' >= m whose count moduli m', m' + 2, ... are all coprime with vocab and fit int32; None where an odd
+    prime <= count divides vocab (count moduli spaced 2 apart cover all its residues) or none fits."""
+    if any(vocab % p == 0 and all(p % q for q in range(2, p)) for p in range(3, count + 1)):
+        return None
+    for candidate in range(m, _MAX_MODULUS - 2 * (count - 1) + 1):
+        if all(math.gcd(candidate + 2 * s, vocab) == 1 for s in range(count)):
+            return candidate
+    return None
 
 
 def parameter_rows(oe_cfg) -> int:

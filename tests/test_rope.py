@@ -17,6 +17,7 @@ LLAMA31 = dict(rope_theta=500_000.0, rope_scaling="llama3", rope_scaling_factor=
                rope_high_freq_factor=4.0, rope_original_max_len=8192)
 YARN = dict(rope_theta=1_000_000.0, rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_len=32768,
             rope_beta_fast=32.0, rope_beta_slow=1.0)
+YARN_WIDE_RANGE = dict(YARN, rope_theta=10_000.0, rope_original_max_len=131_072)
 
 
 def model_cfg(**overrides):
@@ -74,23 +75,30 @@ def test_llama3_frequencies_match_meta_s_definition():
     assert Rope.of(model_cfg(**LLAMA31), 128).attention_factor == 1.0
 
 
-def test_yarn_frequencies_and_attention_factor_match_the_reference_code():
-    """theta 1e6, head_dim 128, factor 4 over 32768 (a Qwen-style extension). Caught: the ramp reversed (slow
-    dimensions kept, fast ones interpolated), and the correction range not truncated (floor/ceil left out)."""
-    rope = Rope.of(model_cfg(**YARN), 128)
-    want, factor = yarn_reference(1_000_000.0, 128, 4.0, 32768, 32.0, 1.0)
+@pytest.mark.parametrize("settings", [YARN, YARN_WIDE_RANGE], ids=["qwen", "wide_range"])
+def test_yarn_frequencies_and_attention_factor_match_the_reference_code(settings):
+    """theta 1e6, head_dim 128, factor 4 over 32768 (a Qwen-style extension), and theta 1e4 over 131,072 (whose
+    slow end d(beta_slow) = 69.1 lies past the H/2 - 1 = 63 a ramp index reaches, but inside H - 1 = 127). Caught:
+    the ramp reversed (slow dimensions kept, fast ones interpolated), the correction range not truncated
+    (floor/ceil left out), and (wide_range only) the range's top clamped to H/2 - 1 instead of H - 1 (frequencies
+    up to 46% off; issue 64's surviving mutant)."""
+    rope = Rope.of(model_cfg(**settings), 128)
+    want, factor = yarn_reference(settings["rope_theta"], 128, settings["rope_scaling_factor"],
+                                  settings["rope_original_max_len"], 32.0, 1.0)
     np.testing.assert_allclose(np.asarray(rope.frequencies()), want, rtol=2e-6)
     assert rope.attention_factor == pytest.approx(factor) and factor == pytest.approx(1.1386294)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "yarn"])
+@pytest.mark.parametrize("kind", ["llama3", "yarn", "yarn_wide_range"])
 def test_frequencies_match_transformers(kind):
-    """The same settings through transformers' ROPE_INIT_FUNCTIONS (its float32 arithmetic: rtol 1e-5)."""
+    """The same settings through transformers' ROPE_INIT_FUNCTIONS (its float32 arithmetic: rtol 1e-5). Caught
+    (yarn_wide_range): YaRN's correction range clamped to H/2 - 1 instead of H - 1."""
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    ours = dict(LLAMA31 if kind == "llama3" else YARN)
+    ours = dict({"llama3": LLAMA31, "yarn": YARN, "yarn_wide_range": YARN_WIDE_RANGE}[kind])
+    kind = ours["rope_scaling"]
     params = {"rope_type": kind, "rope_theta": ours["rope_theta"], "factor": ours["rope_scaling_factor"],
               "original_max_position_embeddings": ours["rope_original_max_len"]}
     if kind == "llama3":

@@ -221,3 +221,28 @@ def test_row_r_draws_token_i_with_fold_in_of_its_key_and_i(served):
             key = jax.random.fold_in(row_keys[r], i)
             want = generate.sample(jnp.asarray(out["logits"][r, i]), key, 1.0)
             assert out["tokens"][r, 4 + i] == int(want), (r, i)
+
+
+def test_the_printed_sample_keeps_the_space_between_prompt_and_continuation(served, monkeypatch, capsys):
+    """`generate` prints the prompt and its continuation decoded together. A SentencePiece continuation that opens
+    with a word ('\u2581unto') decoded on its own drops its leading space: caught, the old
+    `prompt + decode(new)` printing 'And God saidunto them'; and a continuation cut at eos."""
+    import types
+
+    tok = served.tokenizer
+    prompt = "And God said"
+    continuation = [int(i) for i in tok.encode("And God said unto them")][len(tok.encode(prompt)):]
+    assert tok.id_to_token(continuation[0]).startswith("\u2581")  # the case that lost its space
+    monkeypatch.setattr(inference, "load", lambda *a, **k: served)
+
+    def forced(self, prompts, num_tokens, **kwargs):
+        new = np.asarray([continuation + [tok.eos_id] + continuation], np.int32)
+        return {"tokens": np.concatenate([prompts, new], 1), "seconds_per_token": None}
+
+    monkeypatch.setattr(generate.Generator, "generate", forced)
+    value = types.SimpleNamespace
+    args = value(export=value(value="bundle"), prompt=value(value=prompt), num_tokens=value(value=4),
+                 num_samples=value(value=1), temperature=value(value=0.0), top_k=value(value=0), top_p=value(value=1.0),
+                 seed=value(value=0), table=value(value="ram"), max_table_bytes=value(value=None))
+    generate.run(args)
+    assert capsys.readouterr().out == "And God said unto them\n"

@@ -170,6 +170,17 @@ class Generator:
         return {"tokens": tokens[:, :length], "logits": np.stack(jax.device_get(logits), 1), "seconds_per_token": latency}
 
 
+def sample_text(tok, row, prompt_length: int, prompt: str) -> str:
+    """The prompt's ids and the row's new ones (up to eos) decoded together: a tokenizer that drops the leading
+    space of a word's first piece (SentencePiece's '\u2581') keeps it at the seam, which decoding the continuation
+    on its own lost ('In the beginningof')."""
+    text_ids = [int(i) for i in tok.encode(prompt)]  # the prompt without the bos (or eos) it was read after
+    new = [int(i) for i in row[prompt_length:]]
+    if tok.eos_id in new:
+        new = new[: new.index(tok.eos_id)]
+    return tok.decode(text_ids + new)
+
+
 def _define_flags():
     """Command-line flags, defined only when this module runs as a program (modules share absl's registry)."""
     export = inference.define_export_flag()
@@ -197,10 +208,7 @@ def run(args):
     generator = Generator(served, temperature=args.temperature.value, top_k=args.top_k.value, top_p=args.top_p.value)
     out = generator.generate(np.tile(prompt, (args.num_samples.value, 1)), args.num_tokens.value, seed=args.seed.value)
     for row in out["tokens"]:
-        new = list(row[len(prompt):])
-        if tok.eos_id in new:
-            new = new[: new.index(tok.eos_id)]
-        print(args.prompt.value + tok.decode(new))
+        print(sample_text(tok, row, len(prompt), args.prompt.value))
     if out["seconds_per_token"] is not None:
         print(f"{1000 * out['seconds_per_token']:.2f} ms/token", file=sys.stderr)
 

@@ -4,6 +4,8 @@ batching, stop tokens, bad prompt files refused before anything is generated."""
 import itertools
 import json
 import math
+import os
+import re
 import types
 
 import jax
@@ -160,6 +162,8 @@ def test_samples_do_not_depend_on_the_batching_and_stop_at_a_stop_token(served, 
     ([{"id": 1, "text": "x"}], {}, ":1: a prompt line needs exactly one of 'prompt'"),
     ([{"prompt": "a", "answer": 3}], {}, "'answer' is 3"),
     ([{"prompt": "a"}, {"prompt": "b", "id": 1}], {}, "the id 1 is used twice"),
+    ([{"prompt": "a", "id": [1, 2]}], {}, ":1: 'id' is [1, 2], not a string or a number"),  # was TypeError: unhashable
+    ([{"prompt": "a", "id": {"n": 1}}], {}, ":1: 'id' is {\"n\": 1}, not a string or a number"),
     ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}], {},
      "ends with an assistant turn"),
     ([{"prompt": "In the beginning God created the heaven and the earth"}], {"max_new_tokens": 30},
@@ -176,3 +180,31 @@ def test_bad_prompt_files_and_flags_are_refused_before_generating(rows, values, 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         generate_batch.run(_args(tmp_path, _prompt_file(tmp_path, rows), **values))
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("output,summary,destroyed", [
+    ("{tmp}/prompts.jsonl", "", "--output={tmp}/prompts.jsonl names the same file as --prompts="),
+    ("{tmp}/./prompts.jsonl", "", "names the same file as --prompts="),
+    ("{tmp}/link.jsonl", "", "names the same file as --prompts="),  # a symbolic link to the prompt file
+    ("{tmp}/out.jsonl", "{tmp}//prompts.jsonl", "--summary={tmp}//prompts.jsonl names the same file as --prompts="),
+    ("{tmp}/bundle/export.json", "", "lies inside --export={tmp}/bundle"),
+    ("{tmp}/out.jsonl", "{tmp}/bundle/sub/s.json", "--summary={tmp}/bundle/sub/s.json lies inside --export="),
+    ("{tmp}/out.jsonl", "{tmp}/out.jsonl", "--summary={tmp}/out.jsonl names the same file as --output="),
+])
+def test_an_output_that_names_an_input_is_refused_before_anything_is_written(output, summary, destroyed, served,
+                                                                            tmp_path, monkeypatch):
+    """--output/--summary naming the prompt file (however spelled) or a file of the export bundle being read is
+    refused in one line, every input byte for byte as it was. Bug it caught: the samples were written over the
+    prompt set, and --output=BUNDLE/export.json destroyed the export."""
+    monkeypatch.setattr(inference, "load", lambda *a, **k: served)
+    prompts = _prompt_file(tmp_path, [{"prompt": "In the beginning"}])
+    (tmp_path / "link.jsonl").symlink_to(prompts)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "export.json").write_text("{}")
+    before = {p: p.read_bytes() for p in (prompts, bundle / "export.json")}
+    values = dict(output=output.format(tmp=tmp_path), summary=summary.format(tmp=tmp_path), export=str(bundle))
+    with pytest.raises(ValueError, match=re.escape(destroyed.format(tmp=tmp_path))):
+        generate_batch.run(_args(tmp_path, prompts, **values))
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(os.listdir(bundle)) == ["export.json"] and not (tmp_path / "out.jsonl").exists()

@@ -20,7 +20,8 @@ Writes --output, one line per sample in prompt order: {"id", "sample", "text" (t
 decoded), "tokens" (their ids), "finish_reason" ("stop" or "length"), "correct" (with an answer: the exact
 match of serving/exact_match.py)}, and --summary (default OUTPUT.summary.json): prompts scored, samples per
 prompt, pass@k for each --pass_at k (the unbiased estimator), finish reasons, new tokens and seconds. Both are
-written whole at the end (temporary file, then rename). Bad input (a line without a prompt, a bad conversation,
+written whole at the end (temporary file, then rename); neither may name an input (the prompt file, a file in the
+export bundle, the chat template) or the other (runtime/outputs.py). Bad input (a line without a prompt, a bad conversation,
 a prompt that leaves no room for --max_new_tokens in a model of learned positions, k > n) is one line and exit
 2, before anything is generated.
 """
@@ -42,7 +43,7 @@ from absl import flags
 
 from scone_jax.data import chat_template, conversations
 from scone_jax.data.prompt import prompt_ids
-from scone_jax.runtime import logs, tool_main
+from scone_jax.runtime import logs, outputs, tool_main
 from scone_jax.serving import exact_match, generate, inference
 
 
@@ -102,6 +103,9 @@ def read_prompts(path: str, tokenizer, add_bos: bool, encoder_for) -> list[Promp
             raise ValueError(f"{where}: a prompt line needs exactly one of 'prompt' (text) and 'messages' (a "
                              "conversation). Fix: e.g. {\"id\": 1, \"prompt\": \"...\", \"answer\": \"...\"}.")
         prompt_id = record.get("id", number)
+        if not isinstance(prompt_id, (str, int, float)):
+            raise ValueError(f"{where}: 'id' is {json.dumps(prompt_id)[:40]}, not a string or a number. Fix: e.g. "
+                             "\"id\": \"q17\" or \"id\": 17.")
         if prompt_id in ids_seen:
             raise ValueError(f"{where}: the id {prompt_id!r} is used twice. Fix: give each prompt its own id.")
         ids_seen.add(prompt_id)
@@ -228,6 +232,9 @@ def run(args):
     tool_main.require(export=args.export.value, prompts=args.prompts.value, output=args.output.value)
     ks = _checked_numbers(args)
     output, summary_path = args.output.value, args.summary.value or args.output.value + ".summary.json"
+    inputs = {"--prompts": args.prompts.value, "--export": args.export.value, "--chat_template": args.chat_template.value}
+    outputs.refuse_inputs(output, "--output", inputs)
+    outputs.refuse_inputs(summary_path, "--summary", {**inputs, "--output": output})
     tool_main.check_result_path(output, "--output")
     tool_main.check_result_path(summary_path, "--summary")
     served = inference.load(args.export.value, table=args.table.value, max_table_bytes=args.max_table_bytes.value)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 
-from scone_jax.runtime import storage, write_probe
+from scone_jax.runtime import outputs, storage, write_probe
 from scone_jax.serving import bundle_files
 
 
-class OutputNotFreeError(ValueError):
-    """--output holds something an export did not write, or is not a directory."""
+# The rule every program's outputs follow (runtime/outputs.py), applied here to a whole export directory.
+OutputNotFreeError = outputs.OutputNotFreeError
 
 
 def entries(path: str) -> list[str] | None:

@@ -6,7 +6,9 @@ Deliberate bugs these tests were run against once (each made the named test fail
   - common_keys reading head_dim as hidden_size // num_attention_heads always
     (test_transformers_configs_map_to_our_keys_and_back[qwen3]);
   - rope_parameters ignoring transformers 4's top-level rope_scaling (test_transformers_4_spelling_reads_the_same);
-  - Llama.fits leaving out qk_norm (test_the_family_of_a_model_section: a Qwen3 model section would be Llama).
+  - Llama.fits leaving out qk_norm (test_the_family_of_a_model_section: a Qwen3 model section would be Llama);
+  - Qwen3's epsilon (every norm's, the q/k norms' included) fixed at its releases' 1e-6 when read or when written
+    (test_transformers_configs_map_to_our_keys_and_back[qwen3-rms_norm_eps 1e-5]; issue 64).
 """
 import json
 
@@ -32,6 +34,7 @@ def written(family, **overrides) -> dict:
     ("qwen3", dict(tie_word_embeddings=True),
      dict(num_kv_heads=2, head_dim=16, norm_eps=1e-6, qk_norm=True, rope_theta=1e6, rope_scaling="none",
           tie_embeddings=True, max_seq_len=64)),
+    ("qwen3", dict(rms_norm_eps=1e-5), dict(norm_eps=1e-5, qk_norm=True)),  # not its releases' 1e-6
     ("gpt2", {}, dict(num_kv_heads=0, head_dim=0, norm="layernorm", mlp="gelu", position="learned", use_bias=True,
                       d_ff=80, max_seq_len=64, tie_embeddings=False)),
     ("olmo", {}, dict(num_kv_heads=2, head_dim=0, norm="nonparametric_layernorm", norm_eps=1e-5, mlp="swiglu",

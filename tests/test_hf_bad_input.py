@@ -164,3 +164,36 @@ def test_the_import_tool_refuses_bad_flags_in_one_line(good, tmp_path, flag, nam
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and last.startswith("import_hf: error: ") and named in last, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def _digest(directory):
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
+@pytest.mark.slow
+def test_a_workdir_that_is_the_checkpoint_or_holds_a_users_config_json_is_refused_before_writing(good, tmp_path):
+    """import_hf --hf_dir=D --workdir=D (also D/.), and scone_jax.main with model.init_from_hf=D --workdir=D: exit 2,
+    one line, D byte for byte as it was; a workdir holding a config.json no run wrote: the same. Bug it caught:
+    import_hf exited 0 after writing its config.json over D's (transformers could no longer load D)."""
+    directory = str(tmp_path / "hf")
+    shutil.copytree(good, directory)
+    before = _digest(directory)
+    for workdir in (directory, f"{directory}/."):
+        result = run_tool("tools/import_hf.py", [f"--hf_dir={directory}", f"--workdir={workdir}"])
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and lines[-1] == (
+            f"import_hf: error: --workdir={workdir} names the same path as --hf_dir={directory}: writing it would "
+            "destroy that; nothing was written. Fix: pass another path for --workdir."), result.stderr[-2000:]
+        assert _digest(directory) == before
+    result = run_main(directory, f"--config.model.init_from_hf={directory}", config="configs/finetune_hf.py")
+    assert result.returncode == 2 and "--workdir=" + directory + " names the same path as model.init_from_hf=" in \
+        result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+    assert _digest(directory) == before
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text('{"my": "settings"}')
+    result = run_tool("tools/import_hf.py", [f"--hf_dir={directory}", f"--workdir={workdir}"])
+    assert result.returncode == 2 and "holds a config.json that is not a scone_jax run's" in \
+        result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+    assert os.listdir(workdir) == ["config.json"] and (workdir / "config.json").read_text() == '{"my": "settings"}'

@@ -292,3 +292,33 @@ def test_both_processes_of_a_job_on_a_busy_workdir_exit_2_with_the_owner_named(t
         assert f"is in use by another run: host {socket.gethostname()}, process {os.getpid()}, started " in line
         assert "Traceback" not in r.stderr
     assert not os.path.exists(os.path.join(workdir, "config.json"))
+
+
+@pytest.mark.parametrize("foreign", ['{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}', "my notes"])
+def test_a_config_json_no_run_wrote_is_refused_not_replaced(tokenizer_path, tmp_path, foreign):
+    """A user's config.json in --workdir (a Hugging Face checkpoint's, or any file of that name) stops the run in
+    one line before anything is written there; a run's own config.json is a resume's to replace. Bug it caught:
+    train.run wrote config.json over it (and the OWNER lease, tokenizer, checkpoints beside it)."""
+    from scone_jax.runtime import outputs
+    from scone_jax.training import train
+    from tests.common import config_with
+
+    (tmp_path / "config.json").write_text(foreign)
+    with pytest.raises(outputs.OutputNotFreeError, match=f"--workdir={tmp_path} holds a config.json that is not a "
+                                                         "scone_jax run's"):
+        train.run(config_with(tokenizer_path), str(tmp_path))
+    assert os.listdir(tmp_path) == ["config.json"] and (tmp_path / "config.json").read_text() == foreign
+
+
+def test_a_workdir_that_is_or_lies_inside_an_input_directory_is_refused(tmp_path):
+    """The shared output rule for a run's workdir: model.init_from_hf's directory (also spelled DIR/., or through a
+    symbolic link) or a directory inside it is refused; a sibling is not."""
+    from scone_jax.runtime import outputs, workdir as workdir_layout
+
+    source = tmp_path / "hf"
+    source.mkdir()
+    (tmp_path / "link").symlink_to(source)
+    for workdir in (source, f"{source}/.", tmp_path / "link", source / "run"):
+        with pytest.raises(outputs.OutputNotFreeError, match=f"model.init_from_hf={source}"):
+            workdir_layout.check_free(str(workdir), {"model.init_from_hf": str(source), "scone.init_from_hf": ""})
+    workdir_layout.check_free(str(tmp_path / "run"), {"model.init_from_hf": str(source), "scone.init_from_hf": ""})

@@ -13,7 +13,9 @@ step 0 exactly as training saves one (training/run.py save_initial_state). Pass 
 
 Every check of the checkpoint (config.json, weights, each tensor's name, shape and dtype, the tokenizer against the
 embedding's rows) and of the config runs before anything is written or any device is used: bad input is one line,
-exit status 2. A workdir that already holds a checkpoint is refused (it is a run already). On a pod run the same
+exit status 2. A workdir that already holds a checkpoint is refused (it is a run already), and so is one that is
+--hf_dir itself or lies inside it, or holds a config.json a run did not write (runtime/outputs.py: nothing of the
+user's is overwritten). On a pod run the same
 command on every host (like training: --coordinator_address, --num_processes, --process_id elsewhere); each host
 reads only the blocks its devices hold.
 """
@@ -109,6 +111,10 @@ def main():
     except Exception as e:  # noqa: BLE001 - config_flags defers a config file's failure to first use
         raise ValueError(_flag_error(sys.argv) or one_line(e)) from None
     checkpoint = prepare(config, _HF_DIR.value)
+    from scone_jax.runtime import workdir as workdir_layout
+
+    workdir_layout.check_free(_WORKDIR.value, {"--hf_dir": _HF_DIR.value,
+                                               "scone.init_from_hf": config.scone.get("init_from_hf", "")})
     distributed.initialize(_JOIN.spec())
     import_checkpoint(config, _WORKDIR.value)
     import jax

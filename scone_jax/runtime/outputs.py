@@ -46,7 +46,7 @@ def refuse_inputs(output: str, flag: str, inputs: Mapping[str, str]) -> None:
             continue
         theirs = _canonical(path)
         if mine == theirs:
-            raise OutputNotFreeError(f"{flag}={output} names the same file as {name}={path}: writing it would destroy "
+            raise OutputNotFreeError(f"{flag}={output} names the same path as {name}={path}: writing it would destroy "
                                      f"that; nothing was written. Fix: pass another path for {flag}.")
         if _within(mine, theirs):
             raise OutputNotFreeError(f"{flag}={output} lies inside {name}={path}, which this program reads: writing "

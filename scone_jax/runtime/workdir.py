@@ -1,7 +1,8 @@
 """What a run's workdir holds, named once (local path or gs:// URL; the launcher adds logs/).
 
   OWNER            the lease of the run that owns the workdir (runtime/ownership.py)
-  config.json      the resolved config of the latest start
+  config.json      the resolved config of the latest start (a config.json a run did not write is never
+                   replaced: check_free)
   tokenizer.model  the tokenizer trained on first use (when data.tokenizer_path is '')
   fgrams/          the f-gram vocabulary extracted on first use (when scone.vocab_path is '')
   checkpoints/     orbax checkpoints, one directory per step
@@ -21,7 +22,7 @@ import json
 
 from absl import logging
 
-from scone_jax.runtime import storage
+from scone_jax.runtime import outputs, storage
 
 OWNER = "OWNER"
 CONFIG = "config.json"
@@ -37,6 +38,23 @@ DONE = "DONE"
 def path(workdir: str, name: str) -> str:
     """workdir/name, for local paths and gs:// URLs alike."""
     return storage.join(workdir, name)
+
+
+def check_free(workdir: str, inputs: dict[str, str]) -> None:
+    """The rule every output follows (runtime/outputs.py), for a run's workdir, before anything is written there:
+    it is not one of the run's input directories (`inputs`: key -> path, e.g. model.init_from_hf), nor inside one,
+    and a config.json in it is a run's (a Hugging Face checkpoint's, or any other, would be replaced)."""
+    outputs.refuse_inputs(workdir, "--workdir", inputs)
+    outputs.refuse_foreign(workdir, CONFIG, is_ours=is_run_config, kind="a scone_jax run", flag="--workdir")
+
+
+def is_run_config(raw: bytes) -> bool:
+    """Whether `raw` is a config.json a run wrote (config.write_config): a JSON object of the config's sections."""
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(config, dict) and all(isinstance(config.get(k), dict) for k in ("model", "data", "train"))
 
 
 def remove_stale_done(workdir: str, num_steps: int) -> None:

@@ -106,6 +106,7 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
     mesh = sharding.make_mesh(config.mesh)
     config_lib.validate_batch_split(config, sharding.num_batch_shards(mesh))
     profile.check_tracer(config.train.profile_steps)
+    workdir_layout.check_free(workdir, input_directories(config))  # nothing of the user's is overwritten
     # The workdir is taken before anything is written there and released however the run ends; SIGTERM stops
     # start-up cleanly (the loop's preemption.Watch takes it over at the first step).
     # The SIGTERM handler comes first, so a SIGTERM while the lease is being taken is a clean stop too.
@@ -114,6 +115,11 @@ def run(config, workdir: str, allow_config_changes=()) -> dict:
         logging.info("Mesh %s over %d devices (%d processes)", dict(mesh.shape), jax.device_count(),
                      jax.process_count())
         return _train(run_lib.build(config, workdir, mesh, allow_config_changes=allow_config_changes), owner)
+
+
+def input_directories(config) -> dict[str, str]:
+    """The directories a run reads that its workdir must not be (runtime/outputs.py): its Hugging Face sources."""
+    return {f"{section}.init_from_hf": config[section].get("init_from_hf", "") for section in ("model", "scone")}
 
 
 def _train(run: run_lib.Run, owner) -> dict:

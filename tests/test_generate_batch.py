@@ -68,6 +68,16 @@ def test_the_normaliser_and_exact_match_on_hand_written_cases():
     assert exact_match.is_correct("Joshua.", ["Moses", "joshua"]) and not exact_match.is_correct("", "a")
 
 
+def test_symbols_at_either_end_are_stripped_as_punctuation_is():
+    """Unicode symbols (categories S*: degrees, currency, maths) count as punctuation at the ends: '5°' and '$5'
+    match '5', '(5 + 5)=' is '5 + 5', inner symbols stay ('5°c' is not '5c'). Caught: trailing symbols no longer
+    stripped (only P* at the end: '5°' did not match '5'; issue 64's surviving mutant), and leading ones."""
+    assert exact_match.normalize("5°") == "5" and exact_match.is_correct("5°", "5")
+    assert exact_match.is_correct("$5", "5") and exact_match.is_correct("100 €.", "100")
+    assert exact_match.normalize("(5 + 5)=") == "5 + 5"
+    assert exact_match.normalize("5°C") == "5°c" and not exact_match.is_correct("5°C", "5C")
+
+
 def test_pass_at_k_equals_hand_values_and_counting_every_draw_of_k():
     """pass@k against its definition: the share of k-subsets of the n samples holding a correct one. Caught:
     the product over the wrong range (n - c + 1 .. n), which pass@1 = c / n alone does not show."""
@@ -183,13 +193,13 @@ def test_bad_prompt_files_and_flags_are_refused_before_generating(rows, values, 
 
 
 @pytest.mark.parametrize("output,summary,destroyed", [
-    ("{tmp}/prompts.jsonl", "", "--output={tmp}/prompts.jsonl names the same file as --prompts="),
-    ("{tmp}/./prompts.jsonl", "", "names the same file as --prompts="),
-    ("{tmp}/link.jsonl", "", "names the same file as --prompts="),  # a symbolic link to the prompt file
-    ("{tmp}/out.jsonl", "{tmp}//prompts.jsonl", "--summary={tmp}//prompts.jsonl names the same file as --prompts="),
+    ("{tmp}/prompts.jsonl", "", "--output={tmp}/prompts.jsonl names the same path as --prompts="),
+    ("{tmp}/./prompts.jsonl", "", "names the same path as --prompts="),
+    ("{tmp}/link.jsonl", "", "names the same path as --prompts="),  # a symbolic link to the prompt file
+    ("{tmp}/out.jsonl", "{tmp}//prompts.jsonl", "--summary={tmp}//prompts.jsonl names the same path as --prompts="),
     ("{tmp}/bundle/export.json", "", "lies inside --export={tmp}/bundle"),
     ("{tmp}/out.jsonl", "{tmp}/bundle/sub/s.json", "--summary={tmp}/bundle/sub/s.json lies inside --export="),
-    ("{tmp}/out.jsonl", "{tmp}/out.jsonl", "--summary={tmp}/out.jsonl names the same file as --output="),
+    ("{tmp}/out.jsonl", "{tmp}/out.jsonl", "--summary={tmp}/out.jsonl names the same path as --output="),
 ])
 def test_an_output_that_names_an_input_is_refused_before_anything_is_written(output, summary, destroyed, served,
                                                                             tmp_path, monkeypatch):

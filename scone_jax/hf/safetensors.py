@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterable
 
 import ml_dtypes
@@ -35,6 +35,9 @@ NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# A tensor file being written: `.safetensors-<pid>-<random>.tmp` beside it, renamed to its name when complete (an
+# exporter removes such files a killed write left).
+TEMPORARY_PREFIX, TEMPORARY_SUFFIX = ".safetensors-", ".tmp"
 _FIX = "Fix: copy the file again from its source (it is truncated or damaged)."
 
 
@@ -193,7 +196,8 @@ def write_file(path: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]], pr
     written (one in memory at a time), into a temporary file renamed to `path` at the end. Returns the bytes of
     tensor data. ValueError if a produced array's shape or dtype differs from its spec."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".safetensors-", suffix=".tmp")
+    tmp = os.path.join(directory, f"{TEMPORARY_PREFIX}{os.getpid()}-{secrets.token_hex(4)}{TEMPORARY_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode, as its neighbours get
     total = 0
     try:
         with os.fdopen(fd, "wb") as f:

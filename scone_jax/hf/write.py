@@ -13,9 +13,11 @@ Other writers (the SCONE remote-code export) reuse it: it knows nothing about ru
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax
+from absl import logging
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -23,6 +25,7 @@ from jax.experimental import multihost_utils
 from scone_jax.hf import safetensors as st
 from scone_jax.hf.families.base import Family, HfConfigError, Tensor
 from scone_jax.hf.load import locate
+from scone_jax.runtime.progress import Progress
 
 TORCH_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' own default max_shard_size
@@ -60,11 +63,16 @@ def write_checkpoint(directory: str, family: Family, model, params: nnx.State, *
             for i in range(model["num_layers"]):
                 ours[(part.path, i)] = (path, True)
 
+    chief = jax.process_index() == 0
+    total = sum(math.prod(shape) * np.dtype(kind).itemsize for _, kind, shape in specs)
+    progress = Progress("hf export: tensors", total, "MB", scale=1e6, log=logging.info if chief else _silent)
+
     def produce(name: str) -> np.ndarray:
         tensor, layer = tensors[name]
-        return _tensor(tensor, layer, flat, ours).astype(st.DTYPES[dtype])
+        out = _tensor(tensor, layer, flat, ours).astype(st.DTYPES[dtype])
+        progress.add(out.nbytes)
+        return out
 
-    chief = jax.process_index() == 0
     if chief:
         os.makedirs(directory, exist_ok=True)
         written = st.write_sharded(directory, specs, produce, max_shard_bytes, metadata={"format": "pt"})
@@ -76,6 +84,10 @@ def write_checkpoint(directory: str, family: Family, model, params: nnx.State, *
     for name, _, _ in specs:  # the same gathers, in the same order, as process 0's
         produce(name)
     return []
+
+
+def _silent(*args) -> None:
+    """Progress on processes other than 0: they gather the same tensors, process 0 reports."""
 
 
 def _tensor(tensor: Tensor, layer: int | None, flat: dict, ours: dict) -> np.ndarray:

@@ -9,29 +9,40 @@ matches none is refused in one line naming what does not fit. A SCONE run, or on
 `trust_remote_code` model that feeds it the run's input (the f-gram rows beside it).
 
 H (local) gets the weights and config.json (hf/write.py: one tensor gathered at a time, written by process 0),
-generation_config.json, and the run's tokenizer: a tokenizer.json as the run used it, with tokenizer_config.json
-(the imported checkpoint's own when the tokenizer is that checkpoint's, else one naming the run's special tokens
-for PreTrainedTokenizerFast); a SentencePiece run gets its tokenizer.model and a tokenizer_config.json naming
-the special tokens, which `sentencepiece` reads exactly (transformers' own SentencePiece classes assume Llama's
-normalisation, so AutoTokenizer is not promised there). The tensors' dtype is --dtype when given, else the
-imported checkpoint's (a round trip gives back bit-identical tensors), else model.param_dtype.
+generation_config.json (bos/eos/pad ids: `generate` stops at the run's eos), and the run's tokenizer as
+`transformers.AutoTokenizer.from_pretrained(H)` opens it (PreTrainedTokenizerFast, no custom code; vLLM reads the
+same files), encoding and decoding as the run did (`tokenizer_files`):
+  tokenizer.json         a run with a tokenizer.json: that file as the run used it; a SentencePiece run: the same
+                         model built with `tokenizers` (hf/sp_tokenizer.py: its pieces and scores, byte fallback,
+                         normalization and dummy prefix; checked against sentencepiece before anything is written),
+                         beside its tokenizer.model
+  tokenizer_config.json  the imported checkpoint's own when the run's tokenizer is that checkpoint's (its files
+                         special_tokens_map.json, chat_template.jinja, vocab.json, merges.txt, ... come along), with
+                         the run's special tokens where it names others; else one naming the run's bos/eos/pad (and a
+                         SentencePiece model's unk) for PreTrainedTokenizerFast, model_max_length = model.max_seq_len
+  chat_template.jinja    a chat run's template (data.chat_template, else the one beside data.tokenizer_path), as
+                         training rendered conversations with it
+The tensors' dtype is --dtype when given, else the imported checkpoint's (a round trip gives back bit-identical
+tensors), else model.param_dtype. Writing the tensors (and a SCONE run's f-gram table) logs progress: a line every
+tenth, with rows/s and the time left.
 
 HF_EXPORT (scone_export_hf.json) is written first, with the export's identity (the run's step and parameters'
 fingerprint, family, dtype, tokenizer), and marked complete last. Rerunning a finished export does nothing; an
-unfinished one of the same run is written again; a directory holding anything else (another export, another
+unfinished one of the same run is written again, after removing the temporary files a killed export of it left
+(only names this exporter gives its temporaries); a directory holding anything else (another export, another
 checkpoint, any file) is refused and nothing is overwritten.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from scone_jax.hf import families, write as hf_write
+from scone_jax.data import chat_template, tokenizer as tokenizer_lib
+from scone_jax.hf import families, sp_tokenizer, write as hf_write
 from scone_jax.hf.checkpoint_dir import CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG, TORCH_DTYPES, read_json
 from scone_jax.runtime import storage
 from scone_jax.saved_config import run_config
@@ -41,14 +52,19 @@ from scone_jax.training import run as run_lib
 
 HF_EXPORT = "scone_export_hf.json"
 PARAM_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+TOKENIZER_MODEL, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE = "tokenizer.model", "special_tokens_map.json", chat_template.JINJA_FILE
+# A checkpoint's tokenizer files besides tokenizer.json: kept when the run's tokenizer is that checkpoint's.
+SOURCE_TOKENIZER_FILES = (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE, "added_tokens.json", "vocab.json",
+                          "merges.txt", TOKENIZER_MODEL)
 
 
 def plan(config) -> tuple[families.Family, str | None]:
     """(the family, the imported checkpoint's safetensors dtype or None) of a run's config; ValueError in one line
     for a run outside every family's stock format."""
     m = config.model
-    if config.overencoding.enabled:
-        raise ValueError("The run uses Over-Encoding (overencoding.enabled): no Hugging Face family has its n-gram "
+    if config.overencoding.enabled or config.get("engram", {}).get("enabled", False):
+        which = "Over-Encoding (overencoding.enabled)" if config.overencoding.enabled else "Engram (engram.enabled)"
+        raise ValueError(f"The run uses {which}: no Hugging Face family has its n-gram "
                          "tables. Fix: export it as a bundle (--format=bundle), which serving.evaluate, generate "
                          "and lm_eval read.")
     if hf_remote.needed(config):  # the remote-code model applies the input; the decoder inside is stock
@@ -86,6 +102,7 @@ def export_hf(workdir: str, output: str, *, dtype: str | None = None,
     _refuse_foreign(output)
     run = open_run(workdir, config, latest)
     try:
+        tokenizer = tokenizer_files(run.tokenizer, config)  # refused here, before a byte is written
         params = nnx.state(run.model(), nnx.Param)
         meta = {"format": "hf", "family": family.model_type, "step": run.step, "dtype": dtype,
                 "model_fingerprint": bundle.params_fingerprint(params), **run.expect}
@@ -94,6 +111,8 @@ def export_hf(workdir: str, output: str, *, dtype: str | None = None,
             meta.update(remote_code=True, table_dtype=table_dtype if config.scone.enabled else None)
         if _prepare(output, meta):
             return meta
+        if jax.process_index() == 0:
+            _remove_temporaries(output)
         if remote:
             hf_remote.write(output, family, config, run, dtype=dtype, table_dtype=table_dtype, batch_rows=batch_rows,
                             max_shard_bytes=max_shard_bytes)
@@ -101,7 +120,9 @@ def export_hf(workdir: str, output: str, *, dtype: str | None = None,
             hf_write.write_checkpoint(output, family, {**config.model.to_dict()}, params, dtype=dtype,
                                       special_ids=run.tokenizer.special_ids, max_shard_bytes=max_shard_bytes)
         if jax.process_index() == 0:
-            _write_tokenizer(output, run.tokenizer, config)
+            for name, data in tokenizer.items():
+                with open(os.path.join(output, name), "wb") as f:
+                    f.write(data)
             _write_marker(output, {**meta, "complete": True})
         multihost_utils.sync_global_devices("scone_hf_export_written")
         return meta
@@ -110,9 +131,12 @@ def export_hf(workdir: str, output: str, *, dtype: str | None = None,
 
 
 # What an export of this format writes into its directory (output_dir.claim: anything else there is refused).
-_WRITES = (CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json", "tokenizer.model",
-           "model.safetensors", "model.safetensors.index.json", HF_EXPORT, HF_EXPORT + ".tmp", *hf_remote.WRITES)
-_WRITE_PREFIXES = ("model-", ".safetensors-")  # shards, and a shard or table file being written
+_FILES = (CONFIG, GENERATION_CONFIG, TOKENIZER, *SOURCE_TOKENIZER_FILES, "model.safetensors",
+          "model.safetensors.index.json", HF_EXPORT, *hf_remote.WRITES)
+_TEMPORARY = tuple(name + ".tmp" for name in _FILES)  # a JSON or table file being written (renamed when complete)
+_TEMPORARY_SHARD = (hf_write.st.TEMPORARY_PREFIX, hf_write.st.TEMPORARY_SUFFIX)  # a tensor file being written
+_WRITES = (*_FILES, *_TEMPORARY)
+_WRITE_PREFIXES = ("model-", _TEMPORARY_SHARD[0])  # shards, and a shard being written
 
 
 def _refuse_foreign(output: str) -> None:
@@ -120,6 +144,15 @@ def _refuse_foreign(output: str) -> None:
     an HF_EXPORT marker of ours (serving/output_dir.py: nothing of the user's is overwritten)."""
     output_dir.claim(output, names=_WRITES, prefixes=_WRITE_PREFIXES, marker=HF_EXPORT, is_ours=_is_marker,
                      kind="a Hugging Face export of scone_jax")
+
+
+def _remove_temporaries(output: str) -> None:
+    """Delete what a killed export of this run left half written: only names this exporter gives its temporary
+    files (a shard being written, or a file of ours + '.tmp'); _prepare has checked the directory is this export."""
+    prefix, suffix = _TEMPORARY_SHARD
+    for name in os.listdir(output):
+        if name in _TEMPORARY or (name.startswith(prefix) and name.endswith(suffix)):
+            os.unlink(os.path.join(output, name))
 
 
 def _is_marker(raw: bytes) -> bool:
@@ -165,27 +198,66 @@ def _write_marker(output: str, value: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _write_tokenizer(output: str, tokenizer, config) -> None:
-    """The run's tokenizer files (module docstring)."""
+def tokenizer_files(tokenizer, config) -> dict[str, bytes]:
+    """{file name: bytes} of the run's tokenizer for an export directory (module docstring). ValueError in one line
+    for a SentencePiece model no tokenizer.json reproduces, or a chat run whose template cannot be read."""
+    files = {}
+    names = {f"{role}_token": tokenizer.id_to_token(i) for role, i in tokenizer.special_ids.items()}
     source = config.model.get("init_from_hf", "")
-    raw = tokenizer.file_bytes
-    if tokenizer.kind == "sentencepiece":
-        with open(os.path.join(output, "tokenizer.model"), "wb") as f:
-            f.write(raw)
-        settings = {}
+    if tokenizer.kind == tokenizer_lib.SENTENCEPIECE:
+        files[TOKENIZER_MODEL] = tokenizer.file_bytes
+        try:
+            files[TOKENIZER], unk = sp_tokenizer.tokenizer_json(
+                tokenizer.file_bytes, names["bos_token"] if config.data.add_bos else None)
+        except sp_tokenizer.UnsupportedModelError as e:
+            raise ValueError(f"The run's SentencePiece tokenizer cannot be written as a tokenizer.json that encodes as "
+                             f"it does: {e}. Fix: export a bundle (--format=bundle), which keeps the .model itself."
+                             ) from None
+        if unk is not None:
+            names["unk_token"] = unk
     else:
-        with open(os.path.join(output, TOKENIZER), "wb") as f:
-            f.write(raw)
-        settings = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        own = source and os.path.isfile(os.path.join(source, TOKENIZER))
-        if own and open(os.path.join(source, TOKENIZER), "rb").read() == raw:  # the imported checkpoint's tokenizer
-            for name in (TOKENIZER_CONFIG, GENERATION_CONFIG, "special_tokens_map.json"):
+        files[TOKENIZER] = tokenizer.file_bytes
+        mine = source and os.path.isfile(os.path.join(source, TOKENIZER))
+        if mine and open(os.path.join(source, TOKENIZER), "rb").read() == files[TOKENIZER]:
+            for name in SOURCE_TOKENIZER_FILES:  # the checkpoint's tokenizer: its files come along
                 if os.path.isfile(os.path.join(source, name)):
-                    shutil.copyfile(os.path.join(source, name), os.path.join(output, name))
-            if os.path.isfile(os.path.join(source, TOKENIZER_CONFIG)):
-                return
-    ids = tokenizer.special_ids
-    config_json = {**settings, **{f"{role}_token": tokenizer.id_to_token(ids[role]) for role in ("bos", "eos", "pad")},
-                   "model_max_length": int(config.model.max_seq_len)}
-    with open(os.path.join(output, TOKENIZER_CONFIG), "w") as f:
-        json.dump(config_json, f, indent=2)
+                    with open(os.path.join(source, name), "rb") as f:
+                        files[name] = f.read()
+            generation = read_json(source, GENERATION_CONFIG)
+            if generation is not None:  # its sampling defaults and stop ids, with the run's ids among them
+                files[GENERATION_CONFIG] = _generation_config(generation, tokenizer.special_ids)
+    if TOKENIZER_CONFIG in files:  # the checkpoint's own, naming the run's special tokens where it names any
+        settings = json.loads(files[TOKENIZER_CONFIG])
+        settings.update({key: token for key, token in names.items() if settings.get(key) is not None})
+    else:
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", **names,
+                    "model_max_length": int(config.model.max_seq_len), "clean_up_tokenization_spaces": False}
+    template = _chat_template(config)
+    if template is not None:
+        files[CHAT_TEMPLATE] = template.encode("utf-8")
+        settings.pop("chat_template", None)  # the file is the template
+    files[TOKENIZER_CONFIG] = (json.dumps(settings, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    return files
+
+
+def _generation_config(source: dict, ids: dict) -> bytes:
+    """The imported checkpoint's generation_config.json with the run's bos/eos/pad ids; an eos list (several stop
+    tokens) that holds the run's eos is kept."""
+    out = dict(source)
+    for role, i in ids.items():
+        key = f"{role}_token_id"
+        if not (role == "eos" and isinstance(out.get(key), list) and i in out[key]):
+            out[key] = int(i)
+    return (json.dumps(out, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _chat_template(config) -> str | None:
+    """The template a chat run rendered its conversations with (data.chat_template, else the files beside
+    data.tokenizer_path); None for a run of plain text that names none."""
+    data = config.data
+    if data.get("source") != "chat" and not data.get("chat_template", ""):
+        return None
+    try:
+        return chat_template.load(data.get("chat_template", ""), data.get("tokenizer_path", "")).source
+    except chat_template.TemplateError as e:
+        raise ValueError(f"The run's chat template cannot be read for the export: {e}") from None

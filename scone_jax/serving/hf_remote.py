@@ -26,6 +26,7 @@ import shutil
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
@@ -33,6 +34,7 @@ from scone_jax import sharding
 from scone_jax.hf import safetensors as st, write as hf_write
 from scone_jax.hf.families.base import Family
 from scone_jax.hf.remote_code import scone_fgrams
+from scone_jax.runtime.progress import Progress
 from scone_jax.serving import export as bundle_export
 
 REMOTE_CODE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hf", "remote_code")
@@ -119,6 +121,7 @@ def write_table(path: str, model, mesh, vocab, table_dtype: str, batch_rows: int
         out.write(st.header_bytes([("rows", dtype, (num, width))], {"format": "pt"}))
     try:
         starts = list(range(0, num, per_step))
+        progress = Progress("hf export: f-gram table", num, "rows", log=logging.info if chief else _silent)
         pending = None  # one batch in flight while the previous one is gathered and written
         for start in starts + [None]:
             result = None
@@ -130,6 +133,7 @@ def write_table(path: str, model, mesh, vocab, table_dtype: str, batch_rows: int
                 host = _gather(values)
                 if chief:
                     out.write(np.ascontiguousarray(host[: min(per_step, num - first)], dtype).tobytes())
+                progress.add(min(per_step, num - first))
             pending = None if start is None else (start, result)
         if chief:
             out.close()
@@ -140,6 +144,10 @@ def write_table(path: str, model, mesh, vocab, table_dtype: str, batch_rows: int
             os.unlink(path + ".tmp")
     multihost_utils.sync_global_devices("scone_hf_table_written")
     return num
+
+
+def _silent(*args) -> None:
+    """Progress on processes other than 0 (process 0 reports)."""
 
 
 def _gather(array: jax.Array) -> np.ndarray:

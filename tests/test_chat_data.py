@@ -2,6 +2,7 @@
 template alone and against transformers' own assistant mask, templates whose spans cannot be found refused,
 bad conversations refused in one line naming file and line."""
 import json
+import re
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -194,3 +195,33 @@ def test_a_tokenizer_config_list_of_templates_uses_the_default_one(tmp_path):
     assert chat_template.load(str(tmp_path), "").source == "D"
     assert chat_template.load("", str(tmp_path / "tokenizer.json")).source == "D"
 
+
+
+@pytest.mark.parametrize("source,message", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "more than 1,000,000 steps"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}", "1,000,000 steps"),
+    ("{% macro f(n) %}{% for i in range(3) %}{{ f(n) }}{% endfor %}{% endmacro %}{{ f(0) }}", "recurses without end"),
+    ("{{ 'x' * 1000000000 }}", "repeats a sequence into more than 10,000,000 items"),
+    ("{{ 7 ** 100000000 }}", "computes a power of more than 100,000 bits"),
+])
+def test_a_runaway_template_stops_within_its_budget_naming_itself(source, message, tmp_path):
+    """Each would run for hours or fill the memory; the budget stops it within seconds, in one line naming the
+    template. Caught: the plain sandbox (a nested range(100000) loop ran with no limit and no message)."""
+    import time
+
+    path = tmp_path / "runaway.jinja"
+    path.write_text(source)
+    template = chat_template.load(str(path), "")
+    start = time.monotonic()
+    with pytest.raises(chat_template.TemplateError, match=f"the chat template of {path} .*{re.escape(message)}"):
+        template.render(CONVERSATION, False, {"bos_token": "", "eos_token": "", "pad_token": ""})
+    assert time.monotonic() - start < 10
+
+
+def test_the_budget_is_each_renderings_own(tmp_path):
+    """A template of about 550,000 steps renders again and again: the budget restarts with each rendering (bug
+    it caught: a budget shared by a process's renderings, which a long corpus would exhaust)."""
+    path = tmp_path / "long.jinja"
+    path.write_text("{% for i in range(50000) %}{% for j in range(9) %}{% endfor %}{% endfor %}ok")
+    template = chat_template.load(str(path), "")
+    assert [template.render(CONVERSATION, False, {}) for _ in range(3)] == ["ok"] * 3

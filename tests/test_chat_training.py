@@ -49,6 +49,13 @@ BAD = {
     "overlong": ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "In the beginning " * 20}],
                  "1 of the 3 train conversations are longer than a row of data.seq_len=32"),
     "template": ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "no system message here"),
+    # A template that would loop for hours (caught: the run hung before its first step, with no message).
+    "stuck": ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+              "t.jinja took more than 1,000,000 steps (loop iterations and calls) to render one conversation"),
+}
+TEMPLATES = {
+    "template": "{% if messages[0].role != 'system' %}{{ raise_exception('no system message here') }}{% endif %}",
+    "stuck": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
 }
 
 
@@ -64,17 +71,16 @@ def test_bad_conversations_stop_the_run_in_one_line_before_training(case, tmp_pa
     data = tmp_path / "c.jsonl"
     data.write_text("".join(json.dumps(line) + "\n" for line in lines))
     extra = []
-    if case == "template":
+    if case in TEMPLATES:
         template = tmp_path / "t.jinja"
-        template.write_text("{% if messages[0].role != 'system' %}{{ raise_exception('no system message here') }}"
-                            "{% endif %}")
+        template.write_text(TEMPLATES[case])
         extra = [f"--config.data.chat_template={template}"]
     workdir = tmp_path / "w"
     result = run_main(str(workdir), "--config.data.source=chat", f"--config.data.train_files={data}",
                       "--config.data.add_bos=False", *extra, config=f"tests/small_config.py:{path}", devices=1)
     assert result.returncode == 2, result.stderr[-3000:]
     assert message in result.stderr and "Traceback" not in result.stderr
-    if case not in ("overlong", "template"):
+    if case not in ("overlong", *TEMPLATES):
         assert f"{data}:3" in result.stderr
     assert checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() is None
 

@@ -149,3 +149,27 @@ def test_one_document_per_file(tok_path, tmp_path):
     tok = Tokenizer.load(tok_path)
     expected = [tok.encode(texts[name]).tolist() for name in ("a.txt", "b.txt")]  # c.txt is empty: no document
     assert records(f"{out}/tokens-00000-of-00001.arrayrecord") == expected
+
+
+def test_a_chat_template_that_loops_without_end_stops_in_one_line(tmp_path):
+    """--format=chat with a template whose nested range(100000) loops would run for hours: exit 2 within seconds,
+    one line naming the template. Bug it caught: the sandbox bounded what a template touches, not how long it runs
+    (pretokenize hung, no message)."""
+    import time
+
+    from tests.chat_data import tokenizer_dir
+
+    tokenizer = tokenizer_dir(str(tmp_path / "tok"), "qwen", merges=False)
+    template = tmp_path / "loop.jinja"
+    template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                        "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}")
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+                    + "\n")
+    start = time.monotonic()
+    result = pretokenize(f"--input={data}", "--format=chat", f"--tokenizer={tokenizer}", f"--chat_template={template}",
+                         f"--output={tmp_path}/out", "--workers=1")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert f"the chat template of {template} took more than 1,000,000 steps" in lines[0]
+    assert time.monotonic() - start < 60

@@ -14,6 +14,12 @@ Python objects or change its inputs), trim_blocks and lstrip_blocks, the loop co
 the variables messages, add_generation_prompt, tools (none), documents (none), and bos_token, eos_token and
 pad_token as the run's tokenizer spells them (its data.*_token policy). Nothing is fetched: a template that
 includes or imports another file fails to load.
+
+The sandbox bounds what a template may touch; a budget bounds how long one rendering runs (a nested
+range(100000) loop would run for hours): at most MAX_STEPS steps (a loop iteration, a call) and MAX_SECONDS
+seconds, and no repetition (`'x' * n`) or power larger than MAX_ITEMS items or MAX_POWER_BITS bits. Past any of
+them the rendering stops with a TemplateError naming the template. Real templates take a few hundred steps per
+conversation; the step budget is what normally stops a stuck one, the same on every machine.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import datetime
 import hashlib
 import json
 import os
+import threading
+import time
 
 import jinja2
 from jinja2 import ext, nodes, sandbox
@@ -58,13 +66,79 @@ def _strftime_now(format_string):
     return datetime.datetime.now().strftime(format_string)
 
 
-def _environment() -> sandbox.ImmutableSandboxedEnvironment:
-    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[ext.loopcontrols, _Generation],
-                                                loader=None, undefined=jinja2.Undefined)
+MAX_STEPS = 1_000_000  # loop iterations and calls in one rendering
+MAX_SECONDS = 30.0  # one rendering's wall-clock time, checked at each step
+MAX_ITEMS = 10_000_000  # characters (or items) a repetition may make
+MAX_POWER_BITS = 100_000  # bits a power's result may have
+_STEPS_FILTER = "__scone_counted"  # the filter every {% for %}'s iterable passes through
+
+
+class _Budget(threading.local):
+    """The steps and the deadline left to the rendering running in this thread (None: no rendering)."""
+
+    steps: int = 0
+    deadline: float | None = None
+    origin: str = ""
+
+
+_budget = _Budget()
+
+
+def _step() -> None:
+    _budget.steps -= 1
+    if _budget.steps < 0:
+        raise TemplateError(f"the chat template of {_budget.origin} took more than {MAX_STEPS:,} steps (loop "
+                            "iterations and calls) to render one conversation: a runaway loop")
+    if _budget.deadline is not None and not _budget.steps & 1023 and time.monotonic() > _budget.deadline:
+        raise TemplateError(f"the chat template of {_budget.origin} took more than {MAX_SECONDS:g} s to render one "
+                            "conversation")
+
+
+def _counted(iterable):
+    for item in iterable:
+        _step()
+        yield item
+
+
+class _BoundedEnvironment(sandbox.ImmutableSandboxedEnvironment):
+    """The immutable sandbox with every call, loop iteration, repetition and power counted against the budget."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+        _step()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context, operator, left, right):
+        _step()
+        if operator == "*":
+            for sequence, count in ((left, right), (right, left)):
+                if isinstance(sequence, (str, list, tuple)) and isinstance(count, int) and \
+                        len(sequence) * count > MAX_ITEMS:
+                    raise TemplateError(f"the chat template of {_budget.origin} repeats a sequence into more than "
+                                        f"{MAX_ITEMS:,} items")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and \
+                abs(right) * max(abs(left).bit_length(), 1) > MAX_POWER_BITS:
+            raise TemplateError(f"the chat template of {_budget.origin} computes a power of more than "
+                                f"{MAX_POWER_BITS:,} bits")
+        return super().call_binop(context, operator, left, right)
+
+
+def _environment() -> _BoundedEnvironment:
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols, _Generation],
+                              loader=None, undefined=jinja2.Undefined)
     env.filters["tojson"] = _tojson
+    env.filters[_STEPS_FILTER] = _counted
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
     return env
+
+
+def _compile(env: _BoundedEnvironment, source: str):
+    """`source` compiled with every {% for %} iterating through the step counter."""
+    tree = env.parse(source)
+    for loop in tree.find_all(nodes.For):
+        loop.iter = nodes.Filter(loop.iter, _STEPS_FILTER, [], [], None, None, lineno=loop.lineno)
+    return env.from_string(tree)
 
 
 class ChatTemplate:
@@ -73,7 +147,7 @@ class ChatTemplate:
     def __init__(self, source: str, origin: str):
         self.source, self.origin = source, origin
         try:
-            self._template = _environment().from_string(source)
+            self._template = _compile(_environment(), source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"The chat template of {origin} does not compile: {e.message} (template line "
                                 f"{e.lineno}). Fix: repair it, or set data.chat_template to another one.") from None
@@ -91,12 +165,16 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool, special: dict[str, str]) -> str:
         """The text of `messages`; `special` gives bos_token, eos_token and pad_token. TemplateError (the
-        template's own words where it raised them) for a conversation it cannot render."""
+        template's own words where it raised them) for a conversation it cannot render or that runs past the
+        budget (module docstring)."""
+        _budget.steps, _budget.deadline, _budget.origin = MAX_STEPS, time.monotonic() + MAX_SECONDS, self.origin
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          tools=None, documents=None, **special)
         except TemplateError:
             raise
+        except RecursionError:  # a macro or a recursive loop that calls itself without end
+            raise TemplateError(f"the chat template of {self.origin} recurses without end rendering it") from None
         except jinja2.TemplateError as e:  # undefined attributes, sandbox refusals, includes, ...
             raise TemplateError(f"the chat template of {self.origin} does not render it ({type(e).__name__}: "
                                 f"{e})") from None

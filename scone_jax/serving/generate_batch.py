@@ -21,9 +21,9 @@ decoded), "tokens" (their ids), "finish_reason" ("stop" or "length"), "correct" 
 match of serving/exact_match.py)}, and --summary (default OUTPUT.summary.json): prompts scored, samples per
 prompt, pass@k for each --pass_at k (the unbiased estimator), finish reasons, new tokens and seconds. Both are
 written whole at the end (temporary file, then rename); neither may name an input (the prompt file, a file in the
-export bundle, the chat template) or the other (runtime/outputs.py). Bad input (a line without a prompt, a bad conversation,
-a prompt that leaves no room for --max_new_tokens in a model of learned positions, k > n) is one line and exit
-2, before anything is generated.
+export bundle, the chat template) or the other (runtime/outputs.py). Bad input (a line without a prompt, a bad
+conversation, an id that is not a string or a number, a prompt that leaves no room for --max_new_tokens in a
+model of learned positions, k > n) is one line and exit 2, before anything is generated.
 """
 from __future__ import annotations
 
@@ -232,7 +232,8 @@ def run(args):
     tool_main.require(export=args.export.value, prompts=args.prompts.value, output=args.output.value)
     ks = _checked_numbers(args)
     output, summary_path = args.output.value, args.summary.value or args.output.value + ".summary.json"
-    inputs = {"--prompts": args.prompts.value, "--export": args.export.value, "--chat_template": args.chat_template.value}
+    inputs = {"--prompts": args.prompts.value, "--export": args.export.value,
+              "--chat_template": args.chat_template.value}
     outputs.refuse_inputs(output, "--output", inputs)
     outputs.refuse_inputs(summary_path, "--summary", {**inputs, "--output": output})
     tool_main.check_result_path(output, "--output")

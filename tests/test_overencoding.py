@@ -7,7 +7,9 @@ Bugs each test was seen to catch when injected into production code (the docstri
   - n-grams reaching across a document boundary of a packed row (segment ids not compared);
   - the mean over k(n-1) terms instead of 1 + k(n-1); each table's offset one row off; the embedding multiplier
     on T(token) alone;
-  - the n-gram tables counted as matmul parameters in the FLOPs (dropped from model/roles.py's EMBEDDING_MODULES).
+  - the n-gram tables counted as matmul parameters in the FLOPs (dropped from model/roles.py's EMBEDDING_MODULES);
+  - (issue 64) only m checked for coprimality with V, not every table's m + 2s; the projection initialised with
+    std 1/sqrt(d) instead of 1/sqrt(width).
 """
 import math
 import re
@@ -280,3 +282,17 @@ def test_a_resume_that_changes_n_k_or_m_is_refused_naming_the_key(tmp_path, toke
     changed = plain.copy_and_resolve_references()
     changed.overencoding.m = 1003
     assert config_lib.resume_changes(plain.to_dict(), changed) == []
+
+
+def test_the_projection_starts_at_std_one_over_sqrt_width_and_the_tables_at_init_std():
+    """docs/method.md §8: the projection N(0, 1/sqrt(width)), width = d / k(n-1), so a projected row starts at a
+    token row's scale; the tables N(0, model.init_std). d 256 over 8 tables (width 32): 1/sqrt(32) = 0.177 against
+    1/sqrt(d) = 0.0625; 65,536 draws measure a std to about 0.3%, the test allows 3%. Caught: the projection
+    initialised with 1/sqrt(d) (issue 64's surviving mutant)."""
+    config = oe_config(n=3, k=4, m=1001, d_model=256, num_heads=4, init_std=0.02)
+    oe = overencoding.OverEncoding(config.model, config.overencoding, nnx.Rngs(0))
+    kernel = np.asarray(oe.projection.kernel[...], np.float64)
+    assert kernel.shape == (256, 256)
+    assert kernel.std() == pytest.approx(1 / math.sqrt(32), rel=0.03) and abs(kernel.mean()) < 0.01
+    tables = np.asarray(oe.ngram_tables.embedding[...], np.float64)
+    assert tables.shape[1] == 32 and tables.std() == pytest.approx(0.02, rel=0.03)

@@ -126,3 +126,22 @@ def test_the_opening_and_readme_quote_only_figures_of_the_generated_table():
     for passage in (prose, section):
         quoted = _figures(passage)
         assert quoted and {q for q in quoted if q not in generated} == set()
+
+
+def test_larger_budgets_come_first_within_each_corpus():
+    """Two budgets on each of two corpora (10M and 3M, the 3M runs recorded first): the rows go corpus by corpus as
+    first recorded, and within a corpus the 10M rows before the 3M ones, each budget against its own baseline
+    (hand-computed: Over-Encoding at 3M, 45 against 60, -25.0%). Caught: smaller budgets first (every other fixture has one
+    budget per corpus; issue 64's surviving mutant)."""
+    records = [run("baseline", 60.0, tokens=THREE), run("oe", 45.0, tokens=THREE)] + study() + [
+        run("baseline", 70.0, tokens=THREE, corpus="gcide"), run("baseline", 15.0, corpus="gcide"),
+        run("scone", 12.0, corpus="gcide")]
+    got = [(r["corpus"], r["tokens"], r["arm"]) for r in answer.rows(records)]
+    assert got == [("linux_doc", TEN, "baseline"), ("linux_doc", TEN, "scone"),
+                   ("linux_doc", THREE, "baseline"), ("linux_doc", THREE, "oe"),
+                   ("gcide", TEN, "baseline"), ("gcide", TEN, "scone"), ("gcide", THREE, "baseline")]
+    lines = answer.table(records).splitlines()[2:]
+    assert [line.split(" | ")[1:3] for line in lines] == [
+        ["linux_doc", "10M"], ["linux_doc", "10M"], ["linux_doc", "3M"], ["linux_doc", "3M"],
+        ["gcide", "10M"], ["gcide", "10M"], ["gcide", "3M"]]
+    assert lines[3].split(" | ")[6] == "-25.0%"

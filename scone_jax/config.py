@@ -378,6 +378,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     rope.check(m)
     overencoding.check(config)
     if m.position == "learned" and d.seq_len > m.max_seq_len:
+        if m.get("init_from_hf", ""):  # its positions are the checkpoint's: raising max_seq_len would conflict
+            raise ValueError(f"data.seq_len={d.seq_len} exceeds the {m.max_seq_len} learned positions of the "
+                             f"checkpoint model.init_from_hf={m.init_from_hf} (its max_position_embeddings, which "
+                             f"fixes model.max_seq_len). Fix: data.seq_len={m.max_seq_len} or less.")
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len.")
     if d.global_batch_size % t.grad_accum_steps:
         raise ValueError(

@@ -197,3 +197,50 @@ def test_a_workdir_that_is_the_checkpoint_or_holds_a_users_config_json_is_refuse
     assert result.returncode == 2 and "holds a config.json that is not a scone_jax run's" in \
         result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
     assert os.listdir(workdir) == ["config.json"] and (workdir / "config.json").read_text() == '{"my": "settings"}'
+
+
+@pytest.mark.parametrize("key,path", [("model.init_from_hf", "gs://bucket/Qwen3-0.6B"),
+                                      ("scone.init_from_hf", "hf://Qwen/Qwen3-0.6B")])
+def test_a_remote_checkpoint_path_is_reported_as_remote(good, key, path):
+    """A gs:// or hf:// path is named as what it is, with the fix (copy it locally). Bug it caught: os.path.abspath
+    made 'gs://b/x' the local 'gs:/b/x' before the URL check, so the line blamed a missing local directory."""
+    config = hf_models.import_config(good)
+    config.unlock()
+    section, name = key.split(".")
+    config[section][name] = path
+    if section == "scone":
+        config.scone.update(dict(enabled=True, gate=True))
+    with pytest.raises(HfCheckpointError) as e:
+        derive.apply(config)
+    scheme = path.split("://")[0]
+    assert str(e.value).startswith(f"{key}={path!r} is a remote path ({scheme}://), and remote checkpoints are not "
+                                   "supported") and "Fix: copy it to local disk first" in str(e.value), str(e.value)
+    assert "not a directory" not in str(e.value)
+
+
+def _with_seq_len(config, seq_len: int):
+    config.unlock()
+    config.data.seq_len = seq_len
+    return config
+
+
+def test_a_sequence_longer_than_gpt2s_positions_gets_advice_that_works(tmp_path):
+    """GPT-2's learned positions are the checkpoint's (max_position_embeddings 64 here): data.seq_len=80 is refused
+    with advice to shorten the sequence, and following it validates. Bug it caught: the advice 'raise max_seq_len',
+    which derive then refused as a conflict with the checkpoint (checked below)."""
+    from scone_jax import config as config_lib
+
+    directory = str(tmp_path / "gpt2")
+    hf_models.save_checkpoint(directory, "gpt2")
+    config = _with_seq_len(hf_models.import_config(directory), 80)
+    derive.apply(config)
+    with pytest.raises(ValueError) as e:
+        config_lib.validate(config)
+    assert "Fix: data.seq_len=64 or less" in str(e.value) and "raise max_seq_len" not in str(e.value), str(e.value)
+    followed = _with_seq_len(hf_models.import_config(directory), 64)
+    derive.apply(followed)
+    config_lib.validate(followed)
+    raised = _with_seq_len(hf_models.import_config(directory), 80)
+    raised.model.max_seq_len = 80  # the old advice
+    with pytest.raises(HfCheckpointError, match="model.max_seq_len=80 conflicts with"):
+        derive.apply(raised)

@@ -62,6 +62,7 @@ def prepare(config, hf_dir: str):
     the opened checkpoint."""
     from scone_jax.hf import derive
 
+    derive.require_local(hf_dir, "--hf_dir")
     set_dir = config.model.init_from_hf
     if set_dir and os.path.abspath(set_dir) != os.path.abspath(hf_dir):
         raise ValueError(f"--hf_dir={hf_dir} but the config sets model.init_from_hf={set_dir!r}. Fix: pass one of "

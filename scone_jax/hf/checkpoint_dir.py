@@ -42,9 +42,7 @@ class HfCheckpoint:
 
     @classmethod
     def open(cls, directory: str) -> "HfCheckpoint":
-        if "://" in directory:
-            raise HfCheckpointError(f"model.init_from_hf={directory!r} is a URL; a Hugging Face checkpoint is read "
-                                    "from a local directory. Fix: copy it to local disk first.")
+        require_local(directory, "model.init_from_hf")
         if not os.path.isdir(directory):
             raise HfCheckpointError(f"{directory} is not a directory. Fix: point at a local Hugging Face checkpoint "
                                     "directory (config.json, model.safetensors, tokenizer.json).")
@@ -111,9 +109,21 @@ class HfCheckpoint:
         return False
 
 
+def require_local(directory: str, key: str) -> None:
+    """HfCheckpointError, one line, if `directory` (the value of `key`) is a URL (gs://, hf://, ...): checkpoints are
+    read from local files only (before os.path.abspath, which would make 'gs://b/x' a missing local 'gs:/b/x')."""
+    if "://" in directory:
+        scheme = directory.split("://", 1)[0]
+        raise HfCheckpointError(f"{key}={directory!r} is a remote path ({scheme}://), and remote checkpoints are not "
+                                "supported: a Hugging Face checkpoint is read from a local directory. Fix: copy it to "
+                                "local disk first (e.g. gcloud storage cp -r, or huggingface-cli download --local-dir) "
+                                f"and set {key} to that directory.")
+
+
 def open_cached(directory: str) -> HfCheckpoint:
     """HfCheckpoint.open, once per process for unchanged files (keyed by the directory's files' sizes and times), so
     the train loop's and the run builder's calls cost one check."""
+    require_local(directory, "model.init_from_hf")
     return _open_cached(os.path.abspath(directory), _signature(directory))
 
 

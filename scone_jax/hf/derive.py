@@ -24,13 +24,15 @@ import os
 from scone_jax import config_keys
 from scone_jax.data import tokenizer as tokenizer_lib
 from scone_jax.hf import families, fgram_source
-from scone_jax.hf.checkpoint_dir import CONFIG, HfCheckpoint, HfCheckpointError, open_cached, read_json
+from scone_jax.hf.checkpoint_dir import CONFIG, HfCheckpoint, HfCheckpointError, open_cached, read_json, require_local
 from scone_jax.hf.families.base import Family, HfConfigError, canonical
 
 
 def apply(config) -> HfCheckpoint | None:
     """Derive `config` (changed in place, locked or not) from model.init_from_hf, then the f-gram model's section
     from scone.init_from_hf (hf/fgram_source.py); the main checkpoint, None when model.init_from_hf is ''."""
+    for section in ("model", "scone"):  # a URL named as what it is, whichever key gives it
+        require_local(config[section].get("init_from_hf", ""), f"{section}.init_from_hf")
     checkpoint = _apply_main(config)
     fgram_source.apply(config)
     return checkpoint

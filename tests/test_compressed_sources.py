@@ -380,3 +380,36 @@ def test_temporaries_of_dead_processes_are_removed_and_live_ones_kept(kjv_text, 
     finally:
         live.kill()
         live.wait()
+
+
+@pytest.mark.parametrize("kind", ["gzip", "zstd"])
+def test_an_archive_that_grows_while_its_copy_is_made_is_refused_in_one_line(kjv_text, tmp_path, monkeypatch, kind):
+    """Another writer appends a stream (`cat more.gz >> corpus.gz`) after the copy's first chunk: the copy would
+    hold the appended text under the identity (size, CRC) of the archive before it, so a run would record one
+    corpus and train on another. Refused in one line naming the file, no copy or temporary left; once nothing
+    writes, the next build reads both parts. (Chunks of 1 KiB, so the build reads the archive in several pieces.)
+    Caught: the check `raw.crc != self.archive[1]` dropped (the copy was used; issue 64)."""
+    path, data = kjv_text
+    packed = _compress(path, data, kind)
+    more = b"\nAnd the appended line came in while the copy was made.\n"
+    with open(_compress(tmp_path / "more", more, kind), "rb") as f:
+        appended = f.read()
+    monkeypatch.setattr(compressed, "_READ_BYTES", 1024)
+    original = compressed.stream_chunks
+
+    def growing(name, raw=None):
+        for n, chunk in enumerate(original(name, raw)):
+            if n == 0:
+                with open(packed, "ab") as f:
+                    f.write(appended)
+            yield chunk
+
+    monkeypatch.setattr(compressed, "stream_chunks", growing)
+    with pytest.raises(ValueError) as e:
+        compressed.BlockCopy(packed)
+    assert str(e.value).startswith(f"{packed} changed while it was read (CRC ") and "Fix: rerun once nothing writes" \
+        in str(e.value) and "\n" not in str(e.value)
+    assert os.listdir(tmp_path / "block_cache") == []
+    monkeypatch.setattr(compressed, "stream_chunks", original)
+    copy = compressed.BlockCopy(packed)
+    assert copy.pread(copy.size, 0) == data + more

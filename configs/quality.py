@@ -21,6 +21,12 @@ Variants (the arms; inference FLOPs per token grow with the decoder's depth only
                                        S x d = 20k x 128 table parameters, as `scone`'s table) / 100,003 (5x); its
                                        tables and projection stay on the accelerator, so it adds inference FLOPs
                                        (the [d, d] projection) and accelerator bytes that SCONE does not
+  engram                               the other n-gram baseline, Engram (DeepSeek 2026; docs/method.md §9) on the
+                                       2-block decoder, before its second block: n = 3, 4 heads per order (8
+                                       tables of width 16, a memory row of 128), rows from 20,000 on (primes
+                                       20,011 ..: about S x d = 20k x 128 table parameters, as `scone`'s table);
+                                       on the accelerator like Over-Encoding's, its W_K, W_V, convolution and gate
+                                       add inference FLOPs
 Every arm multiplies its token inputs by sqrt(d) = 11.31 (model.embedding_multiplier; 1 in the
 method): at width 128 the plain GPT-2 input rows are small next to the blocks' output, a handicap the
 f-gram rows (final-norm output, norm sqrt(d)) never have, so without it the baseline is 15-22% worse
@@ -56,6 +62,8 @@ from scone_jax.config import base_config
 # coprime with it, as docs/method.md §8 requires); n and k are OE_N, OE_K for both
 OE_ARMS = {"oe": 20_011, "oe_5x": 100_003}
 OE_N, OE_K = 3, 4
+# The Engram arm: before block 1, orders 2..3, 4 heads of width 16 per order, rows from 20,000 on (docstring).
+ENGRAM = dict(enabled=True, layers="1", n=3, heads=4, head_width=16, rows=20_000)
 # The SCONE arms' hold-back: the f-gram model's updates wait for this share of the run (docstring).
 HOLD_BACK = 0.065
 # arm -> (decoder blocks, f-gram model blocks (0 = no SCONE), S, K)
@@ -70,6 +78,7 @@ ARMS = {
     "scone_s100k": (2, 2, 100_000, 5),
     "scone_k3": (2, 2, 20_000, 3),
     **{arm: (2, 0, 0, 0) for arm in OE_ARMS},
+    "engram": (2, 0, 0, 0),
 }
 
 
@@ -98,5 +107,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         t.fgram_model_delay_fraction = HOLD_BACK  # chosen on validation (docstring; study/records.py DEFAULTS[3])
     if arm in OE_ARMS:
         config.overencoding.update(dict(enabled=True, n=OE_N, k=OE_K, m=OE_ARMS[arm]))
+    if arm == "engram":
+        config.engram.update(ENGRAM)
     config.lock()
     return config

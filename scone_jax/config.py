@@ -373,10 +373,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
                          "key/value head serves an equal group of query heads. Fix: a divisor of num_heads (0 = "
                          "num_heads).")
     _check_fgram_heads(config)
-    from scone_jax.model import overencoding, rope  # here, not at the top: they import jax, which loading a config
-    #                                                 does not need
+    from scone_jax.model import engram, overencoding, rope  # here, not at the top: they import jax, which loading a
+    #                                                         config does not need
     rope.check(m)
     overencoding.check(config)
+    engram.check(config)
     if m.position == "learned" and d.seq_len > m.max_seq_len:
         if m.get("init_from_hf", ""):  # its positions are the checkpoint's: raising max_seq_len would conflict
             raise ValueError(f"data.seq_len={d.seq_len} exceeds the {m.max_seq_len} learned positions of the "
@@ -433,7 +434,7 @@ def resume_changes(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
     changes = []
     for key in RESUME_KEYS:
         section, name = key.split(".")
-        if section in ("scone", "overencoding") and name != "enabled" and not config[section].enabled:
+        if section in ("scone", "overencoding", "engram") and name != "enabled" and not config[section].enabled:
             continue  # the f-gram (n-gram table) settings of a run without f-grams (n-gram tables) mean nothing
         now = config[section][name]
         now = now.to_dict() if isinstance(now, ml_collections.ConfigDict) else now

@@ -197,6 +197,30 @@ KEYS = (
         "plus the reserved 'no n-gram' row 0, about m x d_model parameters in all. Every modulus m + 2s must be "
         "coprime with model.vocab_size (the base of the ids)", ">= 2"),
 
+    # engram: DeepSeek's Engram, hashed n-gram memory gated into the residual stream at early blocks
+    Key("engram.enabled", False, STATE,
+        "Engram (DeepSeek 2026, docs/method.md §9): before each block of engram.layers the residual stream gains the "
+        "gated, convolved projection of (n-1) x heads hashed n-gram rows, ids computed on the host; not with "
+        "scone.enabled or overencoding.enabled"),
+    Key("engram.layers", "1", STATE,
+        "the blocks (0-based, ascending, comma-separated) an Engram runs before, each with tables of its own; "
+        "'1': before the second block (the paper's early layer)"),
+    Key("engram.n", 3, STATE, "n: n-grams of orders 2..n ending at each position (the paper's 3)", ">= 2"),
+    Key("engram.heads", 8, STATE, "K: hash heads (tables) per order, each with its own prime modulus (the paper's 8)",
+        ">= 1"),
+    Key("engram.head_width", 64, STATE,
+        "width of one head's rows; the memory row e_t is (n-1) x heads x head_width wide", ">= 1"),
+    Key("engram.rows", 100_000, STATE,
+        "rows per head: the heads' moduli are the successive primes from here on, each used once over every head "
+        "of every layer; about layers x (n-1) x heads x rows x head_width table parameters", ">= 2"),
+    Key("engram.kernel_size", 4, STATE, "the causal depthwise convolution's taps (the paper's 4)", ">= 1"),
+    Key("engram.dilation", 0, STATE, "the convolution's dilation; 0 = engram.n (the paper's max n-gram order)",
+        ">= 0"),
+    Key("engram.seed", 0, STATE, "seed of the hash's odd multipliers (data/engram_hash.py), per layer", ">= 0"),
+    Key("engram.init_std", 1.0, STATE,
+        "standard deviation of the tables' initial rows (1: PyTorch's nn.Embedding default, DeepSeek's demo)",
+        "> 0"),
+
     # data: corpus, tokenizer, batches
     Key("data.source", "kjv", STATE,
         "'kjv' (embedded corpus) | 'text' | 'jsonl' | 'arrayrecord' | 'chat' (conversations: JSONL of messages, or "

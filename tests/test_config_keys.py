@@ -60,6 +60,13 @@ def _oe_config():
     return config
 
 
+def _engram_config():
+    """Engram's keys likewise, on a run that has it."""
+    config = small_config(num_layers=2)
+    config.engram.update(dict(enabled=True, layers="1", n=3, heads=2, head_width=8, rows=101))
+    return config
+
+
 def test_base_config_holds_each_declared_key_once_at_its_default():
     """base_config() is the declarations: the same keys, each once, at its default and of its type; and every
     declared range is one validate() knows. Caught: a key declared twice (train.b2 again with 0.999, which
@@ -91,7 +98,8 @@ def test_a_resume_that_changes_a_state_key_is_refused_naming_it_and_only_those()
     assert config_lib.resume_changes(saved, config) == []
     refused = []
     for key in KEYS:
-        base = _oe_config() if key.name.startswith("overencoding.") else config
+        base = (_oe_config() if key.name.startswith("overencoding.") else _engram_config()
+                if key.name.startswith("engram.") else config)
         changed, old, new = _changed(base, key.name)
         changes = config_lib.resume_changes(base.to_dict(), changed)
         assert changes == ([f"{key.name}: {old!r} -> {new!r}"] if not key.role.resume else []), key.name

@@ -17,6 +17,12 @@ Its token-embedding input is a lookup, and the table-gather back into the batch 
 Over-Encoding (model/overencoding.py) adds its projection, a [d, d] matrix: a non-embedding matmul parameter
 like any Linear kernel, so the formula above counts it (2 d^2 FLOPs per token at inference, 6 d^2 in training);
 its n-gram tables are embeddings (lookups, not counted), held on the accelerator (param_bytes counts them).
+
+Engram (model/engram.py) adds, per layer, W_K and W_V ([d_mem, d] each: 4 d_mem d FLOPs per token at inference)
+and its depthwise convolution (w x d weights, each one multiply-add per token: 2 w d), both counted by the formula
+as parameters, and its gate, which has no parameters of its own: the dot product of the two normalised [d] vectors
+and alpha_t v_t, 3d FLOPs per token (`engram_flops_per_token`; 9d in training). Its tables are embeddings, on the
+accelerator like Over-Encoding's; its norms, sigmoid and SiLU are ignored like the blocks'.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from scone_jax.model import roles
+from scone_jax.model import engram, roles
 from scone_jax.model.fgram_model import fgram_block_config
 from scone_jax.model.layers import head_dim_of
 
@@ -63,14 +69,23 @@ def fgram_flops_per_step(fgram_block_cfg, rows: int, non_embedding_params: int) 
     return rows * k * (6.0 * non_embedding_params + attention)
 
 
-def decoder_flops_per_token(model_cfg, seq_len: int, non_embedding_params: int) -> float:
+def engram_flops_per_token(model_cfg, engram_cfg) -> float:
+    """Forward FLOPs per token of Engram's gates, which no parameter count holds (module docstring); 0 without
+    Engram."""
+    if engram_cfg is None or not engram_cfg.enabled:
+        return 0.0
+    return 3.0 * model_cfg.d_model * len(engram.layers(engram_cfg))
+
+
+def decoder_flops_per_token(model_cfg, seq_len: int, non_embedding_params: int, engram_cfg=None) -> float:
     """Training FLOPs per token of the decoder (formula in the module docstring). An untied head's kernel
-    is already among the non-embedding parameters; a tied head is the embedding table, so it is added."""
+    is already among the non-embedding parameters; a tied head is the embedding table, so it is added; with
+    Engram, 3x its gates' forward FLOPs."""
     head_dim = head_dim_of(model_cfg)
     tied_head = model_cfg.d_model * model_cfg.vocab_size if model_cfg.tie_embeddings else 0
     matmul_params = non_embedding_params + tied_head
     attention = 12 * model_cfg.num_layers * seq_len * model_cfg.num_heads * head_dim
-    return 6.0 * matmul_params + attention
+    return 6.0 * matmul_params + attention + 3.0 * engram_flops_per_token(model_cfg, engram_cfg)
 
 
 def train_step_flops(config, abstract_model_state, num_batch_shards: int) -> dict:
@@ -79,7 +94,7 @@ def train_step_flops(config, abstract_model_state, num_batch_shards: int) -> dic
     scone = config.scone.enabled
     decoder_state = abstract_model_state["decoder"] if scone else abstract_model_state
     decoder = tokens * decoder_flops_per_token(
-        config.model, config.data.seq_len, param_counts(decoder_state)["non_embedding"]
+        config.model, config.data.seq_len, param_counts(decoder_state)["non_embedding"], config.get("engram")
     )
     fgram = 0.0
     if scone:

@@ -87,10 +87,12 @@ class KVCache(NamedTuple):
     key, value: [B, S, K, H] for one layer (S slots, K = the key/value heads, model.num_kv_heads); a block
     stack holds one per layer, stacked to [layers, B, S, K, H] when its layers are scanned, a tuple of
     per-layer arrays otherwise
-    (transformer.init_cache). index: int32 scalar, the slot of the first new token, shared by all layers."""
+    (transformer.init_cache). index: int32 scalar, the slot of the first new token, shared by all layers.
+    engram: one [B, S, d] buffer per Engram layer of the decoder (model/engram.py), () without Engram."""
     key: jax.Array
     value: jax.Array
     index: jax.Array
+    engram: tuple = ()
 
 
 class Attention(nnx.Module):

@@ -7,15 +7,17 @@ from the parameter's path, never from its rank: with scanned layers (model.scan_
 scale or a bias is stacked to [layers, d] and looks like a matrix.
 
   embedding  the tables of nnx.Embed modules named in EMBEDDING_MODULES (token embedding T, the
-             decoder's learned positions, the f-gram model's K positions, Over-Encoding's n-gram
-             tables): not decayed
+             decoder's learned positions, the f-gram model's K positions, Over-Encoding's and Engram's
+             n-gram tables): not decayed
   matrix     the `kernel` of every nnx.Linear (attention and MLP projections, the f-gram model's
-             width projections, Over-Encoding's projection, an untied output head): decayed
-  other      norm scales and every bias: not decayed
+             width projections, Over-Encoding's projection, Engram's W_K and W_V, an untied output head):
+             decayed
+  other      norm scales, every bias and Engram's depthwise convolution weights: not decayed
 """
 from __future__ import annotations
 
-EMBEDDING_MODULES = ("token_embed", "pos_embed", "ngram_tables")  # the last: model/overencoding.py's
+EMBEDDING_MODULES = ("token_embed", "pos_embed", "ngram_tables", "engram_tables")  # the last two: model/overencoding.py's
+#                                                                                  and model/engram.py's
 MATRIX_LEAVES = ("kernel",)
 
 

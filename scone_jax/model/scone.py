@@ -15,7 +15,9 @@ A batch without f-gram arrays is a plain decoder's. `model` is a SconeModel or a
 
 Beside them, the baseline SCONE is compared with: Over-Encoding (model/overencoding.py, docs/method.md §8), whose
 hashed n-gram tables sit in the Decoder itself; its input is the mean of T(token) and their projected rows, read
-through the batch's ngram_ids (host-computed, data/ngram_hash.py) in training and serving alike.
+through the batch's ngram_ids (host-computed, data/ngram_hash.py) in training and serving alike. And Engram
+(model/engram.py, docs/method.md §9): its tables sit in the Decoder too, but it reads the same batch field (ids of
+data/engram_hash.py) inside the block stack, so its input is T(token) and `hidden_states` hands the ids to decode.
 """
 from __future__ import annotations
 
@@ -99,6 +101,11 @@ def input_embeddings(model, batch) -> jax.Array:
     """T(token) everywhere, replaced by the f-gram embedding where a match ends (docs/method.md §3); with
     Over-Encoding, the mean of T(token) and the hashed n-gram rows (docs/method.md §8)."""
     decoder = decoder_of(model)
+    if decoder.engram is not None:
+        if batch.fgram_slot is not None or batch.fgram_rows is not None:
+            raise ValueError("The batch carries f-gram arrays but the decoder has Engram tables; a model reads one "
+                             "kind of n-gram input.")
+        return decoder.input_tokens(batch.inputs)
     if decoder.overencoding is not None or batch.ngram_ids is not None:
         return overencoded_inputs(decoder, batch)
     x = decoder.input_tokens(batch.inputs)
@@ -132,7 +139,9 @@ def overencoded_inputs(decoder: Decoder, batch) -> jax.Array:
 def hidden_states(model, batch, cache: KVCache | None = None):
     """Final-norm hidden states [B, T, d] of the batch; with `cache` (decoding, transformer.init_cache) the
     batch's tokens continue the cached ones and the result is (hidden states, updated cache)."""
-    return decoder_of(model).decode(input_embeddings(model, batch), batch.segment_ids, batch.positions, cache)
+    decoder = decoder_of(model)
+    ids = batch.ngram_ids if decoder.engram is not None else None
+    return decoder.decode(input_embeddings(model, batch), batch.segment_ids, batch.positions, cache, ids)
 
 
 def batch_logits(model, batch) -> jax.Array:

@@ -8,8 +8,9 @@ and sends that one row with the token, so the device never holds the f-gram tabl
 incremental: the host keeps the trie slots of the f-grams ending at the newest token
 (Matcher.match_next), so a new token costs one lookup of its K-1 candidate f-grams and one row
 gather: a few microseconds from RAM, one disk read (about 0.1 ms) with --table=disk, since the
-next token's row cannot be known ahead. An Over-Encoding export's n-gram ids come the same way: the host keeps
-each row's last n-1 tokens and hashes the n-grams the new token ends (NgramHasher.next_ids).
+next token's row cannot be known ahead. An Over-Encoding or Engram export's n-gram ids come the same way: the host
+keeps each row's last n-1 tokens and hashes the n-grams the new token ends (NgramHasher.next_ids,
+EngramHasher.next_ids); Engram's convolution reads earlier positions from the cache's engram buffers.
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ class Generator:
         return self._run(self.served.params, cache, tokens, self.served.table.gather(ids), ids >= 0, None, keys)
 
     def empty_cache(self, batch: int, length: int) -> transformer.KVCache:
-        return transformer.init_cache(self.served.config.model, batch, length)
+        return transformer.init_cache(self.served.config.model, batch, length, self.served.config.get("engram"))
 
     def generate(self, prompts: np.ndarray, num_tokens: int, seed: int = 0, forced: np.ndarray | None = None,
                  row_keys=None, stop_ids=None) -> dict:

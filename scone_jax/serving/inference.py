@@ -102,7 +102,7 @@ def _load_model(opened: bundle.Bundle, rows, mesh) -> Served:
         raise bundle.BundleError(f"The table at {path!r} has width {meta['d_model']} but the decoder has "
                                  f"d_model={config.model.d_model}. Fix: export again.")
     mesh = mesh or sharding.make_mesh(config.mesh)
-    graphdef, params = load_decoder(path, config.model, mesh, sums, config.overencoding)
+    graphdef, params = load_decoder(path, config.model, mesh, sums, config.overencoding, config.get("engram"))
     have = bundle.params_fingerprint(params)
     if have != meta["model_fingerprint"]:
         raise bundle.BundleError(

@@ -59,9 +59,9 @@ def _name(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def abstract_decoder(path: str, model_cfg, shapes: dict[str, tuple[int, ...]], overencoding=None):
-    """(graphdef, abstract params) of the decoder export.json's config builds (with `overencoding`'s n-gram tables
-    if enabled), refused (one line) unless its layers and then every array's shape are those saved."""
+def abstract_decoder(path: str, model_cfg, shapes: dict[str, tuple[int, ...]], overencoding=None, engram=None):
+    """(graphdef, abstract params) of the decoder export.json's config builds (with `overencoding`'s or `engram`'s
+    n-gram tables if enabled), refused (one line) unless its layers and then every array's shape are those saved."""
     where = f"{storage.join(path, bundle.META)}'s model config"
     layers = saved_layers(shapes)
     if layers is not None and model_cfg.get("num_layers") != layers:
@@ -69,7 +69,8 @@ def abstract_decoder(path: str, model_cfg, shapes: dict[str, tuple[int, ...]], o
                                  f"hold {layers} layers: export.json was altered. Fix: export again into a fresh "
                                  "--output.")
     try:
-        graphdef, abstract = nnx.eval_shape(lambda: nnx.split(Decoder(model_cfg, nnx.Rngs(0), overencoding), nnx.Param))
+        graphdef, abstract = nnx.eval_shape(lambda: nnx.split(Decoder(model_cfg, nnx.Rngs(0), overencoding, engram),
+                                                              nnx.Param))
     except Exception as e:  # noqa: BLE001 - whatever an altered config makes the model's constructor raise
         raise bundle.BundleError(f"{where} does not build a decoder ({one_line(e, 300)}): export.json was altered. "
                                  "Fix: export again into a fresh --output.") from None
@@ -83,14 +84,14 @@ def abstract_decoder(path: str, model_cfg, shapes: dict[str, tuple[int, ...]], o
     return graphdef, abstract
 
 
-def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums, overencoding=None):
-    """(graphdef, params) of the bundle's decoder (Over-Encoding's n-gram tables among them when `overencoding` is
-    enabled), each parameter restored directly into its sharding, after its files and shapes are checked (module
+def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums, overencoding=None, engram=None):
+    """(graphdef, params) of the bundle's decoder (Over-Encoding's or Engram's n-gram tables among them when
+    `overencoding` or `engram` is enabled), each parameter restored directly into its sharding, after its files and shapes are checked (module
     docstring)."""
     fix = bundle.rerun_fix(path, f"{bundle.DONE}/{bundle.DECODER}")
     bundle_files.check_tree(path, bundle.DECODER)
     bundle.verify_files(path, sums, bundle.DECODER, fix)
-    graphdef, abstract = abstract_decoder(path, model_cfg, saved_shapes(path, sums), overencoding)
+    graphdef, abstract = abstract_decoder(path, model_cfg, saved_shapes(path, sums), overencoding, engram)
     shardings = sharding.state_shardings(abstract, mesh)
     target = sharding.sharded_abstract(abstract, shardings)
     try:

@@ -18,10 +18,11 @@ from scone_jax.study.records import DEFAULTS_VERSION, by_seed, effective
 # The study's main arms (study.MAIN_ARMS: trained for --tokens), in the order of the table's rows. The 1x arms of
 # its ablation budget (protocol.SHORT_ARMS) answer another question, what the hold-back does at 3M: tables.py's
 # "holdback" table has them beside their baseline.
-ARMS = ("baseline", "baseline_2x", "scone", "oe", "oe_5x")
+ARMS = ("baseline", "baseline_2x", "scone", "oe", "oe_5x", "engram")
 BASELINES = ("baseline",)  # the 2-block baseline a row is against
 # Where each family's extra input rows live when the model is served (the record field that sizes them).
 PLACES = {"baseline": ("none", None), "oe": ("accelerator", "accelerator_bytes"),
+          "engram": ("accelerator", "accelerator_bytes"),
           "scone": ("host RAM or disk", "host_table_bytes")}
 
 

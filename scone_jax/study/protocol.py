@@ -50,8 +50,9 @@ def best_rate(runs: dict, family: str, rates: list[str]) -> float:
 
 
 def family(arm: str) -> str:
-    """The swept arm whose learning rate `arm` trains at: SCONE's, Over-Encoding's (oe*) or the baseline's."""
-    return next((f for f in ("scone", "oe") if arm.startswith(f)), "baseline")
+    """The swept arm whose learning rate `arm` trains at: SCONE's, Over-Encoding's (oe*), Engram's or the
+    baseline's."""
+    return next((f for f in ("scone", "oe", "engram") if arm.startswith(f)), "baseline")
 
 
 def planned_keys(planned: list[tuple[str, str | None]], runs: dict, rates: list[str]) -> list[str]:

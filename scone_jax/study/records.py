@@ -59,6 +59,7 @@ OPTIONAL = SERVING_FIELDS + FINETUNE_FIELDS
 # run with e.g. --config.scone.output_norm=false is the same baseline as any other. Likewise Over-Encoding's.
 SCONE_ONLY = ("scone.", "train.fgram_model_delay_")
 OE_ONLY = ("overencoding.",)
+ENGRAM_ONLY = ("engram.",)
 # configs/quality.py's defaults that changed, per version, for the SCONE arms (a baseline reads none of them).
 # Version 1: the method's (no delay); 2: the delay chosen on validation at 10M tokens (docs/quality.md, "How the
 # study got here"); 3: that delay as a share of the run (80 of 1,221 steps at 10M, 24 of 367 at 3M).
@@ -197,11 +198,13 @@ def _last_byte(path: str) -> bytes:
 
 def overrides_of(config, keys) -> dict:
     """The dotted config keys a run was given, as key -> the value the run's config holds (typed: 1 becomes
-    1.0 for a float key; train.seed stays one of them), SCONE's (Over-Encoding's) keys dropped for a run without it."""
+    1.0 for a float key; train.seed stays one of them), SCONE's (Over-Encoding's, Engram's) keys dropped for a run
+    without it."""
     out = {}
     for key in keys:
         if (config.scone.enabled or not key.startswith(SCONE_ONLY)) and (
-                config.overencoding.enabled or not key.startswith(OE_ONLY)):
+                config.overencoding.enabled or not key.startswith(OE_ONLY)) and (
+                config.engram.enabled or not key.startswith(ENGRAM_ONLY)):
             out[key] = _get(config, key)
     return dict(sorted(out.items()))
 

@@ -26,9 +26,10 @@ from scone_jax.training import assets, state as state_lib
 CONFIG = os.path.join(REPO, "configs", "quality.py")
 ARMS = ("baseline", "baseline_2x", "baseline_short", "baseline_4x", "scone", "scone_short", "scone_fgram0.5x",
         "scone_fgram2x", "scone_s5k",
-        "scone_s100k", "scone_k3", "oe", "oe_5x")
-SWEPT = ("baseline", "scone", "oe")  # the arms whose learning rate is swept: their family's (protocol.family)
-MAIN_ARMS = ("baseline", "scone", "baseline_2x", "oe", "oe_5x")  # trained for --tokens; the others for --ablation_tokens
+        "scone_s100k", "scone_k3", "oe", "oe_5x", "engram")
+SWEPT = ("baseline", "scone", "oe", "engram")  # the arms whose learning rate is swept: their family's (protocol.family)
+MAIN_ARMS = ("baseline", "scone", "baseline_2x", "oe", "oe_5x", "engram")  # trained for --tokens; the others for
+#                                                                            --ablation_tokens
 
 
 def parse_rates(values: list[str]) -> list[str]:
@@ -173,15 +174,17 @@ def flops(config) -> tuple[float, float, int]:
     """(inference FLOPs per token of the served decoder, training FLOPs of the whole run, the served decoder's
     parameter bytes): the model formula of scone_jax/model/accounting.py; inference is one forward pass (a third of
     training's 6N) through the decoder, whose input at matched positions is a table row (no f-gram model at
-    inference) and, with Over-Encoding, the projection of its n-gram rows. The bytes are what the accelerator holds
-    of the model at serving: the decoder as exported (model.param_dtype), Over-Encoding's tables among them,
-    SCONE's f-gram table not (host RAM or disk)."""
+    inference) and, with Over-Encoding, the projection of its n-gram rows; with Engram, its projections,
+    convolution and gates. The bytes are what the accelerator holds of the model at serving: the decoder as exported
+    (model.param_dtype), Over-Encoding's or Engram's tables among them, SCONE's f-gram table not (host RAM or
+    disk)."""
     from flax import nnx
 
     abstract = nnx.state(nnx.eval_shape(lambda: state_lib.build_model(config)), nnx.Param)
     decoder = abstract["decoder"] if config.scone.enabled else abstract
     per_token = accounting.decoder_flops_per_token(config.model, config.data.seq_len,
-                                                   accounting.param_counts(decoder)["non_embedding"])
+                                                   accounting.param_counts(decoder)["non_embedding"],
+                                                   config.get("engram"))
     step = accounting.train_step_flops(config, abstract, 1)["total"]
     return per_token / 3.0, step * config.train.num_steps, accounting.param_bytes(decoder)
 
@@ -289,6 +292,7 @@ ARM_LABELS = {
     "scone_fgram2x": "SCONE, f-gram model 4 blocks (2x)", "scone_s5k": "SCONE, S = 5k", "scone_s100k": "SCONE, S = 100k",
     "scone_k3": "SCONE, K = 3", "oe": "Over-Encoding, n = 3, k = 4, m = 20k (about SCONE's table size)",
     "oe_5x": "Over-Encoding, m = 100k (5x)",
+    "engram": "Engram before block 1, n = 3, 4 heads x 2 orders of 20k rows x 16 (about SCONE's table size)",
 }
 
 

@@ -17,13 +17,15 @@ import jax
 from absl import logging
 
 from scone_jax import sharding
-from scone_jax.data import mixture, prompt, sources, tokenize, tokenizer as tokenizer_lib, tokenizer_training
+from scone_jax.data import engram_hash, mixture, prompt, sources, tokenize, tokenizer as tokenizer_lib
+from scone_jax.data import tokenizer_training
+from scone_jax.data.engram_hash import EngramHasher
 from scone_jax.data.ngram_hash import NgramHasher
 from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.extract import extract_fgrams
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.fgram.vocab import FgramVocab, load_vocab, save_vocab, vocab_exists
-from scone_jax.model import overencoding
+from scone_jax.model import engram, overencoding
 from scone_jax.runtime import distributed, workdir as workdir_layout
 
 
@@ -148,9 +150,14 @@ def make_batcher(config, vocab: FgramVocab, mesh) -> FgramBatcher:
                         micro_batches=config.train.grad_accum_steps)
 
 
-def ngram_hasher(config) -> NgramHasher | None:
-    """Over-Encoding's batch transform (the n-gram ids of its tables over model.vocab_size), or None without it.
-    Training's loader, its held-out evaluation and serving (the export's config) all make it here."""
+def ngram_hasher(config) -> NgramHasher | EngramHasher | None:
+    """Over-Encoding's or Engram's batch transform (the n-gram ids of its tables over model.vocab_size, in the batch's
+    ngram_ids), or None without either. Training's loader, its held-out evaluation and serving (the export's config)
+    all make it here."""
+    en = config.get("engram")
+    if en is not None and en.enabled:
+        return EngramHasher(engram.heads(en), [engram_hash.multipliers(en.seed, layer, en.n, config.model.vocab_size)
+                                               for layer in engram.layers(en)], config.model.vocab_size)
     oe = config.get("overencoding")
     if oe is None or not oe.enabled:
         return None

@@ -24,7 +24,7 @@ from absl import logging
 from scone_jax import config as config_lib, saved_config, sharding
 from scone_jax.data import identity, mixture, pipeline
 from scone_jax.hf import derive as hf_derive
-from scone_jax.model import overencoding
+from scone_jax.model import engram, overencoding
 from scone_jax.batch import Batch
 from scone_jax.runtime import distributed, storage, workdir as workdir_layout
 from scone_jax.training import assets, checkpoint, evaluation, exported_step, state as state_lib, steps
@@ -82,6 +82,8 @@ def abstract_batch(config, mesh) -> Batch:
         shapes.update(fgram_tokens=(*groups, config.scone.max_len), fgram_lengths=groups, fgram_slot=rows)
     if config.overencoding.enabled:
         shapes["ngram_ids"] = (*rows, len(overencoding.tables(config.overencoding)))
+    if config.engram.enabled:
+        shapes["ngram_ids"] = (*rows, sum(len(heads) for heads in engram.heads(config.engram)))
     return Batch(**{
         k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                 sharding=sharding.batch_sharding(mesh))

@@ -21,12 +21,12 @@ from scone_jax.training.optimizer import make_optimizer
 
 
 def build_model(config) -> nnx.Module:
-    """The plain decoder (with Over-Encoding's tables if overencoding.enabled), or the SCONE model (decoder +
-    f-gram model) if scone.enabled."""
+    """The plain decoder (with Over-Encoding's tables if overencoding.enabled, Engram's if engram.enabled), or the
+    SCONE model (decoder + f-gram model) if scone.enabled."""
     rngs = nnx.Rngs(config.train.seed)
     if config.scone.enabled:
         return SconeModel(config.model, config.scone, rngs)
-    return Decoder(config.model, rngs, config.get("overencoding"))
+    return Decoder(config.model, rngs, config.get("overencoding"), config.get("engram"))
 
 
 def _create(config, loaded: dict | None = None):

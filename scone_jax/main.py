@@ -12,13 +12,20 @@ that cannot be written or that another run owns, a failed checkpoint write, peer
 arrived, mismatched process counts); 3 non-finite loss (last good checkpoint kept); 143 stopped
 by SIGTERM after saving a checkpoint at the step reached, or during start-up before any step
 (rerun to resume; 128 + 15, what a process killed by SIGTERM reports, so schedulers treat it the
-same way); 130 interrupted by SIGINT (Ctrl-C). Every exit releases the workdir.
+same way); 130 interrupted by SIGINT (Ctrl-C): during training after saving a checkpoint at the
+step reached, as SIGTERM does, and at once on a second Ctrl-C (or before the first step), keeping
+the checkpoints already written. Every exit releases the workdir.
 """
 from __future__ import annotations
 
 import signal
 import sys
 import traceback
+
+if __name__ == "__main__":  # Ctrl-C while the modules below load: one line, exit 130 (nothing written yet)
+    from scone_jax.runtime import stop_signals
+
+    stop_signals.stop_while_starting("scone_jax")
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -67,6 +74,21 @@ def main(argv):
     parent_watch.stop_with_parent_if_asked()  # started by tools/bench_quality.py: stop (SIGTERM) when it dies
     stop_signals.install(signal.SIGINT, KeyboardInterrupt)  # Ctrl-C stops, even inside a gc callback
     logs.quiet_libraries()
+    try:
+        _run()
+    except KeyboardInterrupt as e:  # before training, or a second Ctrl-C during it (the first saves: _run)
+        if not hasattr(e, "kept_step"):  # before the loop started
+            kept = "the latest checkpoint, if any, is intact"
+        elif e.kept_step is None:
+            kept = "no checkpoint was written yet"
+        else:
+            kept = f"the checkpoint of step {e.kept_step} is kept"
+        print(f"scone_jax: stopped by SIGINT at once; {kept} and the workdir is free again. Rerun the same command "
+              "to resume.", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _run():
     from scone_jax.runtime import distributed, platforms, write_probe as workdir
     from scone_jax.training import checkpoint, preemption, train  # after flag parsing: imports JAX
 
@@ -82,16 +104,12 @@ def main(argv):
     except train.NonFiniteLossError as e:
         logging.error("%s", e)
         sys.exit(EXIT_NONFINITE)
-    except preemption.Preempted as e:
+    except preemption.Preempted as e:  # SIGTERM, or a first Ctrl-C: a checkpoint at the step reached
         logging.warning("%s", e)
-        sys.exit(EXIT_PREEMPTED)
+        sys.exit(EXIT_INTERRUPTED if e.signal_name == "SIGINT" else EXIT_PREEMPTED)
     except preemption.StartupInterrupted as e:
         print(f"scone_jax: {e}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
-    except KeyboardInterrupt:
-        print("scone_jax: interrupted (SIGINT); the workdir is free again and the latest checkpoint, if any, is "
-              "intact. Rerun the same command to resume.", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
     except (ValueError, FileNotFoundError, distributed.DistributedStartError, workdir.WorkdirError,
             checkpoint.CheckpointWriteError) as e:
         logging.debug("%s", traceback.format_exc())

@@ -41,6 +41,11 @@ def gated(self, step):
         if time.monotonic() > deadline:
             raise SystemExit("no SIGTERM came within 300 s")
         time.sleep(0.01)
+    second = os.environ.get("SCONE_TEST_SECOND_GATE_FILE")
+    if second:  # wait here, after the first signal, for a second one (it must stop the run at once)
+        open(second, "w").close()
+        time.sleep(300)
+        raise SystemExit("no second signal came within 300 s")
     return True
 
 preemption.Watch.reached = gated
@@ -48,14 +53,17 @@ runpy.run_module("scone_jax.main", run_name="__main__")
 """
 
 
-def start_cli(tokenizer_path, workdir, gate_file=None):
-    """`python -m scone_jax.main` on the small config; with gate_file, gated at SIGNAL_AT (GATED_MAIN)."""
+def start_cli(tokenizer_path, workdir, gate_file=None, second_gate_file=None, **overrides):
+    """`python -m scone_jax.main` on the small config; with gate_file, gated at SIGNAL_AT (GATED_MAIN), and with
+    second_gate_file waiting after the first signal for a second."""
     env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu"}
-    args = [f"--config.train.{k}={v}" for k, v in OVERRIDES.items()]
+    args = [f"--config.train.{k}={v}" for k, v in {**OVERRIDES, **overrides}.items()]
     program = ["-m", "scone_jax.main"]
     if gate_file is not None:
         env.update(SCONE_TEST_GATE_STEP=str(SIGNAL_AT), SCONE_TEST_GATE_FILE=gate_file)
         program = ["-c", GATED_MAIN]
+    if second_gate_file is not None:
+        env["SCONE_TEST_SECOND_GATE_FILE"] = second_gate_file
     return subprocess.Popen(
         [sys.executable, *program, f"--config=tests/small_config.py:{tokenizer_path}",
          f"--workdir={workdir}", *args],
@@ -147,6 +155,93 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpointed_step(tok
     assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errors]
     stopped_at = max(step_records(workdir))
     assert all(f"saving a checkpoint at step {stopped_at}" in e for e in errors)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    assert ckpt.latest_step() == stopped_at < 1000
+    ckpt.close()
+
+
+def test_ctrl_c_saves_the_step_reached_and_exits_130(tokenizer_path, tmp_path):
+    """A Ctrl-C costs no more than a preemption (issue 62): the run finishes the step, saves it and exits 130.
+    Caught: the old SIGINT path, KeyboardInterrupt at once with no checkpoint (exit 130, 0 checkpoints; the
+    20 steps of the tiny config since its last save lost)."""
+    workdir, gate = str(tmp_path / "run"), str(tmp_path / "at_gate")
+    proc = start_cli(tokenizer_path, workdir, gate_file=gate)
+    try:
+        wait_until(proc, lambda: os.path.exists(gate), f"step {SIGNAL_AT}")
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert f"Stopped by SIGINT after saving a checkpoint at step {SIGNAL_AT}" in stderr, stderr[-3000:]
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    assert ckpt.latest_step() == SIGNAL_AT
+    ckpt.close()
+
+
+def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_kept(tokenizer_path, tmp_path):
+    """After the first Ctrl-C the run waits (GATED_MAIN's second gate) where it would finish its step; a second
+    Ctrl-C ends it there at once, exit 130, in one line naming the checkpoint kept (step 2, saved by
+    checkpoint_every=2), and step 3 is not saved. Caught: a handler that ignored every Ctrl-C after the first
+    (the run waited out the gate's 300 s)."""
+    workdir, gate, second = str(tmp_path / "run"), str(tmp_path / "at_gate"), str(tmp_path / "second")
+    proc = start_cli(tokenizer_path, workdir, gate_file=gate, second_gate_file=second, checkpoint_every=2)
+    try:
+        wait_until(proc, lambda: os.path.exists(gate), f"step {SIGNAL_AT}")
+        proc.send_signal(signal.SIGINT)
+        wait_until(proc, lambda: os.path.exists(second), "the second gate")
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("scone_jax:")]
+    assert lines == ["scone_jax: stopped by SIGINT at once; the checkpoint of step 2 is kept and the workdir is free "
+                     "again. Rerun the same command to resume."], stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    assert ckpt.latest_step() == 2
+    ckpt.close()
+
+
+def test_ctrl_c_in_the_first_second_stops_in_one_line(tmp_path):
+    """Ctrl-C while `scone_jax.main` still imports its modules (issue 64): one line, exit 130, no traceback.
+    Caught: the default handler there (two chained tracebacks through the imports and exit 1)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "scone_jax.main", "--config=configs/tiny.py",
+                             f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # inside the imports (JAX alone takes seconds)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("scone_jax: stopped by SIGINT"), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_ctrl_c_to_one_of_two_processes_stops_both_at_one_checkpointed_step(tokenizer_path, tmp_path):
+    """In a multi-process job a Ctrl-C is handed to jax's preemption service as SIGTERM: both processes save the
+    same step; the interrupted one exits 130, the other 143. Caught: the old KeyboardInterrupt in the one
+    process only (the other died on its next collective, nothing saved)."""
+    workdir, port = str(tmp_path / "two"), free_port()
+    args = [f"--workdir={workdir}", "--config.train.num_steps=1000", "--config.train.log_every=1",
+            "--config.train.checkpoint_every=1000", "--startup_timeout=60"]
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen(cli(tokenizer_path, port, i, 2, *args), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        wait_for_steps(procs[0], workdir, 2)
+        procs[1].send_signal(signal.SIGINT)
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [143, 130], [e[-2000:] for e in errors]
+    stopped_at = max(step_records(workdir))
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
     assert ckpt.latest_step() == stopped_at < 1000
     ckpt.close()

@@ -14,6 +14,7 @@ dropped, so the signal is delivered again only while its last exception is the o
 from __future__ import annotations
 
 import _thread
+import os
 import queue
 import signal
 import sys
@@ -93,3 +94,16 @@ def _resend() -> None:
         time.sleep(0.001)  # let the main thread leave the place where the stop was dropped
         if raises == _raises[0]:  # nothing raised since: the stop is still lost (else a newer one is on its way)
             _thread.interrupt_main(signum)  # runs the handler for `signum` now installed; nothing if SIG_DFL/SIG_IGN
+
+
+def stop_while_starting(program: str) -> None:
+    """Ctrl-C from here until the program installs its own handlers (its imports of JAX, orbax and the rest take
+    seconds; flags are parsed after them) ends it at once with one line and exit 130: nothing has been written
+    yet, so there is nothing to keep, and no chained import tracebacks. Call first thing in `__main__`."""
+
+    def handler(signum, frame):
+        del signum, frame
+        os.write(2, f"{program}: stopped by SIGINT while starting; nothing was written.\n".encode())
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, handler)

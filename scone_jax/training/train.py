@@ -1,8 +1,9 @@
 """The training loop: steps, metrics, periodic evaluation, checkpoints and exact resume.
 
 Resume is automatic: if <workdir>/checkpoints holds a checkpoint, the state and the data
-iterator position are restored and training continues from that step. On SIGTERM the loop
-finishes the current step, saves a checkpoint there and raises preemption.Preempted.
+iterator position are restored and training continues from that step. On SIGTERM or Ctrl-C the
+loop finishes the current step, saves a checkpoint there and raises preemption.Preempted; a second
+Ctrl-C raises KeyboardInterrupt at once, naming the checkpoint kept (`kept_step`).
 """
 from __future__ import annotations
 
@@ -194,6 +195,10 @@ class _Loop:
                         batch = _next_batch(self.inputs, step, self._save_now)
                 self.profiler.after(step, metrics)
                 self._after_step(step)
+        except KeyboardInterrupt as e:  # a second Ctrl-C: say which checkpoint is kept (a save in flight ends first)
+            self.ckpt.wait()
+            e.kept_step = self.ckpt.latest_step()
+            raise
         finally:
             self._close()
         return self.step, self.summary
@@ -221,7 +226,7 @@ class _Loop:
         if plan.save:
             self.run.save(step, self.state)
         if plan.preempted and not plan.last:
-            raise preemption.Preempted(step)
+            raise preemption.Preempted(step, self.watch.stopped_by)
 
     def _evaluate(self, step: int) -> None:
         try:

@@ -13,9 +13,10 @@ Arms (configs/quality.py defines the models): the baseline family `baseline`, `b
 arms on the 1x decoder: `scone` (f-gram model of 2 blocks = 1x, S = 20k, K = 5), `scone_fgram0.5x`,
 `scone_fgram2x`, `scone_s5k`, `scone_s100k`, `scone_k3`, and SCONE's baseline, Over-Encoding (hashed n-gram
 input embeddings, docs/method.md §8) on the same decoder: `oe` (tables of about SCONE's size, m = 20k) and
-`oe_5x` (m = 100k). All share one tokenizer (trained on the training
+`oe_5x` (m = 100k), and DeepSeek's Engram (hashed n-gram memory gated into the residual stream before the second
+block, docs/method.md §9): `engram` (tables of about SCONE's size). All share one tokenizer (trained on the training
 split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
---ablation_tokens for the rest; `oe` and `oe_5x` for --tokens too). `baseline_short` and `scone_short` are the 1x models again at
+--ablation_tokens for the rest; `oe`, `oe_5x` and `engram` for --tokens too). `baseline_short` and `scone_short` are the 1x models again at
 --ablation_tokens (the 1x arms themselves when that equals --tokens): the points the ablations and baseline_4x are
 compared with, since a model trained on fewer tokens is worse whatever its shape. Every arm multiplies
 its token inputs by sqrt(d), the f-gram models' inputs included (configs/quality.py says why);
@@ -23,13 +24,13 @@ its token inputs by sqrt(d), the f-gram models' inputs included (configs/quality
 Any config setting of configs/quality.py goes on every run the same way, ml_collections' --config.KEY=VALUE
 (e.g. --config.train.fgram_model_delay_fraction=0 for the method's undelayed f-gram model).
 
-Protocol: `baseline`, `scone` and `oe` each train at the --learning_rates values in ascending order, stop
+Protocol: `baseline`, `scone`, `oe` and `engram` each train at the --learning_rates values in ascending order, stop
 at the first whose validation perplexity is above the best of those below it, and keep the one with
 the lowest validation perplexity; the other arms of each family train at their family's rate. Every arm is
 then exported (`python -m scone_jax.serving.export`, bf16 table) and scored on the test split by
 `python -m scone_jax.serving.evaluate`, the way a user serves it: SCONE with the f-gram table in host
-RAM, baselines as decoder-only bundles, Over-Encoding as a decoder bundle holding its n-gram tables (the host
-computes each batch's n-gram ids). Nothing is tuned on the test split.
+RAM, baselines as decoder-only bundles, Over-Encoding and Engram as decoder bundles holding their n-gram tables
+(the host computes each batch's n-gram ids). Nothing is tuned on the test split.
 
 Each run lives in WORKDIR/<arm>/lr<rate>/ (a workdir of `python -m scone_jax.main`, its log in
 train.log): a rerun skips finished runs, resumes a half-trained one from its checkpoint, and prints

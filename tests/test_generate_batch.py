@@ -93,6 +93,41 @@ def test_pass_at_k_equals_hand_values_and_counting_every_draw_of_k():
                        "pass@2": pytest.approx((1 - math.comb(2, 2) / math.comb(4, 2)) / 2)}
 
 
+class _KeyedStub:
+    """A Generator's generate() for generate_all alone (no model, no compile): each row's new tokens are its
+    prompt's first id (whose prompt it is) and then draws from its own row key, stopping nowhere."""
+
+    def generate(self, tokens, num_tokens, row_keys=None, stop_ids=None):
+        data = np.asarray(jax.random.key_data(row_keys)).astype(np.uint64).reshape(len(tokens), -1)
+        draws = np.stack([np.random.default_rng(list(d)).integers(3, 1000, num_tokens - 1) for d in data])
+        return {"tokens": np.concatenate([tokens, tokens[:, :1], draws], axis=1)}
+
+
+def test_each_sample_is_its_prompts_and_its_draws_do_not_depend_on_the_batching():
+    """generate_all in the fast tier, with a stub generator (the two slow tests below run the real one): five
+    prompts (two of one length, so they share a batch) x 3 samples, batched 1, 2, 4 and 16 rows at a time. Each
+    sample starts with its own prompt's first id; the draws are the same whatever the batching, and differ
+    between the samples of one prompt. Caught: a batch's samples written to the wrong prompts (the rows taken in
+    reverse); one key for all rows of a batch (draws depending on the batch a sample lands in)."""
+    prompts = [generate_batch.Prompt(i, line, np.asarray(ids, np.int32), None, False) for i, (line, ids) in enumerate(
+        [(1, [7, 8, 9]), (2, [11, 12, 13, 14, 15]), (4, [21, 22, 23]), (5, [31]), (6, [41, 42, 43])])]
+    runs = [generate_batch.generate_all(_KeyedStub(), prompts, num_samples=3, max_new_tokens=5, seed=4,
+                                        batch_rows=rows, stops=set()) for rows in (1, 2, 4, 16)]
+    for run_ in runs:
+        assert [(r["prompt"], r["sample"]) for r in run_] == [(p, s) for p in range(5) for s in range(3)]
+        assert [r["tokens"][0] for r in run_] == [int(prompts[r["prompt"]].ids[0]) for r in run_]
+        assert all(r["finish_reason"] == "length" and len(r["tokens"]) == 5 for r in run_)
+    assert all([r["tokens"] for r in run_] == [r["tokens"] for r in runs[0]] for run_ in runs[1:])
+    for p in range(5):
+        assert len({tuple(r["tokens"][1:]) for r in runs[0] if r["prompt"] == p}) == 3
+    assert len({tuple(r["tokens"][1:]) for r in runs[0]}) == 15
+    stopped = generate_batch.generate_all(_KeyedStub(), prompts, num_samples=1, max_new_tokens=5, seed=4,
+                                          batch_rows=4, stops={31})  # prompt 3's first id: its sample stops at once
+    assert stopped[3]["tokens"] == [] and stopped[3]["finish_reason"] == "stop"
+    assert [r["tokens"] for r in stopped[:3]] == [r["tokens"] for r in runs[0] if r["sample"] == 0][:3]
+    assert generate_batch.finish(np.array([5, 6, 7, 6]), {6}) == ([5], "stop")
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     return inference.load(serving_run.exported(tmp_path_factory, "float32"))

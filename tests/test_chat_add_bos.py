@@ -114,3 +114,25 @@ def test_a_chat_prompt_keeps_its_bos_under_add_bos(tok_path, tmp_path):
         expect = np.concatenate([[tok.bos_id], want]) if add_bos else want
         np.testing.assert_array_equal(chat.ids, expect)
         assert chat.chat and not text.chat and (text.ids[0] == tok.bos_id) == add_bos
+
+
+def test_pretokenized_shards_keep_a_row_length_conversation_whole_and_cut_a_longer_one(tok_path, tmp_path):
+    """The same two conversations through tools/pretokenize.py --format=chat (data/conversation_docs.py's
+    RecordConversations cuts as it reads): the batch equals the JSONL's, whose rows the test above checks by hand,
+    with add_bos and loss_on='all'. Caught: a shard's conversation of exactly seq_len - 1 ids cut as overlong (its
+    final eos target zeroed: `len(i) >= keep`)."""
+    from tests.common import run_tool
+
+    conversations_file = write_conversations(str(tmp_path / "c.jsonl"), [EXACT, LONG])
+    out = tmp_path / "shards"
+    result = run_tool("tools/pretokenize.py", ["--format=chat", f"--input={conversations_file}",
+                                               f"--tokenizer={tok_path}", f"--output={out}", "--workers=1",
+                                               "--num_shards=1", "--loss_on=all"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    tok = tokenizer_lib.Tokenizer.load(tok_path)
+    batches = [pipeline.batch_builder(chat_config(tok_path, files, add_bos=True, seq_len=SEQ_LEN, global_batch_size=2,
+                                                  loss_on="all", overlong="truncate").data, tok)(0)
+               for files in (conversations_file, f"{out}/tokens-*.arrayrecord")]
+    for key, array in batches[0].arrays().items():
+        np.testing.assert_array_equal(array, batches[1].arrays()[key], err_msg=key)
+    assert batches[1].loss_mask.sum() == 2 * SEQ_LEN - 1  # every target but the cut conversation's eos

@@ -133,7 +133,8 @@ KEYS = (
     Key("scone.num_fgrams", 100_000, STATE, "S: f-grams kept (top S by count, all lengths ranked together)", ">= 1"),
     Key("scone.min_count", 5, STATE, "extraction's minimum count from the second scan on", ">= 1"),
     Key("scone.extract_max_tokens", 50_000_000, STATE, "extraction reads at most this many training tokens", ">= 1"),
-    Key("scone.fgram_capacity", 1024, STATE, "U: unique f-grams per data shard per step (static shape)", ">= 1"),
+    Key("scone.fgram_capacity", 1024, SETTING, "U: unique f-grams per data shard per step (static shape; checked "
+        "on a sample of the run's batches before the first step, training/capacity.py)", ">= 1"),
     Key("scone.num_layers", 4, STATE, "f-gram model depth (its size relative to the main model)", ">= 1"),
     Key("scone.d_model", 0, STATE, "f-gram model width; 0 = the main model's (else projected to it)", ">= 0"),
     Key("scone.num_heads", 0, STATE, "0 = the main model's", ">= 0"),

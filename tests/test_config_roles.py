@@ -69,7 +69,8 @@ WHY = {
     "scone.num_fgrams": ("data", "S: the f-grams extracted, so the matches in every batch"),
     "scone.min_count": ("data", "the f-grams extracted"),
     "scone.extract_max_tokens": ("data", "the text the f-grams are extracted from"),
-    "scone.fgram_capacity": ("data", "the batches' f-gram rows per shard (allowed by name after an overflow)"),
+    "scone.fgram_capacity": ("step", "the f-gram rows per shard the traced step runs; the values at any capacity "
+                                     "that holds them are the same (unused rows are padding: fgram/dedup.py)"),
     "scone.num_layers": ("shape", "the f-gram model's blocks"),
     "scone.d_model": ("shape", "the f-gram model's width and its projections"),
     "scone.num_heads": ("meaning", "how the f-gram model's projections split into heads (same arrays)"),

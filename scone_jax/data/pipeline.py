@@ -82,8 +82,12 @@ class _BuildBatch:
         self._stream, self._rows, self._transform = stream, rows, transform
 
     def __call__(self, index: int) -> Batch:
-        batch = self._stream.rows(int(index) * self._rows, self._rows)
+        batch = self.untransformed(index)
         return self._transform(batch) if self._transform is not None else batch
+
+    def untransformed(self, index: int) -> Batch:
+        """Batch `index` before the batch transform."""
+        return self._stream.rows(int(index) * self._rows, self._rows)
 
 
 def special_ids(data_cfg, tokenizer: Tokenizer) -> tuple:
@@ -114,6 +118,11 @@ class _BuildMixtureBatch:
         self._transform = transform
 
     def __call__(self, index: int) -> Batch:
+        batch = self.untransformed(index)
+        return self._transform(batch) if self._transform is not None else batch
+
+    def untransformed(self, index: int) -> Batch:
+        """Batch `index` before the batch transform."""
         owner, rank = self._schedule.rows(int(index) * self._rows, self._rows)
         fields = {}
         for c, stream in enumerate(self._parts):
@@ -126,8 +135,7 @@ class _BuildMixtureBatch:
                 if key not in fields:
                     fields[key] = np.empty((self._rows, self._seq_len), array.dtype)
                 fields[key][mine] = array
-        batch = Batch(**fields, row_source=owner.astype(np.int32))
-        return self._transform(batch) if self._transform is not None else batch
+        return Batch(**fields, row_source=owner.astype(np.int32))
 
 
 def batch_builder(data_cfg, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1,
@@ -162,6 +170,7 @@ def make_train_dataset(
     process_count: int = 1,
     batch_transform: Callable[[Batch], Batch] | None = None,
     start_batch: int = 0,
+    check: Callable[[Callable[[int], Batch]], None] | None = None,
 ) -> grain.IterDataset | _Elements:
     """Endless packed training batches of one JAX process, from batch number `start_batch`.
 
@@ -169,11 +178,15 @@ def make_train_dataset(
     only its own; each process shuffles its documents anew every epoch (data.shuffle_seed).
     `batch_transform` runs on every batch inside the workers (data.worker_count; 0 = on a
     prefetch thread of this process). Close iterators (`it.close()`) when done: it stops the
-    prefetch thread and worker processes.
+    prefetch thread and worker processes. `check`, if given, is called once before any batch is
+    built, with batch number -> this process's batch before the transform (to check what the
+    batches need: training/capacity.py).
     """
     workers = worker_count(data_cfg)
     build = batch_builder(data_cfg, tokenizer, process_index=process_index, process_count=process_count,
                           batch_transform=batch_transform)
+    if check is not None:
+        check(build.untransformed)
     # One builder thread per process: a batch is numpy and numba work that holds the GIL for
     # most of its time, so grain's default (16 threads, 500 batches read ahead) only adds
     # contention with the thread that hands batches on, and memory.

@@ -4,7 +4,6 @@ serving.evaluate), with its record, FLOPs and progress."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import time
@@ -21,7 +20,7 @@ from scone_jax.serving import bundle
 from scone_jax.study import runs as study_runs
 from scone_jax.study.protocol import planned_keys, variant
 from scone_jax.study.runs import REPO, run_cli
-from scone_jax.training import assets, state as state_lib
+from scone_jax.training import assets, capacity, state as state_lib
 
 CONFIG = os.path.join(REPO, "configs", "quality.py")
 ARMS = ("baseline", "baseline_2x", "baseline_short", "baseline_4x", "scone", "scone_short", "scone_fgram0.5x",
@@ -144,16 +143,15 @@ def write_json(path: str, value):
     os.replace(path + ".tmp", path)
 
 
-def fgram_capacity(config, tokenizer, vocab, sample: int = 64) -> int:
-    """Rows per step the f-gram model needs (maximal unique f-grams of a batch) over `sample` batches spread
-    over the run, with 25% headroom, rounded up to 128. A batch that needs more still fails loudly; the study
-    then raises the capacity and resumes (run_arm)."""
+def fgram_capacity(config, tokenizer, vocab) -> int:
+    """Rows per step the f-gram model needs (maximal unique f-grams of a whole batch) over a sample of the run's
+    batches (training/capacity.py), with its headroom. A batch that needs more still fails loudly; the study then
+    raises the capacity and resumes (run_arm)."""
     rows = config.data.global_batch_size * config.data.seq_len
     batcher = FgramBatcher(Matcher(vocab), vocab, num_shards=1, capacity=rows)
-    build = pipeline.batch_builder(config.data, tokenizer, batch_transform=batcher)
-    steps = config.train.num_steps
-    used = [int((build(int(b)).fgram_lengths > 0).sum()) for b in np.linspace(0, steps - 1, min(sample, steps))]
-    return int(math.ceil(max(used) * 1.25 / 128) * 128)
+    build = pipeline.batch_builder(config.data, tokenizer)
+    need, _ = capacity.needed(batcher, build, capacity.sample_batches(0, config.train.num_steps - 1))
+    return capacity.suggested(need)
 
 
 def fgram_settings(study: Study, config, tokenizer) -> dict:
@@ -224,17 +222,14 @@ def run_arm(study: Study, arm: str, rate: str, config, tokenizer, planned) -> di
         if " step " in line and " loss " in line or "eval step" in line:
             print(f"[{key}] " + line.split("] ", 1)[-1], flush=True)
 
-    allow = []
     for _ in range(4):  # a capacity overflow: raise it and resume from the checkpoint the run saved
         rc, last = run_cli(["-m", "scone_jax.main", f"--config={study.config_arg(arm)}", f"--workdir={workdir}",
-                      *study.flags_for(config, arm), *([f"--allow_config_change={','.join(allow)}"] if allow else [])],
-                     log, show)
+                            *study.flags_for(config, arm)], log, show)
         if rc == 0:
             break
         if "scone.fgram_capacity" in last and config.scone.enabled:
             with config.unlocked():
                 config.scone.fgram_capacity = int(config.scone.fgram_capacity * 1.5 // 128 * 128)
-            allow = ["scone.fgram_capacity"]
             print(f"[{key}] capacity overflow; resuming with scone.fgram_capacity={config.scone.fgram_capacity}")
             continue
         raise RuntimeError(f"training {key} failed (exit {rc}): {last} (log: {log})")

@@ -27,7 +27,7 @@ from scone_jax.hf import derive as hf_derive
 from scone_jax.model import engram, overencoding
 from scone_jax.batch import Batch
 from scone_jax.runtime import distributed, storage, workdir as workdir_layout
-from scone_jax.training import assets, checkpoint, evaluation, exported_step, state as state_lib, steps
+from scone_jax.training import assets, capacity, checkpoint, evaluation, exported_step, state as state_lib, steps
 
 RESUME, FRESH = "resume", "fresh"
 
@@ -147,9 +147,13 @@ class Run:
     @functools.cached_property
     def train_data(self):
         """This process's training batches from batch `step` on (one batch per step: data/packing.py)."""
+        check = None
+        if self.vocab is not None:  # the f-gram rows a sample of the batches needs, before the first step
+            check = functools.partial(capacity.check, self.batcher, first=self.step,
+                                      last=self.config.train.num_steps - 1)
         return pipeline.make_train_dataset(self.config.data, self.tokenizer, process_index=jax.process_index(),
                                            process_count=jax.process_count(), batch_transform=self.batcher,
-                                           start_batch=self.step)
+                                           start_batch=self.step, check=check)
 
     @property
     def sources(self) -> tuple[str, ...]:

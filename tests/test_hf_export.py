@@ -125,16 +125,20 @@ SCRATCH = [  # (family, model keys)
 
 
 @pytest.mark.parametrize("family,model", SCRATCH)
-def test_a_run_trained_here_gives_transformers_our_logits(tmp_path, tokenizer_path, family, model):
+def test_a_run_trained_here_gives_transformers_our_logits(tmp_path, tokenizer_path, family, model, caplog):
     """A run of our own (a SentencePiece tokenizer, every parameter random) exports as the family its model section
-    matches; transformers' model of the export gives our decoder's logits within 1e-4 on a right-padded batch."""
+    matches; transformers' model of the export gives our decoder's logits within 1e-4 on a right-padded batch; the
+    export logs its progress writing tensors (a line a tenth: MB, MB/s, time left)."""
     from transformers import AutoModelForCausalLM
 
     workdir, out = str(tmp_path / "run"), str(tmp_path / "out")
     sharded = family == "gpt2"  # its fused c_attn gathered from q, k, v sharded over fsdp and tensor
     config = scratch_config(tokenizer_path, sharded=sharded, **model)
     decoder = hf_models.save_run(config, workdir, devices=None if sharded else 1, randomize_params=True)
-    assert hf_export.export_hf(workdir, out)["family"] == family
+    with caplog.at_level("INFO"):
+        assert hf_export.export_hf(workdir, out)["family"] == family
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hf export: tensors:")]
+    assert len(progress) >= 5 and "(100%)" in progress[-1] and "MB/s, ETA 0 s" in progress[-1], progress
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
     tokens, lengths = hf_models.padded_batch(vocab=500)
     want = hf_models.our_logits(decoder, tokens, lengths)
@@ -307,6 +311,30 @@ def test_an_export_stopped_while_writing_is_unfinished_and_a_rerun_completes_it(
     assert json.loads(open(os.path.join(out, hf_export.HF_EXPORT)).read())["complete"] is True
     theirs, ours = stored(whole), stored(out)
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_progress_logs_a_line_a_tenth_with_rate_and_time_left():
+    """runtime/progress.Progress over 1,000 rows in pieces of 30 at 100 rows a second: one line each time another
+    tenth is done (10 in all, the last at 100%), each with the rows done, the rate and the time left; a piece that
+    crosses several tenths gives one line, and the next comes a tenth later. Caught: the next threshold advanced by
+    one tenth per line (a line for every piece after a large one)."""
+    from scone_jax.runtime.progress import Progress
+
+    lines, now = [], [0.0]
+    progress = Progress("table", 1000, "rows", log=lambda fmt, *args: lines.append(fmt % args), clock=lambda: now[0])
+    for _ in range(33):
+        now[0] += 0.3
+        progress.add(30)
+    now[0] += 0.1
+    progress.add(10)
+    assert len(lines) == 10, lines
+    assert lines[0] == "table: 120/1,000 rows (12%), 100.0 rows/s, ETA 9 s"
+    assert lines[-1] == "table: 1,000/1,000 rows (100%), 100.0 rows/s, ETA 0 s"
+    lines.clear()
+    progress = Progress("t", 100, "rows", log=lambda fmt, *args: lines.append(fmt % args), clock=lambda: 1.0)
+    for piece in [50] + [5] * 10:
+        progress.add(piece)
+    assert [line.split("(")[1].split(")")[0] for line in lines] == ["50%", "60%", "70%", "80%", "90%", "100%"]
 
 
 def test_temporary_files_are_the_exporter_s_own_and_tensor_files_take_the_umask_s_mode(tmp_path):

@@ -375,7 +375,8 @@ def test_runs_outside_a_stock_input_take_the_remote_code(change):
 @pytest.mark.slow
 def test_the_program_exports_a_scone_run_for_transformers(scone_export, loaded, tmp_path):
     """`python -m scone_jax.serving.export --format=hf` on the SCONE run (one CPU device): exit 0, the line saying
-    where the decoder went, and a directory transformers opens whose greedy tokens are the in-process export's; into
+    where the decoder went, progress lines for the table and the tensors (caught: the table written silently, as
+    it was), and a directory transformers opens whose greedy tokens are the in-process export's; into
     a directory holding another file, exit 2 and one line."""
     from transformers import AutoModelForCausalLM
 
@@ -386,6 +387,11 @@ def test_the_program_exports_a_scone_run_for_transformers(scone_export, loaded, 
                                                     "--format=hf", "--batch_rows=256"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "as a llama checkpoint (F32) inside the SCONE remote-code model" in done.stdout, done.stdout
+    # Progress a person can follow (issue 62: this export ran 7.5 minutes silently on a real run): a line for each
+    # tenth of the f-gram table crossed (4 batches of 256 of 1,000 rows here) and of the tensors, with rate and ETA.
+    table = [line for line in done.stderr.splitlines() if "hf export: f-gram table: " in line]
+    assert len(table) == 4 and "1,000/1,000 rows (100%)" in table[-1] and "rows/s, ETA 0 s" in table[-1], table
+    assert any("hf export: tensors: " in line and "(100%)" in line for line in done.stderr.splitlines())
     served, model = loaded["scone"]
     again = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     prompt = torch.from_numpy(encode(served, TEXTS[1])[None].astype(np.int64))

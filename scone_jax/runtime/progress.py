@@ -2,6 +2,7 @@
 done, with the rate and the time left, so an export of minutes is never silent."""
 from __future__ import annotations
 
+import math
 import time
 
 from absl import logging
@@ -17,17 +18,21 @@ class Progress:
         self.what, self.total, self.unit, self.every, self.log, self.clock = what, int(total), unit, every, log, clock
         self.scale = scale
         self.done, self.start = 0, clock()
-        self.next = every * total
+        self.lines = 1  # the next line is due at lines * every * total done (counted: no rounding drifts)
 
     def add(self, n: int) -> None:
         self.done += int(n)
-        if self.total <= 0 or self.done < self.next:
+        if self.total <= 0 or self.done < self._due():
             return
-        while self.next <= self.done:
-            self.next += self.every * self.total
+        while self._due() <= self.done:
+            self.lines += 1
         seconds = max(self.clock() - self.start, 1e-9)
         rate = self.done / seconds
         left = max(self.total - self.done, 0) / max(rate, 1e-9)
         self.log("%s: %s/%s %s (%.0f%%), %s %s/s, ETA %.0f s", self.what, f"{self.done / self.scale:,.0f}",
                  f"{self.total / self.scale:,.0f}", self.unit, 100 * self.done / self.total,
                  f"{rate / self.scale:,.1f}", self.unit, left)
+
+    def _due(self) -> float:
+        fraction = self.lines * self.every
+        return math.inf if fraction > 1 + 1e-9 else min(fraction, 1.0) * self.total * (1 - 1e-12)

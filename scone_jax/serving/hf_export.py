@@ -208,7 +208,7 @@ def tokenizer_files(tokenizer, config) -> dict[str, bytes]:
         files[TOKENIZER_MODEL] = tokenizer.file_bytes
         try:
             files[TOKENIZER], unk = sp_tokenizer.tokenizer_json(
-                tokenizer.file_bytes, names["bos_token"] if config.data.add_bos else None)
+                tokenizer.file_bytes, names["bos_token"] if config.data.get("add_bos", True) else None)
         except sp_tokenizer.UnsupportedModelError as e:
             raise ValueError(f"The run's SentencePiece tokenizer cannot be written as a tokenizer.json that encodes as "
                              f"it does: {e}. Fix: export a bundle (--format=bundle), which keeps the .model itself."

@@ -113,8 +113,9 @@ def _run():
     except (ValueError, FileNotFoundError, distributed.DistributedStartError, workdir.WorkdirError,
             checkpoint.CheckpointWriteError) as e:
         logging.debug("%s", traceback.format_exc())
-        print(f"scone_jax: error: {one_line(e, limit=4000)}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        # In a multi-process job every process stops with this line (the error may come before joining).
+        distributed.exit_bad_input("scone_jax", one_line(e, limit=4000), _JOIN.spec(),
+                                   joinable=not isinstance(e, distributed.DistributedStartError))
 
 
 if __name__ == "__main__":

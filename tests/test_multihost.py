@@ -179,3 +179,73 @@ def test_export_from_two_processes_equals_the_one_process_export(tmp_path_factor
     assert sorted(os.listdir(os.path.join(output, "done"))) == sorted(os.listdir(os.path.join(reference, "done")))
     # The decoder both processes saved hashes to the fingerprint the table was exported with.
     assert inference.load(output).bundle.meta["model_fingerprint"] == want["model_fingerprint"]
+
+
+def _job_with_exit_times(argvs, timeout=240):
+    """Start every argv at once (4 virtual CPU devices each); (CompletedProcess, seconds from the start to its exit)
+    for each; all killed if any outlives `timeout`."""
+    import subprocess
+
+    from tests.common import REPO, xla_flags
+
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
+    start = time.monotonic()
+    procs = [subprocess.Popen(a, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in argvs]
+    ended = [None] * len(procs)
+    try:
+        while None in ended and time.monotonic() < start + timeout:
+            for i, p in enumerate(procs):
+                if ended[i] is None and p.poll() is not None:
+                    ended[i] = time.monotonic() - start
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = [subprocess.CompletedProcess(a, p.returncode, *p.communicate()) for a, p in zip(argvs, procs)]
+    return results, ended
+
+
+def _assert_failed_as_one(results, ended, failing: int, cause: str):
+    """Every process exits 2 within 30 s of the failing one, with one error line naming it and the cause, and no
+    traceback, gloo deadline or C++ stack."""
+    report = processes_report(results)
+    assert None not in ended, report
+    assert [r.returncode for r in results] == [2] * len(results), report
+    assert max(ended) - ended[failing] < 30, (ended, report)
+    for i, r in enumerate(results):
+        errors = [line for line in r.stderr.splitlines() if line.startswith("scone_jax: error: ")]
+        assert len(errors) == 1, report
+        want = f"process {failing}: " if i == failing else f"process {failing} of the job stopped: "
+        assert errors[0].startswith("scone_jax: error: " + want) and cause in errors[0], report
+        for noise in ("Traceback", "DEADLINE_EXCEEDED", "*** ", "Check failure", "Fatal Python error"):
+            assert noise not in r.stderr, report
+
+
+def test_bad_input_on_one_process_after_joining_stops_the_whole_job_in_one_line(tokenizer_path, tmp_path):
+    """Process 1's training files match nothing (found after jax.distributed joined): it publishes its line, and
+    process 0, waiting for it in a collective, stops within seconds with that line, the workdir released. Bug it
+    caught: process 1 left 72 s later (jax's shutdown barrier) and process 0 died after ~30 s with a 29-line gloo
+    DEADLINE_EXCEEDED traceback that never named the cause."""
+    port, workdir = free_port(), tmp_path / "w"
+    missing = tmp_path / "nowhere" / "*.txt"
+    argvs = [cli(tokenizer_path, port, 0, 2, f"--workdir={workdir}", "--startup_timeout=60"),
+             cli(tokenizer_path, port, 1, 2, f"--workdir={workdir}", "--startup_timeout=60",
+                 "--config.data.source=text", f"--config.data.train_files={missing}")]
+    results, ended = _job_with_exit_times(argvs)
+    _assert_failed_as_one(results, ended, 1, f"No files match the pattern '{missing}'")
+    assert not (workdir / "OWNER").exists()  # process 0 released the workdir on its way out
+
+
+def test_bad_input_on_one_process_before_joining_stops_the_whole_job_in_one_line(tokenizer_path, tmp_path):
+    """Process 1's --workdir cannot be written (found before joining): it joins only to publish its line, and
+    process 0, waiting in jax.distributed for it, stops with that line at once. Bug it caught: process 0 waited
+    out --startup_timeout and blamed a peer that never arrived."""
+    port, blocked = free_port(), tmp_path / "a_file"
+    blocked.write_text("")
+    argvs = [cli(tokenizer_path, port, 0, 2, f"--workdir={tmp_path / 'w'}", "--startup_timeout=120"),
+             cli(tokenizer_path, port, 1, 2, f"--workdir={blocked}/w", "--startup_timeout=120")]
+    results, ended = _job_with_exit_times(argvs)
+    _assert_failed_as_one(results, ended, 1, f"--workdir={blocked}/w")
+    assert max(ended) < 100  # not the 120 s join timeout

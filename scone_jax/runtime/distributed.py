@@ -10,14 +10,26 @@ trace, no Python exception) once its own deadline passes. So a watchdog of ours,
 prints what went wrong and exits with status 2. jax also accepts a peer that was told
 another process count (it only checks process_id < count), and such a job would hang at its
 first collective: the counts are compared right after joining.
+
+A job fails as one. A process that stops on bad input (exit_bad_input) publishes its line in the
+coordination service's key-value store before it leaves (joining the job first if the error came
+before it had joined), and every process watches that key from the moment it joins (a thread
+polling it every WATCH_EVERY_S): each prints one line naming the failing process and its cause,
+runs the cleanups registered with on_job_failure (the workdir's lease), and exits with status 2
+at once, whatever its main thread waits for (a collective with the process that left would end in
+gloo's DEADLINE_EXCEEDED half a minute later, and jax's shutdown barrier would hold the failing
+process for minutes). Process 0 hosts the service, so when it is the one that failed it waits up
+to ACK_WAIT_S for every other process to say it has read the line.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -27,6 +39,13 @@ from jax.experimental import multihost_utils
 from scone_jax.runtime.errors import one_line
 
 _COUNT_KEY = "scone_jax/num_processes"
+_FAILURE_KEY = "scone_jax/failure"  # "<process index>\t<its one line>" of the process that stopped the job
+_READ_KEY = "scone_jax/failure_read"  # /<process index>: that process read the failure
+WATCH_EVERY_S = 0.2
+ACK_WAIT_S = 10
+_reporting = threading.Event()  # this process is publishing its own failure: the watcher leaves it alone
+_stopping = threading.Lock()  # held by whichever of the main thread and the watcher ends the process: one line
+_cleanups: list = []  # run before a failure another process published ends this one (on_job_failure)
 EXIT_START_FAILED = 2  # main.py's "bad input" status
 # jax's own deadline is set this much later than ours, so our clear message comes first.
 _JAX_DEADLINE_EXTRA_S = 60
@@ -96,13 +115,99 @@ def initialize(spec: JoinSpec) -> bool:
         raise DistributedStartError(f"Could not join the JAX job via {where}: {one_line(e, 300)}. {advice}") from e
     finally:
         watchdog.cancel()
+    threading.Thread(target=_watch_for_failure, args=(_client(), _job()[0]), name="job-failure-watch",
+                     daemon=True).start()
     return True
 
 
 def _give_up(message: str) -> None:
     """Runs on the watchdog thread: the main thread is stuck inside jax's C++ client."""
-    print(f"scone_jax: error: {message}", file=sys.stderr, flush=True)
+    if not _reporting.is_set():  # (joining only to report its own failure, which it has printed already)
+        print(f"scone_jax: error: {message}", file=sys.stderr, flush=True)
     os._exit(EXIT_START_FAILED)
+
+
+def exit_bad_input(program: str, message: str, spec: JoinSpec | None = None, *, joinable: bool = True):
+    """End this process for bad input: `program: error: message` and exit status 2. In a multi-process job (joined,
+    or `spec` names one and `joinable`: the error came before joining, and joining can still work) the line names
+    this process and is published to the others first (module docstring), so the whole job stops with it."""
+    multi = jax.distributed.is_initialized() or (
+        joinable and spec is not None and spec.explicit and (spec.num_processes or 1) > 1)
+    if not multi:
+        print(f"{program}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_START_FAILED)
+    if not _stopping.acquire(blocking=False):  # the watcher is ending the process with another's line
+        threading.Event().wait()
+    _reporting.set()
+    me = _job()[0] if jax.distributed.is_initialized() else spec.process_id
+    print(f"{program}: error: process {me}: {message}", file=sys.stderr, flush=True)
+    try:
+        if not jax.distributed.is_initialized():
+            initialize(spec)  # to tell the others (its watchdog ends this process if they never come)
+        _publish(me, message)
+    except Exception as e:  # noqa: BLE001 - the others then fail on their own; this process's line is out
+        logging.warning("Could not tell the other processes why process %s stopped: %s", me, one_line(e, 300))
+    sys.stderr.flush()
+    os._exit(EXIT_START_FAILED)  # not sys.exit: jax's shutdown barrier would wait for the others for minutes
+
+
+def _publish(me: int, message: str) -> None:
+    client = _client()
+    try:
+        client.key_value_set(_FAILURE_KEY, f"{me}\t{message}")
+    except Exception:  # noqa: BLE001 - another process published first: the others stop with its line
+        try:
+            client.key_value_set(f"{_READ_KEY}/{me}", "1")  # process 0 need not wait for this one
+        except Exception:  # noqa: BLE001 - process 0 gone already
+            pass
+        return
+    if me == 0:  # the service lives in this process: stay until every other process has read the line
+        deadline = time.monotonic() + ACK_WAIT_S
+        for peer in range(1, _job()[1]):
+            left_ms = int(max(deadline - time.monotonic(), 0.001) * 1000)
+            try:
+                client.blocking_key_value_get(f"{_READ_KEY}/{peer}", left_ms)
+            except Exception:  # noqa: BLE001 - that process is gone, or slow: it fails on its own
+                pass
+
+
+@contextlib.contextmanager
+def on_job_failure(cleanup):
+    """Inside the block, `cleanup()` runs before a failure another process published ends this one (the block's
+    own `finally` would not run: the process exits from the watcher thread)."""
+    _cleanups.append(cleanup)
+    try:
+        yield
+    finally:
+        _cleanups.remove(cleanup)
+
+
+def _watch_for_failure(client, me: int) -> None:
+    """The watcher thread (module docstring): returns when the job ends (the client shut down)."""
+    while True:
+        time.sleep(WATCH_EVERY_S)
+        try:
+            value = client.key_value_try_get(_FAILURE_KEY)
+        except Exception as e:  # noqa: BLE001 - NOT_FOUND: nobody failed; anything else: the client is gone
+            if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+                continue
+            return
+        if _reporting.is_set() or not _stopping.acquire(blocking=False):  # this process's own failure
+            return
+        peer, _, message = value.partition("\t")
+        print(f"scone_jax: error: process {peer} of the job stopped: {message} (process {me} stops with it)",
+              file=sys.stderr, flush=True)
+        for cleanup in list(_cleanups):
+            try:
+                cleanup()
+            except Exception as e:  # noqa: BLE001 - best effort: the process is leaving
+                logging.warning("While stopping: %s", one_line(e, 300))
+        try:
+            client.key_value_set(f"{_READ_KEY}/{me}", "1")
+        except Exception:  # noqa: BLE001 - process 0 gone already
+            pass
+        sys.stderr.flush()
+        os._exit(EXIT_START_FAILED)
 
 
 def _check_flags(spec: JoinSpec) -> None:
@@ -141,6 +246,14 @@ def _check_same_count(num_processes: int, me: int, timeout_s: int) -> None:
 def _mismatch(chief_count: int, peer: int, peer_count: int) -> str:
     return (f"Mismatched process counts: process 0 was started with --num_processes={chief_count} but "
             f"process {peer} with --num_processes={peer_count}. Start every process with the same value.")
+
+
+def _job() -> tuple[int, int]:
+    """(this process's index, the process count) of the joined job, read without starting a backend (which
+    jax.process_index() would: on CPU that waits for every process's backend)."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.process_id, jax_distributed.global_state.num_processes
 
 
 def _client():

@@ -195,7 +195,8 @@ def hold(workdir: str):
     try:
         with _signals_deferred():  # a Ctrl-C or SIGTERM meanwhile lands once `owner` is set, so OWNER is released
             owner = _acquire_for_job(workdir)
-        yield owner
+        with distributed.on_job_failure(owner.release):  # another process's failure ends this one from a thread
+            yield owner
     finally:
         if owner is not None:
             owner.release()

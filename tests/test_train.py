@@ -213,3 +213,25 @@ def test_a_bad_document_in_a_worker_stops_the_run_at_a_saved_step(tokenizer_path
         train.run(config, workdir)  # the repaired file is other data: resuming on it must be asked for
     assert train.run(config, workdir, allow_config_changes=["data.train_files"])["step"] == 8
     assert sorted(step_records(workdir)) == list(range(1, 9))
+
+
+def test_a_finished_run_started_again_says_so_and_starts_no_input_pipeline(tokenizer_path, tmp_path, monkeypatch,
+                                                                            caplog):
+    """Rerunning a finished run (issue 62: it stopped in 17 s, exit 0, without a word) says it has finished and what
+    to do, and builds no batch. Caught: the old rerun, which started the data workers and logged nothing more."""
+    import logging
+
+    from scone_jax.data import pipeline
+
+    config = config_with(tokenizer_path, num_steps=2, checkpoint_every=2, log_every=1, eval_every=0)
+    workdir = str(tmp_path / "run")
+    train.run(config, workdir)
+
+    def no_batches(*args, **kwargs):
+        raise AssertionError("a finished run started its input pipeline")
+
+    monkeypatch.setattr(pipeline, "make_train_dataset", no_batches)
+    with caplog.at_level(logging.INFO):
+        assert train.run(config, workdir) == {"step": 2}
+    assert "This run has finished: its checkpoint of step 2 is the last of train.num_steps=2" in caplog.text
+    assert json.load(open(os.path.join(workdir, "DONE")))["step"] == 2

@@ -131,6 +131,15 @@ def _train(run: run_lib.Run, owner) -> dict:
         if is_chief:
             config_lib.write_config(config, workdir)
             workdir_layout.remove_stale_done(workdir, config.train.num_steps)  # before the first step
+        if run.step >= config.train.num_steps:  # started again after it finished: say so, start no data workers
+            logging.info("This run has finished: its checkpoint of step %d is the last of train.num_steps=%d, so "
+                         "there is nothing to train. Raise --config.train.num_steps to train on, or serve it: "
+                         "python -m scone_jax.serving.export --workdir=%s --output=DIR", run.step,
+                         config.train.num_steps, workdir)
+            run.close()
+            if is_chief:
+                _mark_done(workdir, run.step)
+            return {"step": run.step}
         logging.info("Parameters: %s", {k: f"{v:,}" for k, v in accounting.param_counts(run.spec.abstract[0]).items()})
         # The held-out data is read (tokenized) and checked now, before step 1: a missing or empty eval file must
         # stop the run before it has done work that the error would lose.
@@ -143,10 +152,16 @@ def _train(run: run_lib.Run, owner) -> dict:
         raise
     step, summary = loop.train()
     if step == config.train.num_steps and is_chief:  # finished, its last checkpoint written: what launchers wait for
-        storage.write_bytes(workdir, workdir_layout.DONE,
-                            json.dumps({"step": step, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-                            .encode())
+        _mark_done(workdir, step)
     return {"step": step, **summary}
+
+
+def _mark_done(workdir: str, step: int) -> None:
+    """WORKDIR/DONE: the run trained all its steps and wrote its last checkpoint (launch/tpu.py babysit waits for
+    it)."""
+    storage.write_bytes(workdir, workdir_layout.DONE,
+                        json.dumps({"step": step, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                        .encode())
 
 
 class _Loop:

@@ -138,10 +138,12 @@ def test_one_layer_equals_the_reference(kernel_size, dilation):
 
 
 def test_the_convolution_starts_at_zero_so_y_is_the_gated_value():
-    """As the paper initialises it: the convolution's weights are 0, so at step 0 Y = SiLU(0) + v~ = v~ exactly."""
+    """As the paper initialises it: the convolution's weights are 0, so at step 0 Y = SiLU(0) + v~ = v~ exactly; the
+    table rows start at model.init_std, as T's (docs/method.md §9). Caught: rows at the demo's N(0, 1)."""
     config = engram_config()
     module = state_lib.build_model(config).engram[0]
     assert not np.asarray(module.conv_weights[...]).any()
+    assert abs(float(np.std(module.engram_tables.embedding[...])) / config.model.init_std - 1) < 0.05
     batch = assets.ngram_hasher(config)(host_batch())
     h = jnp.asarray(np.random.default_rng(0).normal(0, 1, (*batch.inputs.shape, 64)), jnp.float32)
     ids = jnp.asarray(batch.ngram_ids)
@@ -183,11 +185,19 @@ def test_cached_decoding_equals_the_full_pass():
         inputs=tokens, segment_ids=np.ones_like(tokens), positions=positions, ngram_ids=ids))))
     cache = transformer.init_cache(config.model, 2, 16, config.engram)
     assert len(cache.engram) == 2
+
+    @jax.jit
+    def step(graphdef, state, piece, cache):
+        decoder = nnx.merge(graphdef, state)
+        h, cache = scone.hidden_states(decoder, piece, cache)
+        return decoder.logits(h), cache
+
+    graphdef, state = nnx.split(model)
     steps, start = [], 0
     for end in [5, *range(6, 17)]:
         piece = Batch(inputs=tokens[:, start:end], positions=positions[:, start:end], ngram_ids=ids[:, start:end])
-        h, cache = scone.hidden_states(model, jax.tree.map(jnp.asarray, piece), cache)
-        steps.append(np.asarray(model.logits(h)))
+        logits, cache = step(graphdef, state, jax.tree.map(jnp.asarray, piece), cache)
+        steps.append(np.asarray(logits))
         start = end
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)
 

@@ -15,7 +15,7 @@ from scone_jax.model import scone
 from scone_jax.serving import evaluate, export, generate, inference
 from scone_jax.training import run as run_lib
 from tests import serving_run
-from tests.common import small_config
+from tests.common import run_main, small_config
 from tests.test_overencoding_serving import TEXT, training_eval
 
 
@@ -72,3 +72,20 @@ def test_the_hugging_face_format_refuses_an_engram_run(engram_run, tmp_path):
     with pytest.raises(ValueError, match="uses Engram"):
         hf_export.export_hf(engram_run["workdir"], str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_the_training_job_refuses_bad_settings_in_one_line_before_writing(tmp_path, tokenizer_path):
+    """`python -m scone_jax.main` with Engram beside Over-Encoding, or before a block the model lacks: one line naming
+    the key and the fix, exit 2, the workdir left empty."""
+    for flags, message in ((["--config.overencoding.enabled=true"], "engram.enabled and overencoding.enabled are "
+                                                                      "both set"),
+                           (["--config.engram.layers=5"], "engram.layers='5' is not an ascending list of distinct "
+                                                           "block indices in [0, 2)")):
+        workdir = tmp_path / flags[0].split(".")[-1].split("=")[0]
+        result = run_main(workdir, "--config.engram.enabled=true", *flags,
+                          config=f"tests/small_config.py:{tokenizer_path}", devices=1)
+        assert result.returncode == 2, result.stderr[-2000:]
+        errors = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.stderr
+        assert not workdir.exists() or not any(workdir.iterdir())

@@ -102,8 +102,8 @@ def check(config) -> None:
 
 class Engram(nnx.Module):
     """One layer's tables, projections, norms and convolution (module docstring). Initialisation the paper leaves
-    open (docs/method.md §9): table rows N(0, engram.init_std), W_K and W_V N(0, 1/sqrt(d_mem)) (a value row at the
-    tables' scale), the three RMSNorm scales 1, the convolution 0 (the paper's)."""
+    open (docs/method.md §9): table rows N(0, engram.init_std or model.init_std), W_K and W_V N(0, 1/sqrt(d_mem)) (a
+    value row at the tables' scale), the three RMSNorm scales 1, the convolution 0 (the paper's)."""
 
     def __init__(self, model_cfg, engram_cfg, layer_heads: list[tuple[int, int]], rngs: nnx.Rngs):
         self.num_heads = len(layer_heads)
@@ -119,7 +119,8 @@ class Engram(nnx.Module):
         param_dtype = dtype_of(model_cfg.param_dtype)
         # An embedding by its name (model/roles.py): never weight-decayed, as the paper trains its tables.
         self.engram_tables = nnx.Embed(parameter_rows(layer_heads), width, dtype=self.dtype, param_dtype=param_dtype,
-                                       embedding_init=normal(engram_cfg.init_std, ("vocab", None)), rngs=rngs)
+                                       embedding_init=normal(engram_cfg.init_std or model_cfg.init_std,
+                                                             ("vocab", None)), rngs=rngs)
 
         def projection():
             return nnx.Linear(memory, model_cfg.d_model, use_bias=False, dtype=self.dtype, param_dtype=param_dtype,

@@ -223,18 +223,20 @@ def _assert_failed_as_one(results, ended, failing: int, cause: str):
             assert noise not in r.stderr, report
 
 
-def test_bad_input_on_one_process_after_joining_stops_the_whole_job_in_one_line(tokenizer_path, tmp_path):
-    """Process 1's training files match nothing (found after jax.distributed joined): it publishes its line, and
-    process 0, waiting for it in a collective, stops within seconds with that line, the workdir released. Bug it
-    caught: process 1 left 72 s later (jax's shutdown barrier) and process 0 died after ~30 s with a 29-line gloo
-    DEADLINE_EXCEEDED traceback that never named the cause."""
+@pytest.mark.parametrize("failing", [1, 0])
+def test_bad_input_on_one_process_after_joining_stops_the_whole_job_in_one_line(tokenizer_path, tmp_path, failing):
+    """One process's training files match nothing (found after jax.distributed joined): it publishes its line, and
+    the other, waiting for it in a collective, stops within seconds with that line, the workdir released (process
+    0 holds its lease; it also hosts the coordination service, so when it fails it waits until the other has read
+    the line). Bug it caught: the failing process left 72 s later (jax's shutdown barrier) and the other died after
+    ~30 s with a 29-line gloo DEADLINE_EXCEEDED traceback that never named the cause."""
     port, workdir = free_port(), tmp_path / "w"
     missing = tmp_path / "nowhere" / "*.txt"
-    argvs = [cli(tokenizer_path, port, 0, 2, f"--workdir={workdir}", "--startup_timeout=60"),
-             cli(tokenizer_path, port, 1, 2, f"--workdir={workdir}", "--startup_timeout=60",
-                 "--config.data.source=text", f"--config.data.train_files={missing}")]
+    bad = ["--config.data.source=text", f"--config.data.train_files={missing}"]
+    argvs = [cli(tokenizer_path, port, i, 2, f"--workdir={workdir}", "--startup_timeout=60",
+                 *(bad if i == failing else [])) for i in range(2)]
     results, ended = _job_with_exit_times(argvs)
-    _assert_failed_as_one(results, ended, 1, f"No files match the pattern '{missing}'")
+    _assert_failed_as_one(results, ended, failing, f"No files match the pattern '{missing}'")
     assert not (workdir / "OWNER").exists()  # process 0 released the workdir on its way out
 
 

@@ -18,8 +18,8 @@ polling it every WATCH_EVERY_S): each prints one line naming the failing process
 runs the cleanups registered with on_job_failure (the workdir's lease), and exits with status 2
 at once, whatever its main thread waits for (a collective with the process that left would end in
 gloo's DEADLINE_EXCEEDED half a minute later, and jax's shutdown barrier would hold the failing
-process for minutes). Process 0 hosts the service, so when it is the one that failed it waits up
-to ACK_WAIT_S for every other process to say it has read the line.
+process for minutes). Process 0 hosts the service, so before it leaves it waits up to ACK_WAIT_S
+for every other process to say it has read the line, then ACK_GRACE_S for them to be gone.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ _FAILURE_KEY = "scone_jax/failure"  # "<process index>\t<its one line>" of the p
 _READ_KEY = "scone_jax/failure_read"  # /<process index>: that process read the failure
 WATCH_EVERY_S = 0.2
 ACK_WAIT_S = 10
+ACK_GRACE_S = 2.0
 _reporting = threading.Event()  # this process is publishing its own failure: the watcher leaves it alone
 _stopping = threading.Lock()  # held by whichever of the main thread and the watcher ends the process: one line
 _cleanups: list = []  # run before a failure another process published ends this one (on_job_failure)
@@ -155,20 +156,32 @@ def _publish(me: int, message: str) -> None:
     client = _client()
     try:
         client.key_value_set(_FAILURE_KEY, f"{me}\t{message}")
+        failing = me
     except Exception:  # noqa: BLE001 - another process published first: the others stop with its line
+        failing = None
+    _leave(client, me, failing)
+
+
+def _leave(client, me: int, failing: int | None) -> None:
+    """Before this process exits on a published failure: process 0, which hosts the coordination service, waits
+    up to ACK_WAIT_S until every other process but `failing` has read the line, then ACK_GRACE_S for them to be
+    gone (once the service is, jax ends a process still connected to it with SIGABRT and a C++ stack); the
+    others say they have read it."""
+    if me != 0:
         try:
-            client.key_value_set(f"{_READ_KEY}/{me}", "1")  # process 0 need not wait for this one
+            client.key_value_set(f"{_READ_KEY}/{me}", "1")
         except Exception:  # noqa: BLE001 - process 0 gone already
             pass
         return
-    if me == 0:  # the service lives in this process: stay until every other process has read the line
-        deadline = time.monotonic() + ACK_WAIT_S
-        for peer in range(1, _job()[1]):
-            left_ms = int(max(deadline - time.monotonic(), 0.001) * 1000)
-            try:
-                client.blocking_key_value_get(f"{_READ_KEY}/{peer}", left_ms)
-            except Exception:  # noqa: BLE001 - that process is gone, or slow: it fails on its own
-                pass
+    deadline = time.monotonic() + ACK_WAIT_S
+    for peer in range(1, _job()[1]):
+        if peer == failing:
+            continue
+        try:
+            client.blocking_key_value_get(f"{_READ_KEY}/{peer}", int(max(deadline - time.monotonic(), 0.001) * 1000))
+        except Exception:  # noqa: BLE001 - that process is gone, or slow: it fails on its own
+            pass
+    time.sleep(ACK_GRACE_S)
 
 
 @contextlib.contextmanager
@@ -202,10 +215,7 @@ def _watch_for_failure(client, me: int) -> None:
                 cleanup()
             except Exception as e:  # noqa: BLE001 - best effort: the process is leaving
                 logging.warning("While stopping: %s", one_line(e, 300))
-        try:
-            client.key_value_set(f"{_READ_KEY}/{me}", "1")
-        except Exception:  # noqa: BLE001 - process 0 gone already
-            pass
+        _leave(client, me, int(peer) if peer.isdigit() else None)
         sys.stderr.flush()
         os._exit(EXIT_START_FAILED)
 

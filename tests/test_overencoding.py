@@ -226,7 +226,9 @@ def test_every_tables_modulus_must_be_coprime_with_the_vocabulary(vocab, modulus
     and 100,015) share 5 with 32,000, and tables 2 and 5 share 3 with 50,304: in them an n-gram's oldest tokens x and
     x + M/g always collide. Refused in one line naming the modulus; the 8 moduli m, m + 2, ... cover every residue
     of 3, 5 and 7, so no m avoids it and the fix is a vocabulary size, checked here to work. With k = 2 (4 tables)
-    an m exists and is suggested. Caught: the live bug of issue 64, only m checked against V (both passed)."""
+    an m exists and is suggested; near the int32 limit, the nearest m that fits (from below where none above
+    does). Caught: the live bug of issue 64, only m checked against V (both passed); the suggestion's search
+    stopping short of the largest m that fits."""
     assert oldest_token_collisions(3, 4, 100_001, vocab, table=2)  # the reason: real collisions
     assert not oldest_token_collisions(3, 4, 100_001, vocab, table=0)
     config = oe_config(n=3, k=4, m=100_001)  # d_model 64: 8 tables of width 8
@@ -254,6 +256,13 @@ def test_every_tables_modulus_must_be_coprime_with_the_vocabulary(vocab, modulus
     with config.unlocked():
         config.overencoding.m = 100_007
     config_lib.validate(config)
+
+    top = 2**31 - 1  # the largest int32 id: m = 2^31 - 4 and 2^31 - 2 fit, share 2 with V; m + 2 = 2^31 - 1 fits too
+    config = oe_config(n=2, k=2, m=top - 3)
+    with pytest.raises(ValueError, match=rf"e\.g\. overencoding\.m={top - 2}\.$"):
+        config_lib.validate(config)
+    assert overencoding.coprime_m(top - 1, 2, 128) == top - 2  # m + 2 past the int32 ids: the largest that fits
+    assert overencoding.coprime_m(top - 2, 2, 5 * 128) == top - 6  # top - 2 and top - 4 give a multiple of 5: below
 
 
 def test_a_resume_that_changes_n_k_or_m_is_refused_naming_the_key(tmp_path, tokenizer_path):

@@ -14,6 +14,7 @@ decoder, so an export's decoder parameters hold them and serving runs them on th
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -93,11 +94,12 @@ def _check_coprime(oe, count: int, vocab: int) -> None:
 
 
 def coprime_m(m: int, count: int, vocab: int) -> int | None:
-    """The first m' >= m whose count moduli m', m' + 2, ... are all coprime with vocab and fit int32; None where an odd
-    prime <= count divides vocab (count moduli spaced 2 apart cover all its residues) or none fits."""
+    """The m' nearest above m (else below it) whose count moduli m', m' + 2, ... are all coprime with vocab and fit
+    int32; None where an odd prime <= count divides vocab (count moduli spaced 2 apart cover all its residues)."""
     if any(vocab % p == 0 and all(p % q for q in range(2, p)) for p in range(3, count + 1)):
         return None
-    for candidate in range(m, _MAX_MODULUS - 2 * (count - 1) + 1):
+    top = _MAX_MODULUS - 2 * (count - 1)
+    for candidate in itertools.chain(range(min(m, top), top + 1), range(min(m, top) - 1, 1, -1)):
         if all(math.gcd(candidate + 2 * s, vocab) == 1 for s in range(count)):
             return candidate
     return None

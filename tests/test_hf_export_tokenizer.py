@@ -147,8 +147,9 @@ def test_a_chat_run_keeps_its_template(tok, tmp_path):
 
 def test_the_checkpoint_s_files_travel_only_with_its_tokenizer(tmp_path):
     """Imported from a checkpoint: with the checkpoint's tokenizer, its tokenizer_config.json (model_max_length,
-    chat template), special_tokens_map.json, chat_template.jinja and generation defaults are kept; with another
-    tokenizer (data.tokenizer_path), none of them: tokenizer_config.json names the run's tokens and model.max_seq_len."""
+    chat template), special_tokens_map.json, chat_template.jinja and generation defaults are kept (a run of our own
+    with that tokenizer: its files, but model.max_seq_len and no generation defaults); with another tokenizer
+    (data.tokenizer_path), none of them: tokenizer_config.json names the run's tokens and model.max_seq_len."""
     from transformers import AutoTokenizer
 
     source = tmp_path / "checkpoint"
@@ -172,6 +173,12 @@ def test_the_checkpoint_s_files_travel_only_with_its_tokenizer(tmp_path):
     assert generation["temperature"] == 0.6 and generation["bos_token_id"] == mine.bos_id
     assert generation["eos_token_id"] == mine.eos_id  # the run's eos (1), not among the checkpoint's [5, 6]
 
+    config.model.init_from_hf = ""  # a run of our own with the checkpoint's tokenizer: its files, our length
+    files = hf_export.tokenizer_files(mine, config)
+    assert "chat_template.jinja" in files and "generation_config.json" not in files
+    assert json.loads(files["tokenizer_config.json"])["model_max_length"] == 512
+
+    config.model.init_from_hf = str(source)
     config.data.tokenizer_path = other
     theirs = Tokenizer.load(other)
     out = exported(tmp_path, theirs, config)

@@ -9,7 +9,8 @@ matches none is refused in one line naming what does not fit. A SCONE run, or on
 `trust_remote_code` model that feeds it the run's input (the f-gram rows beside it).
 
 H (local) gets the weights and config.json (hf/write.py: one tensor gathered at a time, written by process 0),
-generation_config.json (bos/eos/pad ids: `generate` stops at the run's eos), and the run's tokenizer as
+generation_config.json (bos/eos/pad ids, so `generate` stops at the run's eos; an imported checkpoint's own, with
+the run's ids, when the run kept its tokenizer), and the run's tokenizer as
 `transformers.AutoTokenizer.from_pretrained(H)` opens it (PreTrainedTokenizerFast, no custom code; vLLM reads the
 same files), encoding and decoding as the run did (`tokenizer_files`):
   tokenizer.json         a run with a tokenizer.json: that file as the run used it; a SentencePiece run: the same
@@ -18,13 +19,15 @@ same files), encoding and decoding as the run did (`tokenizer_files`):
                          beside its tokenizer.model
   tokenizer_config.json  the imported checkpoint's own when the run's tokenizer is that checkpoint's (its files
                          special_tokens_map.json, chat_template.jinja, vocab.json, merges.txt, ... come along), with
-                         the run's special tokens where it names others; else one naming the run's bos/eos/pad (and a
-                         SentencePiece model's unk) for PreTrainedTokenizerFast, model_max_length = model.max_seq_len
+                         the run's special tokens where it names others (the same for the files beside a
+                         data.tokenizer_path of a run of our own, with model_max_length = model.max_seq_len); else one
+                         naming the run's bos/eos/pad (and a SentencePiece model's unk) for PreTrainedTokenizerFast,
+                         model_max_length = model.max_seq_len
   chat_template.jinja    a chat run's template (data.chat_template, else the one beside data.tokenizer_path), as
                          training rendered conversations with it
 The tensors' dtype is --dtype when given, else the imported checkpoint's (a round trip gives back bit-identical
 tensors), else model.param_dtype. Writing the tensors (and a SCONE run's f-gram table) logs progress: a line every
-tenth, with rows/s and the time left.
+tenth, with the rate (MB/s; rows/s) and the time left.
 
 HF_EXPORT (scone_export_hf.json) is written first, with the export's identity (the run's step and parameters'
 fingerprint, family, dtype, tokenizer), and marked complete last. Rerunning a finished export does nothing; an
@@ -201,9 +204,8 @@ def _write_marker(output: str, value: dict) -> None:
 def tokenizer_files(tokenizer, config) -> dict[str, bytes]:
     """{file name: bytes} of the run's tokenizer for an export directory (module docstring). ValueError in one line
     for a SentencePiece model no tokenizer.json reproduces, or a chat run whose template cannot be read."""
-    files = {}
+    files, imported = {}, False
     names = {f"{role}_token": tokenizer.id_to_token(i) for role, i in tokenizer.special_ids.items()}
-    source = config.model.get("init_from_hf", "")
     if tokenizer.kind == tokenizer_lib.SENTENCEPIECE:
         files[TOKENIZER_MODEL] = tokenizer.file_bytes
         try:
@@ -217,18 +219,21 @@ def tokenizer_files(tokenizer, config) -> dict[str, bytes]:
             names["unk_token"] = unk
     else:
         files[TOKENIZER] = tokenizer.file_bytes
-        mine = source and os.path.isfile(os.path.join(source, TOKENIZER))
-        if mine and open(os.path.join(source, TOKENIZER), "rb").read() == files[TOKENIZER]:
+        source = _tokenizer_home(config, files[TOKENIZER])
+        if source is not None:
             for name in SOURCE_TOKENIZER_FILES:  # the checkpoint's tokenizer: its files come along
                 if os.path.isfile(os.path.join(source, name)):
                     with open(os.path.join(source, name), "rb") as f:
                         files[name] = f.read()
-            generation = read_json(source, GENERATION_CONFIG)
+            imported = source == config.model.get("init_from_hf", "")
+            generation = read_json(source, GENERATION_CONFIG) if imported else None
             if generation is not None:  # its sampling defaults and stop ids, with the run's ids among them
                 files[GENERATION_CONFIG] = _generation_config(generation, tokenizer.special_ids)
     if TOKENIZER_CONFIG in files:  # the checkpoint's own, naming the run's special tokens where it names any
         settings = json.loads(files[TOKENIZER_CONFIG])
         settings.update({key: token for key, token in names.items() if settings.get(key) is not None})
+        if not imported:  # a checkpoint's tokenizer files for a model of our own: its length is ours
+            settings["model_max_length"] = int(config.model.max_seq_len)
     else:
         settings = {"tokenizer_class": "PreTrainedTokenizerFast", **names,
                     "model_max_length": int(config.model.max_seq_len), "clean_up_tokenization_spaces": False}
@@ -238,6 +243,20 @@ def tokenizer_files(tokenizer, config) -> dict[str, bytes]:
         settings.pop("chat_template", None)  # the file is the template
     files[TOKENIZER_CONFIG] = (json.dumps(settings, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
     return files
+
+
+def _tokenizer_home(config, raw: bytes) -> str | None:
+    """The directory whose tokenizer.json is the run's (these bytes): the imported checkpoint's (model.init_from_hf),
+    else the one data.tokenizer_path is in (a checkpoint's tokenizer files used for a run of our own); None if
+    neither holds it (the run's tokenizer is another)."""
+    tokenizer_path = config.data.get("tokenizer_path", "")
+    for directory in (config.model.get("init_from_hf", ""), tokenizer_path and (os.path.dirname(tokenizer_path) or ".")):
+        path = os.path.join(directory, TOKENIZER)
+        if directory and not storage.is_remote(directory) and os.path.isfile(path):
+            with open(path, "rb") as f:
+                if f.read() == raw:
+                    return directory
+    return None
 
 
 def _generation_config(source: dict, ids: dict) -> bytes:

@@ -92,11 +92,11 @@ def _run():
     from scone_jax.runtime import distributed, platforms, write_probe as workdir
     from scone_jax.training import checkpoint, preemption, train  # after flag parsing: imports JAX
 
+    platforms.skip_absent_tpu()  # before JAX starts its backends: no libtpu off a TPU (runtime/platforms.py)
+
     if not _WORKDIR.value:
         print("scone_jax: error: pass --workdir=DIR (checkpoints, logs and the tokenizer go there)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    if _CONFIG.value.train.profile_steps:  # before JAX starts its backends (runtime/platforms.py says why)
-        platforms.skip_absent_tpu()
     try:
         workdir.check_writable(_WORKDIR.value, _JOIN.startup_timeout.value)
         distributed.initialize(_JOIN.spec())

@@ -235,3 +235,41 @@ def test_a_finished_run_started_again_says_so_and_starts_no_input_pipeline(token
         assert train.run(config, workdir) == {"step": 2}
     assert "This run has finished: its checkpoint of step 2 is the last of train.num_steps=2" in caplog.text
     assert json.load(open(os.path.join(workdir, "DONE")))["step"] == 2
+
+
+def test_the_heartbeat_says_the_step_and_eta_between_log_lines():
+    """_Heartbeat's ETA is the mean step time since the first step (compilation left out) times the steps left.
+    Caught: the ETA over the time since the process started (the minute of compilation counted in every step)."""
+    now = [0.0]
+    lines = []
+    beat = train._Heartbeat(200, clock=lambda: now[0])
+    original = train.logging.info
+    try:
+        train.logging.info = lambda fmt, *args: lines.append(fmt % args)
+        beat.beat(1)  # before the first step: silent
+        now[0] = 40.0
+        beat.started(1)
+        now[0] = 50.0
+        beat.beat(3)  # 10 s after the last line: silent
+        now[0] = 56.0
+        beat.beat(5)  # 4 steps in 16 s: 195 left take 780 s
+        beat.logged()
+        now[0] = 70.0
+        beat.beat(8)  # 14 s after the log line: silent
+    finally:
+        train.logging.info = original
+    assert lines == ["step 5/200, ETA 13m00s"]
+
+
+def test_the_loop_shows_progress_between_its_log_lines(tokenizer_path, tmp_path, monkeypatch, caplog):
+    """With log_every past the run's end, the heartbeat (every 0 s here) reports each step but the last, which
+    the log line reports. Caught: the loop never calling the heartbeat (only the log_every lines, as before)."""
+    import logging
+
+    monkeypatch.setattr(train._Heartbeat, "EVERY_S", 0.0)
+    config = config_with(tokenizer_path, num_steps=4, checkpoint_every=4, log_every=100, eval_every=0)
+    with caplog.at_level(logging.INFO):
+        train.run(config, str(tmp_path / "run"))
+    beats = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ") and ", ETA " in
+             r.getMessage()]
+    assert [b.split(",")[0] for b in beats] == ["step 2/4", "step 3/4"]

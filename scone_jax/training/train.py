@@ -182,6 +182,7 @@ class _Loop:
         self.window, self.summary = [], {}
         self.stop_at = min(t.num_steps, self.step + t.max_steps_per_run) if t.max_steps_per_run else t.num_steps
         self.watch = preemption.Watch()
+        self.heartbeat = _Heartbeat(t.num_steps)
         self.profiler = profile.StepProfiler(t.profile_steps, run.workdir, enabled=is_chief or t.profile_all_processes)
         missed = profile.unreached(t.profile_steps, self.step + 1, self.stop_at)
         if missed and is_chief:
@@ -191,6 +192,8 @@ class _Loop:
         """(the step reached, the last log line's figures)."""
         startup = None
         try:
+            if self.step < self.stop_at:
+                logging.info("Building the first batch and compiling the train step (on a CPU, about a minute)")
             batch = _next_batch(self.inputs, self.step, None) if self.step < self.stop_at else None
             while self.step < self.stop_at:
                 host, device_arrays = batch
@@ -203,6 +206,7 @@ class _Loop:
                     jax.block_until_ready(metrics)
                     startup = process_uptime_s()
                     logging.info("Step %d done %.1f s after the process started", step, startup)
+                    self.heartbeat.started(step)
                     self.writer.write(step, {"first_step_s": startup}, prefix="startup")
                 self.pending.add(step, metrics, host)
                 if step < self.stop_at:  # the next batch is built and sent meanwhile
@@ -236,6 +240,9 @@ class _Loop:
             self.window = []
             self.writer.write(step, self.summary)
             logging.info(format_line(step, t.num_steps, self.summary))
+            self.heartbeat.logged()
+        elif not plan.last:
+            self.heartbeat.beat(step)
         if plan.evaluate:
             self._evaluate(step)
         if plan.save:
@@ -276,6 +283,34 @@ class _Loop:
         finally:
             self.run.close()
             self.writer.close(publish=not self.owner.lost())  # never overwrite the metrics of a run that took over
+
+
+class _Heartbeat:
+    """A short progress line ('step 13/200, ETA 4m10s') when EVERY_S seconds have passed since the last line, so
+    a person sees the run move between the train.log_every lines (10 steps of the tiny config take 30 s or more
+    on a CPU). The ETA is the mean step time since the first step (its compilation left out)."""
+
+    EVERY_S = 15.0
+
+    def __init__(self, total: int, clock=time.monotonic):
+        self.total, self.clock = total, clock
+        self.last = self.first = clock()
+        self.first_step = None
+
+    def started(self, step: int) -> None:
+        self.first_step, self.first = step, self.clock()
+        self.last = self.first
+
+    def logged(self) -> None:
+        self.last = self.clock()
+
+    def beat(self, step: int) -> None:
+        now = self.clock()
+        if self.first_step is None or step <= self.first_step or now - self.last < self.EVERY_S:
+            return  # no step time measured yet, or a line not long ago
+        self.last = now
+        eta = (now - self.first) / (step - self.first_step) * (self.total - step)
+        logging.info("step %d/%d, ETA %dm%02ds", step, self.total, eta // 60, eta % 60)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ arms on the 1x decoder: `scone` (f-gram model of 2 blocks = 1x, S = 20k, K = 5),
 `scone_fgram2x`, `scone_s5k`, `scone_s100k`, `scone_k3`, and SCONE's baseline, Over-Encoding (hashed n-gram
 input embeddings, docs/method.md §8) on the same decoder: `oe` (tables of about SCONE's size, m = 20k) and
 `oe_5x` (m = 100k), and DeepSeek's Engram (hashed n-gram memory gated into the residual stream before the second
-block, docs/method.md §9): `engram` (tables of about SCONE's size). All share one tokenizer (trained on the training
-split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
+block, docs/method.md §9): `engram` (tables of about SCONE's size). All share one tokenizer (trained on the
+training split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
 --ablation_tokens for the rest; `oe`, `oe_5x` and `engram` for --tokens too). `baseline_short` and `scone_short` are the 1x models again at
 --ablation_tokens (the 1x arms themselves when that equals --tokens): the points the ablations and baseline_4x are
 compared with, since a model trained on fewer tokens is worse whatever its shape. Every arm multiplies

@@ -16,8 +16,8 @@ scale or a bias is stacked to [layers, d] and looks like a matrix.
 """
 from __future__ import annotations
 
-EMBEDDING_MODULES = ("token_embed", "pos_embed", "ngram_tables", "engram_tables")  # the last two: model/overencoding.py's
-#                                                                                  and model/engram.py's
+# The last two: model/overencoding.py's and model/engram.py's n-gram tables.
+EMBEDDING_MODULES = ("token_embed", "pos_embed", "ngram_tables", "engram_tables")
 MATRIX_LEAVES = ("kernel",)
 
 

@@ -86,8 +86,8 @@ def abstract_decoder(path: str, model_cfg, shapes: dict[str, tuple[int, ...]], o
 
 def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums, overencoding=None, engram=None):
     """(graphdef, params) of the bundle's decoder (Over-Encoding's or Engram's n-gram tables among them when
-    `overencoding` or `engram` is enabled), each parameter restored directly into its sharding, after its files and shapes are checked (module
-    docstring)."""
+    `overencoding` or `engram` is enabled), each parameter restored directly into its sharding, after its files and
+    shapes are checked (module docstring)."""
     fix = bundle.rerun_fix(path, f"{bundle.DONE}/{bundle.DECODER}")
     bundle_files.check_tree(path, bundle.DECODER)
     bundle.verify_files(path, sums, bundle.DECODER, fix)

@@ -18,8 +18,9 @@ block, docs/method.md §9): `engram` (tables of about SCONE's size). All share o
 training split), one data order (data.shuffle_seed) and one token budget (--tokens for the 1x arms and baseline_2x,
 --ablation_tokens for the rest; `oe`, `oe_5x` and `engram` for --tokens too). `baseline_short` and
 `scone_short` are the 1x models again at --ablation_tokens (the 1x arms themselves when that equals --tokens):
-the points the ablations and baseline_4x are compared with, since a model trained on fewer tokens is worse whatever its shape. Every arm multiplies
-its token inputs by sqrt(d), the f-gram models' inputs included (configs/quality.py says why);
+the points the ablations and baseline_4x are compared with, since a model trained on fewer tokens is worse
+whatever its shape. Every arm multiplies its token inputs by sqrt(d), the f-gram models' inputs included
+(configs/quality.py says why);
 --config.model.embedding_multiplier=1 --config.scone.input_multiplier=1 gives the method's plain inputs.
 Any config setting of configs/quality.py goes on every run the same way, ml_collections' --config.KEY=VALUE
 (e.g. --config.train.fgram_model_delay_fraction=0 for the method's undelayed f-gram model).

@@ -207,7 +207,7 @@ def _job_with_exit_times(argvs, timeout=240):
     return results, ended
 
 
-def _assert_failed_as_one(results, ended, failing: int, cause: str):
+def _assert_failed_as_one(results, ended, failing: int, cause: str, program: str = "scone_jax"):
     """Every process exits 2 within 30 s of the failing one, with one error line naming it and the cause, and no
     traceback, gloo deadline or C++ stack."""
     report = processes_report(results)
@@ -215,10 +215,12 @@ def _assert_failed_as_one(results, ended, failing: int, cause: str):
     assert [r.returncode for r in results] == [2] * len(results), report
     assert max(ended) - ended[failing] < 30, (ended, report)
     for i, r in enumerate(results):
-        errors = [line for line in r.stderr.splitlines() if line.startswith("scone_jax: error: ")]
+        errors = [line for line in r.stderr.splitlines() if ": error: " in line and line.split(":")[0] in
+                  (program, "scone_jax")]
         assert len(errors) == 1, report
-        want = f"process {failing}: " if i == failing else f"process {failing} of the job stopped: "
-        assert errors[0].startswith("scone_jax: error: " + want) and cause in errors[0], report
+        want = f"{program}: error: process {failing}: " if i == failing else \
+            f"scone_jax: error: process {failing} of the job stopped: "
+        assert errors[0].startswith(want) and cause in errors[0], report
         for noise in ("Traceback", "DEADLINE_EXCEEDED", "*** ", "Check failure", "Fatal Python error"):
             assert noise not in r.stderr, report
 
@@ -251,3 +253,27 @@ def test_bad_input_on_one_process_before_joining_stops_the_whole_job_in_one_line
     results, ended = _job_with_exit_times(argvs)
     _assert_failed_as_one(results, ended, 1, f"--workdir={blocked}/w")
     assert max(ended) < 100  # not the 120 s join timeout
+
+
+@pytest.mark.parametrize("when", ["before joining", "after joining"])
+def test_bad_input_on_one_host_stops_a_two_process_import_in_one_line(tmp_path, when):
+    """tools/import_hf.py on two processes. Before joining: process 1's --hf_dir is missing (its host never got its
+    copy). After joining: process 1's --workdir already holds a run (found by import_checkpoint, through tool_main).
+    Either is published, and both processes stop at once. Bug it caught: process 1 exited alone and process 0
+    waited out --startup_timeout (before joining: blaming a peer that never joined)."""
+    from tests import hf_models
+
+    source, workdir, port = str(tmp_path / "hf"), str(tmp_path / "run"), free_port()
+    hf_models.save_checkpoint(source, "llama")
+    missing, taken = str(tmp_path / "not_copied"), tmp_path / "taken"
+    (taken / "checkpoints" / "5").mkdir(parents=True)
+    (taken / "checkpoints" / "5" / "state").write_text("")
+    bad = [f"--hf_dir={missing}", f"--workdir={workdir}"] if when == "before joining" else \
+        [f"--hf_dir={source}", f"--workdir={taken}"]
+    argvs = [[sys.executable, "tools/import_hf.py", *(bad if i else [f"--hf_dir={source}", f"--workdir={workdir}"]),
+              f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+              "--startup_timeout=120"] for i in range(2)]
+    results, ended = _job_with_exit_times(argvs)
+    cause = f"{missing} is not a directory" if when == "before joining" else f"{taken} already holds a run"
+    _assert_failed_as_one(results, ended, 1, cause, program="import_hf")
+    assert max(ended) < 100 and not os.path.exists(os.path.join(workdir, "checkpoints", "0"))

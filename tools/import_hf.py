@@ -17,7 +17,8 @@ exit status 2. A workdir that already holds a checkpoint is refused (it is a run
 --hf_dir itself or lies inside it, or holds a config.json a run did not write (runtime/outputs.py: nothing of the
 user's is overwritten). On a pod run the same
 command on every host (like training: --coordinator_address, --num_processes, --process_id elsewhere); each host
-reads only the blocks its devices hold.
+reads only the blocks its devices hold; when one host stops on bad input (its copy of the checkpoint missing), every
+host stops with its line (runtime/distributed.py).
 """
 from __future__ import annotations
 
@@ -111,11 +112,14 @@ def main():
         config.keys()  # a lazy placeholder until used
     except Exception as e:  # noqa: BLE001 - config_flags defers a config file's failure to first use
         raise ValueError(_flag_error(sys.argv) or one_line(e)) from None
-    checkpoint = prepare(config, _HF_DIR.value)
     from scone_jax.runtime import workdir as workdir_layout
 
-    workdir_layout.check_free(_WORKDIR.value, {"--hf_dir": _HF_DIR.value,
-                                               "scone.init_from_hf": config.scone.get("init_from_hf", "")})
+    try:
+        checkpoint = prepare(config, _HF_DIR.value)
+        workdir_layout.check_free(_WORKDIR.value, {"--hf_dir": _HF_DIR.value,
+                                                   "scone.init_from_hf": config.scone.get("init_from_hf", "")})
+    except tool_main.BAD_INPUT as e:  # on a pod (one host's copy of the checkpoint missing): the job stops with it
+        distributed.exit_bad_input("import_hf", one_line(e, limit=4000), _JOIN.spec())
     distributed.initialize(_JOIN.spec())
     import_checkpoint(config, _WORKDIR.value)
     import jax

@@ -4,7 +4,9 @@ unreadable files; a job that could not start) as one line on stderr with exit st
 `python -m scone_jax.main`. SIGINT (Ctrl-C) and SIGTERM end every such program with one line, saying what the
 stop left and how to go on where the program passes `stopped`, and exit status 130 / 143 (128 + the signal, as
 the training job and a process killed by the signal report), whatever Python runs when the signal arrives
-(runtime/stop_signals.py: a stop raised inside a garbage collector callback is raised again after it)."""
+(runtime/stop_signals.py: a stop raised inside a garbage collector callback is raised again after it). In a
+multi-process job (joined) the bad-input line names the process and is published first, so every process of the job
+stops with it (runtime/distributed.py exit_bad_input)."""
 from __future__ import annotations
 
 import json
@@ -49,6 +51,10 @@ def main_of(run: Callable[[], None], program: str = "", errors: tuple[type[BaseE
         try:
             run()
         except errors as e:
+            if _in_joined_job():  # every process of the job stops with this line (runtime/distributed.py)
+                from scone_jax.runtime import distributed
+
+                distributed.exit_bad_input(program or "scone_jax", one_line(e, limit=4000))
             print(f"{prefix}error: {one_line(e, limit=4000)}", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
         except (KeyboardInterrupt, Terminated) as e:
@@ -64,6 +70,12 @@ def main_of(run: Callable[[], None], program: str = "", errors: tuple[type[BaseE
                     signal.signal(s, handler)
 
     return main
+
+
+def _in_joined_job() -> bool:
+    """Whether this program has joined a multi-process JAX job (without importing JAX if it has not)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized()
 
 
 def require(**flag_values) -> None:

@@ -175,3 +175,43 @@ def test_a_gcs_prefix_holding_anything_else_is_refused(run, bucket):
     started = f"{bucket}/users/started"
     storage.write_bytes(started, bundle.META, json.dumps({"format": bundle.FORMAT}).encode())
     assert export.claim_output(started) is True and export.claim_output(f"{bucket}/users/none") is False
+
+
+def test_relative_paths_with_dotdot_export_and_load(run, reference, tmp_path, monkeypatch):
+    """`--output=../x` and `--export=../x` (issue 62: tensorstore refused '../x/decoder...' with four tracebacks,
+    and the reader's failure advised deleting done/decoder of a sound bundle): resolved once where the program
+    takes them, the export writes the bundle the absolute path gets and the reader serves it. Caught: export.export
+    and inference.load without storage.resolved ('Invalid file path')."""
+    from scone_jax.serving import inference
+
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    figures = export.export(run["workdir"], "../x", **EXPORT)
+    assert figures["rows_computed"] == 2000
+    served = inference.load("../x", table="ram")
+    want = serving_run.ram_table(reference).gather(np.arange(2000))
+    np.testing.assert_array_equal(served.table.gather(np.arange(2000)), want)
+
+
+def test_a_sound_bundle_that_cannot_be_read_here_is_not_called_damaged(reference, monkeypatch):
+    """The decoder's files match their checksums but orbax cannot restore them here (issue 62: a relative path it
+    refused): the one-line error names the directory and the cause and does not advise deleting done/decoder and
+    exporting again, which would rewrite a sound bundle. Caught: the old message's rerun_fix."""
+    from scone_jax.serving import inference
+
+    class Refusing:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def restore(self, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", "decoder/_sharding")
+
+    monkeypatch.setattr(bundle, "decoder_checkpointer", Refusing)
+    with pytest.raises(bundle.BundleError) as refused:
+        inference.load(reference, table="ram")
+    message = str(refused.value)
+    assert "\n" not in message and "Permission denied" in message and f"{reference}/decoder" in message
+    assert "needs no repair" in message and bundle.DONE not in message and "delete" not in message.lower()

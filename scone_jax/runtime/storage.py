@@ -19,6 +19,12 @@ def is_remote(path: str) -> bool:
     return "://" in path
 
 
+def resolved(path: str) -> str:
+    """`path` as the programs pass it on: URLs as they are, local paths absolute and normalised, resolved once
+    where a program takes them (tensorstore's file driver, under orbax too, refuses a path holding '..')."""
+    return path if is_remote(path) or not path else os.path.abspath(path)
+
+
 def join(path: str, *names: str) -> str:
     """Path join that keeps URLs (gs://bucket/...) intact."""
     return "/".join([path.rstrip("/"), *names])

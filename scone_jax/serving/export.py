@@ -249,6 +249,7 @@ def export(workdir: str, output: str, *, config=None, dtype: str = "bfloat16", c
     """Export the latest checkpoint of `workdir` into `output`; returns figures of the run. Bad arguments, an
     output that holds anything but an export (output_dir.py) and one that cannot be written are refused before
     any work (and before anything is written there)."""
+    workdir, output = storage.resolved(workdir), storage.resolved(output)  # '../x' too (storage.resolved)
     bundle.numpy_dtype(dtype)
     for name, value in (("chunk_rows", chunk_rows), ("batch_rows", batch_rows)):
         if value < 1:

@@ -77,6 +77,7 @@ def load(path: str, *, mesh=None, table: str = "auto", max_table_bytes: int | No
     `max_table_bytes`); refuses an unfinished one, swapped pieces, or (if given) a tokenizer other than the
     one the export was trained with."""
     expect = {} if tokenizer_fingerprint is None else {"tokenizer_fingerprint": tokenizer_fingerprint}
+    path = storage.resolved(path)  # resolved once: orbax and tensorstore refuse a local path holding ..
     opened = bundle.Bundle.open(path, expect)
     rows = table_lib.open_table(opened, table=table, max_bytes=max_table_bytes)
     try:

@@ -101,6 +101,9 @@ def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums, overencodin
         cause = e
         while cause.__cause__ or cause.__context__:  # orbax wraps tensorstore's error, which names the file
             cause = cause.__cause__ or cause.__context__
-        raise bundle.BundleError(f"The decoder at {storage.join(path, bundle.DECODER)} cannot be restored "
-                                 f"({one_line(cause, 300)}). {fix}") from e
+        # Every file was checked against its CRC-32 above: the bundle is sound, so the repair is not to rewrite it.
+        raise bundle.BundleError(f"The decoder at {storage.join(path, bundle.DECODER)} could not be read here, "
+                                 f"although its files match their checksums: {one_line(cause, 300)}. Fix: check "
+                                 "that this process can read that directory (path, permissions, storage); the bundle "
+                                 "itself needs no repair.") from e
     return graphdef, params

@@ -2,7 +2,8 @@
 decoder, GQA, untied head, model.embedding_multiplier=2) and a baseline Llama-style run (multiplier 1: a stock
 checkpoint), each written as a bundle and with --format=hf. vLLM's CPU attention takes head sizes of 32, 64 or 128 only,
 so the heads are 32 wide (d_model 64, 2 heads). The tokenizer is a 300-token byte-level BPE tokenizer.json whose template
-adds bos (vLLM and scone_jax tokenize alike); the models have exactly 300 embedding rows.
+adds bos (vLLM and scone_jax tokenize alike); the models have exactly 300 embedding rows. The exports carry a chat
+template (CHAT_TEMPLATE) for vLLM's chat endpoint.
 
 `build(root, kind)` makes one in `root/kind` once (a DONE marker; a half-built directory is rebuilt)."""
 from __future__ import annotations
@@ -14,22 +15,27 @@ from tests import hf_models
 
 LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False)
 # init_std 0.5: an untrained model whose logits are far from uniform (a wrong input shows); seq 256: prompts of 200.
+# The export's chat template (chat_template.jinja, for vLLM's /v1/chat/completions): bos, then each message's text.
+CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 TINY = dict(d_model=64, num_heads=2, num_kv_heads=1, d_ff=128, num_layers=2, max_seq_len=256, init_std=0.5)
 
 
-def run_config(tokenizer: str, scone: bool, model: dict, num_fgrams: int = 2000):
+def run_config(tokenizer: str, scone: bool, model: dict, num_fgrams: int = 2000, extract_max_tokens: int = 200_000):
     from tests.common import small_config
 
     config = small_config(**{"vocab_size": hf_models.TOKENIZER_SIZE, **LLAMA_STYLE, **model})
     with config.unlocked():
         config.data.tokenizer_path = tokenizer
+        config.data.chat_template = os.path.join(os.path.dirname(tokenizer), "chat_template.jinja")
         config.scone.update(dict(enabled=scone, max_len=4, num_fgrams=num_fgrams, min_count=2, fgram_capacity=256,
-                                 num_layers=1, extract_max_tokens=200_000))
+                                 num_layers=1, extract_max_tokens=extract_max_tokens))
     return config
 
 
-def build(root: str, kind: str, model: dict | None = None, num_fgrams: int = 2000) -> dict:
-    """{'workdir', 'bundle', 'hf'} of the run `kind` ('scone' or 'baseline') under root/kind, built once."""
+def build(root: str, kind: str, model: dict | None = None, num_fgrams: int = 2000,
+          extract_max_tokens: int = 200_000) -> dict:
+    """{'workdir', 'bundle', 'hf'} of the run `kind` ('scone' or 'baseline') under root/kind, built once; `model`
+    overrides TINY (tools/bench_vllm.py builds larger ones)."""
     from scone_jax.serving import export, hf_export
     from scone_jax.training import run as run_lib
 
@@ -40,8 +46,10 @@ def build(root: str, kind: str, model: dict | None = None, num_fgrams: int = 200
         shutil.rmtree(base, ignore_errors=True)
         os.makedirs(base)
         tokenizer = hf_models.tokenizer_json(os.path.join(base, "tokenizer.json"), "llama")
+        with open(os.path.join(base, "chat_template.jinja"), "w") as f:
+            f.write(CHAT_TEMPLATE)
         settings = dict(TINY, embedding_multiplier=2.0 if kind == "scone" else 1.0, **(model or {}))
-        config = run_config(tokenizer, kind == "scone", settings, num_fgrams)
+        config = run_config(tokenizer, kind == "scone", settings, num_fgrams, extract_max_tokens)
         run_lib.save_initial_state(config, paths["workdir"], 1)
         export.export(paths["workdir"], paths["bundle"], chunk_rows=256, batch_rows=1024)
         hf_export.export_hf(paths["workdir"], paths["hf"], batch_rows=1024)

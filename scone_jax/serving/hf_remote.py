@@ -13,6 +13,8 @@ H gets, besides the tokenizer files and the marker hf_export writes:
                            (export.embed_fn on the same per-device batches: the same values, bit for bit), bf16 unless
                            --dtype says otherwise; streamed to disk batch by batch, never held whole
   fgram_vocab.safetensors  "tokens" [S, K] and "lengths" [S], int32: the run's f-gram vocabulary
+  config.json's fgrams also holds table_crc32 (of the table file's bytes after its header) and tokenizer_sha256 (of
+  the export's tokenizer.json): the vLLM plugin (serving/vllm_plugin) refuses a damaged table or another tokenizer
   configuration_scone.py, modeling_scone.py, scone_fgrams.py  the model class (scone_jax/hf/remote_code/, copied as
                            they are: they import only transformers, torch and numpy)
 Every process computes rows; process 0 gathers each batch and writes it, as hf/write.py does for tensors.
@@ -20,9 +22,11 @@ Every process computes rows; process 0 gathers each batch and writes it, as hf/w
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import zlib
 
 import jax
 import numpy as np
@@ -81,12 +85,14 @@ def write(output: str, family: Family, config, run, *, dtype: str, table_dtype: 
     fgrams = None
     if scone:
         stored = TABLE_DTYPES[table_dtype]
-        write_table(os.path.join(output, scone_fgrams.TABLE_FILE), model, run.mesh, run.vocab, table_dtype, batch_rows)
+        _, crc = write_table(os.path.join(output, scone_fgrams.TABLE_FILE), model, run.mesh, run.vocab, table_dtype,
+                             batch_rows)
         if jax.process_index() == 0:
             write_vocab(os.path.join(output, scone_fgrams.VOCAB_FILE), run.vocab)
         fgrams = {"num_fgrams": run.vocab.num_fgrams, "max_len": run.vocab.max_len,
                   "vocab_size": run.vocab.vocab_size, "width": int(config.model.d_model), "dtype": stored,
-                  "table": scone_fgrams.TABLE_FILE, "vocabulary": scone_fgrams.VOCAB_FILE}
+                  "table": scone_fgrams.TABLE_FILE, "vocabulary": scone_fgrams.VOCAB_FILE, "table_crc32": crc,
+                  "tokenizer_sha256": _tokenizer_sha256(run.tokenizer, config)}
     if jax.process_index() == 0:
         for name in REMOTE_FILES:
             shutil.copyfile(os.path.join(REMOTE_CODE_DIR, name), os.path.join(output, name))
@@ -104,18 +110,27 @@ def remote_config(text_config: dict, model, fgrams: dict | None) -> dict:
             "max_position_embeddings": int(model.max_seq_len), "use_cache": True, **shared}
 
 
-def write_table(path: str, model, mesh, vocab, table_dtype: str, batch_rows: int) -> int:
+def _tokenizer_sha256(tokenizer, config) -> str | None:
+    """sha256 of the tokenizer.json the export writes beside the model (hf_export.tokenizer_files), None if none."""
+    from scone_jax.serving import hf_export  # it imports this module
+
+    data = hf_export.tokenizer_files(tokenizer, config).get("tokenizer.json")
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+def write_table(path: str, model, mesh, vocab, table_dtype: str, batch_rows: int) -> tuple[int, str]:
     """The f-gram model's output for every f-gram, rows [S, d] in `table_dtype`, into the safetensors file `path`
     (process 0 writes; a temporary file renamed at the end). Batches are the bundle export's: batch_rows / shards rows
     per data shard through export.embed_fn, so each row is computed by the same compiled program on the same
-    per-device shape and comes out bit-identical to the bundle's. Returns the rows written."""
+    per-device shape and comes out bit-identical to the bundle's. Returns the rows written and the CRC32 (8 hex
+    digits) of the bytes after the header."""
     shards = sharding.num_batch_shards(mesh)
     per_step = shards * max(1, batch_rows // shards)
     num, width = vocab.num_fgrams, int(model.decoder.cfg.d_model)
     dtype = st.DTYPES[TABLE_DTYPES[table_dtype]]
     embed = bundle_export.embed_fn(model, mesh, table_dtype)
     chief = jax.process_index() == 0
-    out = None
+    out, crc = None, 0
     if chief:
         out = open(path + ".tmp", "wb")
         out.write(st.header_bytes([("rows", dtype, (num, width))], {"format": "pt"}))
@@ -132,7 +147,9 @@ def write_table(path: str, model, mesh, vocab, table_dtype: str, batch_rows: int
                 first, values = pending
                 host = _gather(values)
                 if chief:
-                    out.write(np.ascontiguousarray(host[: min(per_step, num - first)], dtype).tobytes())
+                    data = np.ascontiguousarray(host[: min(per_step, num - first)], dtype).tobytes()
+                    out.write(data)
+                    crc = zlib.crc32(data, crc)
                 progress.add(min(per_step, num - first))
             pending = None if start is None else (start, result)
         if chief:
@@ -143,7 +160,7 @@ def write_table(path: str, model, mesh, vocab, table_dtype: str, batch_rows: int
             out.close()
             os.unlink(path + ".tmp")
     multihost_utils.sync_global_devices("scone_hf_table_written")
-    return num
+    return num, f"{crc:08x}"
 
 
 def _silent(*args) -> None:

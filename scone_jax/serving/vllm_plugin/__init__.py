@@ -2,11 +2,12 @@
 (setup.py), so `vllm.LLM(model=H)` and vLLM's OpenAI server serve a SCONE export written by
 `python -m scone_jax.serving.export --format=hf` with no extra flag (docs/serving.md, "Serving with vLLM").
 
-  register()      the entry point: SconeConfig for config.json's model_type "scone" (no trust_remote_code needed) and
-                  SconeForCausalLM (model.py, imported lazily by vLLM) for its architecture
+  register()      the entry point: SconeConfig for config.json's model_type "scone" (no trust_remote_code needed; it
+                  checks the export's files as vLLM reads the config) and SconeForCausalLM (model.py, imported lazily
+                  by vLLM) for its architecture
   model.py        the vLLM model: the family's stock vLLM decoder fed T(token) * multiplier, or an f-gram's row
   token_store.py  each request's last K tokens, read from a token id kept beside each KV cache slot
-  checks.py       the export's files checked at engine start, one line each
+  checks.py       the export's files and tokenizer checked before the engine starts, one line each
 
 It imports vLLM, torch, transformers, numpy and the export's own host code (scone_jax.hf.remote_code); nothing from
 training, nothing that pulls JAX."""
@@ -18,8 +19,8 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from scone_jax.hf.remote_code.configuration_scone import SconeConfig
+    from scone_jax.serving.vllm_plugin.checks import VllmSconeConfig
 
-    AutoConfig.register(SconeConfig.model_type, SconeConfig, exist_ok=True)
+    AutoConfig.register(VllmSconeConfig.model_type, VllmSconeConfig, exist_ok=True)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "scone_jax.serving.vllm_plugin.model:SconeForCausalLM")

@@ -89,7 +89,7 @@ def main(argv):
 
 
 def _run():
-    from scone_jax.runtime import distributed, platforms, write_probe as workdir
+    from scone_jax.runtime import distributed, platforms, storage, write_probe as workdir
     from scone_jax.training import checkpoint, preemption, train  # after flag parsing: imports JAX
 
     platforms.skip_absent_tpu()  # before JAX starts its backends: no libtpu off a TPU (runtime/platforms.py)
@@ -98,9 +98,10 @@ def _run():
         print("scone_jax: error: pass --workdir=DIR (checkpoints, logs and the tokenizer go there)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     try:
-        workdir.check_writable(_WORKDIR.value, _JOIN.startup_timeout.value)
+        path = storage.resolved(_WORKDIR.value)  # '../w' too: resolved once, for every store that reads it
+        workdir.check_writable(path, _JOIN.startup_timeout.value)
         distributed.initialize(_JOIN.spec())
-        train.run(_CONFIG.value, _WORKDIR.value, allow_config_changes=_ALLOW_CHANGE.value)
+        train.run(_CONFIG.value, path, allow_config_changes=_ALLOW_CHANGE.value)
     except train.NonFiniteLossError as e:
         logging.error("%s", e)
         sys.exit(EXIT_NONFINITE)

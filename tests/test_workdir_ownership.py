@@ -294,20 +294,36 @@ def test_both_processes_of_a_job_on_a_busy_workdir_exit_2_with_the_owner_named(t
     assert not os.path.exists(os.path.join(workdir, "config.json"))
 
 
-@pytest.mark.parametrize("foreign", ['{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}', "my notes"])
-def test_a_config_json_no_run_wrote_is_refused_not_replaced(tokenizer_path, tmp_path, foreign):
-    """A user's config.json in --workdir (a Hugging Face checkpoint's, or any file of that name) stops the run in
-    one line before anything is written there; a run's own config.json is a resume's to replace. Bug it caught:
-    train.run wrote config.json over it (and the OWNER lease, tokenizer, checkpoints beside it)."""
+@pytest.mark.parametrize("name,foreign", [
+    ("config.json", '{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}'),
+    ("config.json", "my notes"),
+    ("metrics.jsonl", "epoch,loss\n1,2.5\n"),  # a resume would have rewritten it keeping only step records
+    ("DONE", "my notes"),  # a run deletes a DONE it cannot read
+])
+def test_a_run_file_no_run_wrote_is_refused_not_replaced(tokenizer_path, tmp_path, name, foreign):
+    """A user's config.json (a Hugging Face checkpoint's, or any file of that name), metrics.jsonl or DONE in
+    --workdir stops the run in one line before anything is written there; a run's own are a resume's to replace.
+    Bug it caught: train.run wrote config.json over it (and the OWNER lease, tokenizer, checkpoints beside it)."""
     from scone_jax.runtime import outputs
     from scone_jax.training import train
     from tests.common import config_with
 
-    (tmp_path / "config.json").write_text(foreign)
-    with pytest.raises(outputs.OutputNotFreeError, match=f"--workdir={tmp_path} holds a config.json that is not a "
+    (tmp_path / name).write_text(foreign)
+    with pytest.raises(outputs.OutputNotFreeError, match=f"--workdir={tmp_path} holds a {name} that is not a "
                                                          "scone_jax run's"):
         train.run(config_with(tokenizer_path), str(tmp_path))
-    assert os.listdir(tmp_path) == ["config.json"] and (tmp_path / "config.json").read_text() == foreign
+    assert os.listdir(tmp_path) == [name] and (tmp_path / name).read_text() == foreign
+
+
+def test_a_runs_own_files_pass_the_check():
+    """What a run writes is recognised as a run's (else every resume would be refused)."""
+    from scone_jax import config as config_lib
+    from scone_jax.runtime import workdir as workdir_layout
+    from tests.common import small_config
+
+    assert workdir_layout.is_run_config(config_lib.to_json(small_config()).encode())
+    assert workdir_layout._is_metrics(b'{"split": "step", "step": 1, "loss": 6.2}\n{"step": 2, "lo')
+    assert workdir_layout._is_metrics(b"") and workdir_layout._is_done(b'{"step": 6, "finished": "x"}')
 
 
 def test_a_workdir_that_is_or_lies_inside_an_input_directory_is_refused(tmp_path):

@@ -54,11 +54,17 @@ def refuse_inputs(output: str, flag: str, inputs: Mapping[str, str]) -> None:
                                      f"{flag}.")
 
 
-def refuse_foreign(directory: str, name: str, *, is_ours: Callable[[bytes], bool], kind: str, flag: str) -> None:
+def refuse_foreign(directory: str, name: str, *, is_ours: Callable[[bytes], bool], kind: str, flag: str,
+                   prefix: int | None = None) -> None:
     """OutputNotFreeError if `directory`/`name` exists and `is_ours(its bytes)` is false: a file the program would
-    replace that `kind` (e.g. 'a scone_jax run') did not write."""
-    raw = storage.read_bytes(directory, name)
-    if raw is None or is_ours(raw):
+    replace that `kind` (e.g. 'a scone_jax run') did not write. `prefix`: judge by the first bytes only (a file
+    that may be large: a run's metrics.jsonl)."""
+    store = storage.open_store(directory)
+    try:
+        found = store.read(name, byte_range=slice(0, prefix)).result()
+    except ValueError:  # OUT_OF_RANGE: the file is shorter than `prefix`, so reading it whole is cheap
+        found = store.read(name).result()
+    if found.state != "value" or is_ours(bytes(found.value)):
         return
     raise OutputNotFreeError(f"{flag}={directory} holds a {name} that is not {kind}'s (it would be replaced); "
                              f"nothing was written. Fix: pass a new or empty directory for {flag}, or move "

@@ -147,3 +147,23 @@ def test_a_gcs_workdir_receives_tokenizer_config_and_metrics(bucket, tmp_path):
     assert [(r["step"], r["loss"]) for r in lines] == [(1, 5.0), (2, 4.0), (3, 3.0)]
     events = [k.decode() for k in storage.open_store(f"{workdir}/tensorboard").list().result()]
     assert len(events) == 2 and all(k.startswith("events.out.tfevents") for k in events)
+
+
+def test_a_gcs_workdir_is_checked_for_files_no_run_wrote(bucket):
+    """The workdir rule (runtime/workdir.py check_free) on gs://: a run's own config.json and a metrics.jsonl longer
+    and shorter than the 64 KiB it reads pass; a foreign one is refused naming it. Bug it caught: the ranged read of
+    a file shorter than the range failed with OUT_OF_RANGE instead of reading it whole."""
+    import json
+
+    from scone_jax import config as config_lib
+    from scone_jax.runtime import outputs, workdir as workdir_layout
+
+    workdir = f"{bucket}/runs/checked_workdir"
+    config_lib.write_config(small_config(), workdir)
+    record = json.dumps({"split": "step", "step": 1, "loss": 5.0}) + "\n"
+    for count in (1, 2000):  # 60 bytes, 120 kB
+        storage.write_bytes(workdir, "metrics.jsonl", (record * count).encode())
+        workdir_layout.check_free(workdir, {})
+    storage.write_bytes(workdir, "metrics.jsonl", b"epoch,loss\n")
+    with pytest.raises(outputs.OutputNotFreeError, match=f"--workdir={workdir} holds a metrics.jsonl that is not"):
+        workdir_layout.check_free(workdir, {})

@@ -217,6 +217,9 @@ KEYS = (
     Key("engram.kernel_size", 4, STATE, "the causal depthwise convolution's taps (the paper's 4)", ">= 1"),
     Key("engram.dilation", 0, STATE, "the convolution's dilation; 0 = engram.n (the paper's max n-gram order)",
         ">= 0"),
+    Key("engram.compress_tokens", True, STATE,
+        "the paper's tokenizer compression: tokens whose texts normalise alike (NFKC, no accents, lower case, "
+        "whitespace collapsed and trimmed) are one token to the hash (data/engram_hash.py)"),
     Key("engram.seed", 0, STATE, "seed of the hash's odd multipliers (data/engram_hash.py), per layer", ">= 0"),
     Key("engram.init_std", 0.0, SETTING,
         "standard deviation of the tables' initial rows; 0 = model.init_std, as T's rows (1: PyTorch's nn.Embedding "

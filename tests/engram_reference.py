@@ -11,8 +11,35 @@ RMSNorm(x) = x / sqrt(mean(x^2) + eps) * scale.
 from __future__ import annotations
 
 import math
+import unicodedata
 
 import numpy as np
+
+
+def normalised(text: str) -> str:
+    """§2.2's tokenizer compression: NFKC, NFD without combining marks, lower case, whitespace runs as one space,
+    trimmed; a text of whitespace alone is one space."""
+    text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    out = []
+    for c in text:
+        if unicodedata.category(c) == "Mn":
+            continue
+        c = " " if c in " \t\r\n" else c.lower()
+        if not (c == " " and out and out[-1] == " "):
+            out.append(c)
+    text = "".join(out)
+    return text if text == " " else text.strip(" ")
+
+
+def canonical_ids(texts, spellings, vocab: int) -> list[int]:
+    """Each id's canonical id: texts normalising alike share the id of the first of them; an empty decoding, one
+    holding U+FFFD or one normalising to nothing is keyed by its spelling; ids past the texts keep their own."""
+    seen, out = {}, []
+    for text, spelling in zip(texts, spellings):
+        key = normalised(text) if text and "\ufffd" not in text else ""
+        key = ("text", key) if key else ("spelling", spelling)
+        out.append(seen.setdefault(key, len(seen)))
+    return out + [len(seen) + i for i in range(vocab - len(texts))]
 
 
 def is_prime(value: int) -> bool:

@@ -99,6 +99,7 @@ WHY = {
     "engram.kernel_size": ("shape", "the convolution's taps"),
     "engram.dilation": ("meaning", "the same taps read other positions"),
     "engram.seed": ("meaning", "the hash's multipliers: every n-gram reads other rows"),
+    "engram.compress_tokens": ("meaning", "the hash reads other token ids: every n-gram reads other rows"),
     "engram.init_std": ("start", "the initial weights only"),
     "data.source": ("data", "where the documents come from"),
     "data.train_files": ("data", "the training documents"),

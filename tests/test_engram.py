@@ -28,7 +28,7 @@ from tests import engram_reference as ref
 from tests.common import small_config
 from tests.scone_batches import host_batch
 
-TINY = dict(enabled=True, layers="1", n=3, heads=2, head_width=8, rows=101)
+TINY = dict(enabled=True, layers="1", n=3, heads=2, head_width=8, rows=101, compress_tokens=False)
 
 
 def engram_config(**settings):
@@ -53,6 +53,26 @@ def test_ids_equal_the_paper_hash_in_python_integers():
     assert got.dtype == np.int32 and got.shape == (*tokens.shape, 4)
     np.testing.assert_array_equal(got, want)
     assert len(np.unique(batch.segment_ids[0])) >= 3 and (want > 2**30).any()
+
+
+def test_tokenizer_compression_equals_the_papers_normaliser():
+    """§2.2: tokens whose texts normalise alike share a canonical id (case, accents, NFKC forms, leading and repeated
+    whitespace), control tokens and byte pieces keep their own, ids past the tokenizer's keep theirs; the hasher
+    hashes the canonical ids. Caught: no lower case; accents kept (NFD without dropping the marks); every empty
+    decoding (<s>, </s>, <unk> in SentencePiece) merged into one."""
+    texts = ["", "", "The", " the", "the", "THE", "\u00e9t\u00e9", "ete", "\ufb01", "fi", "a  b", " a\tb ", "\ufffd", "  ",
+             " ", "x"]
+    spellings = ["<s>", "</s>", "The", "\u2581the", "the", "THE", "\u00e9t\u00e9", "ete", "\ufb01", "fi", "a  b",
+                 "a\tb", "<0xE3>", "\u2581\u2581", "\u2581", "x"]
+    got = engram_hash.compression(texts, spellings, 20)
+    want = ref.canonical_ids(texts, spellings, 20)
+    np.testing.assert_array_equal(got, want)
+    assert want[:16] == [0, 1, 2, 2, 2, 2, 3, 3, 4, 4, 5, 5, 6, 7, 7, 8] and want[16:] == [9, 10, 11, 12]
+    heads, mults = [(2, 101), (3, 103)], engram_hash.multipliers(0, 1, 3, 20)
+    hasher = EngramHasher([heads], [mults], 20, got)
+    tokens = np.array([[2, 3, 4, 6, 8, 16, 0, 5]])
+    np.testing.assert_array_equal(hasher.ids(tokens)[0],
+                                  ref.row_ids(np.asarray(want)[tokens[0]], np.ones(8, int), heads, mults, 20))
 
 
 def test_multipliers_are_odd_bounded_and_pinned():

@@ -57,7 +57,8 @@ def training_eval(oe_run, text, with_ids=True):
 
     batches = pipeline.make_eval_batches(config.data, oe_run["tokenizer"], process_index=0, process_count=1)
     step = functools.partial(steps.make_eval_step(spec.model_graphdef, spec.model_shardings, mesh), state[0])
-    return evaluation.evaluate(step, batches, mesh, rows=assets.ngram_hasher(config) if with_ids else None)
+    return evaluation.evaluate(step, batches, mesh,
+                               rows=assets.ngram_hasher(config, oe_run["tokenizer"]) if with_ids else None)
 
 
 def test_served_perplexity_equals_training_evaluation(oe_run, tmp_path_factory):

@@ -11,6 +11,10 @@ product is below 2^63 (x <= V and m <= (2^63 - 1) / V), so int64 holds it exactl
 GPU kernel might use, would wrap. The multipliers come from SHA-256 of (seed, layer, r), not from a random generator
 whose stream a library update could change: an exported model's ids must stay the ids it was trained on.
 
+With engram.compress_tokens (the paper's tokenizer compression, §2.2), the tokens are first mapped to canonical ids
+(`compression`): tokens whose texts normalise alike (NFKC, accents stripped, lower case, whitespace collapsed and
+trimmed) share one, so "The", " the" and "the" are one token to the hash.
+
 Only token ids and segment ids are read, so a batch's ids are known before the device needs them: EngramHasher is a
 batch transform of the loader and of serving, with Over-Encoding's interface (data/ngram_hash.py NgramHasher); the
 ids travel in the same Batch field, `ngram_ids` [B, T, sum over Engram layers of (n-1)K].
@@ -18,6 +22,8 @@ ids travel in the same Batch field, `ngram_ids` [B, T, sum over Engram layers of
 from __future__ import annotations
 
 import hashlib
+import re
+import unicodedata
 
 import numpy as np
 
@@ -35,6 +41,34 @@ def multipliers(seed: int, layer: int, n: int, vocab_size: int) -> list[int]:
         digest = hashlib.sha256(f"engram/{seed}/{layer}/{r}".encode()).digest()
         out.append(2 * (int.from_bytes(digest[:8], "little") % half) + 1)
     return out
+
+
+def canonical(text: str) -> str:
+    """A token's text normalised as the paper's compression does: NFKC, then NFD with the combining marks (accents)
+    dropped, lower case, runs of whitespace as one space, trimmed (whitespace alone stays one space)."""
+    text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    text = re.sub(r"[ \t\r\n]+", " ", "".join(c for c in text if unicodedata.category(c) != "Mn").lower())
+    return " " if text == " " else text.strip()
+
+
+def compression(texts: list[str], spellings: list[str], vocab_size: int) -> np.ndarray:
+    """int64 [vocab_size]: each token id's canonical id, numbered by first appearance. `texts` are the tokenizer's
+    decodings of its ids one at a time, `spellings` its vocabulary entries; a token whose decoding is empty, holds
+    U+FFFD (a byte piece) or normalises to nothing keeps its own spelling as its key, so control tokens (<s>, </s>)
+    and byte pieces stay apart. Ids past the tokenizer's (model.vocab_size rounds up) keep ids of their own."""
+    keys, out = {}, np.arange(vocab_size, dtype=np.int64)
+    for i, (text, spelling) in enumerate(zip(texts, spellings)):
+        norm = canonical(text) if text and "\ufffd" not in text else ""
+        out[i] = keys.setdefault(norm or "\0" + spelling, len(keys))
+    for i in range(len(texts), vocab_size):
+        out[i] = len(keys) + i - len(texts)
+    return out
+
+
+def tokenizer_compression(tokenizer, vocab_size: int) -> np.ndarray:
+    """`compression` of a scone_jax Tokenizer's ids."""
+    ids = range(tokenizer.vocab_size)
+    return compression([tokenizer.decode([i]) for i in ids], [tokenizer.id_to_token(i) for i in ids], vocab_size)
 
 
 def engram_ids(tokens: np.ndarray, segment_ids: np.ndarray | None, heads: list[tuple[int, int]],
@@ -70,16 +104,23 @@ class EngramHasher:
     """The host side of Engram: adds every Engram layer's ids to a Batch's `ngram_ids`, layer after layer (the
     decoder's Engram layers in block order). Plain attributes, so grain's workers take it by pickle."""
 
-    def __init__(self, layer_heads: list[list[tuple[int, int]]], layer_multipliers: list[list[int]], vocab_size: int):
+    def __init__(self, layer_heads: list[list[tuple[int, int]]], layer_multipliers: list[list[int]], vocab_size: int,
+                 compress: np.ndarray | None = None):
         self.layer_heads = [[(int(i), int(m)) for i, m in heads] for heads in layer_heads]
         self.layer_multipliers = [[int(m) for m in mults] for mults in layer_multipliers]
         self.vocab_size = int(vocab_size)
         self.max_order = max(order for heads in self.layer_heads for order, _ in heads)
+        self.compress = compress  # [vocab_size] canonical ids (`compression`), None: the tokens themselves
 
     def __call__(self, batch: Batch) -> Batch:
         return batch.replace(ngram_ids=self.ids(batch.inputs, batch.segment_ids))
 
     def ids(self, tokens: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
+        tokens = np.asarray(tokens)
+        if self.compress is not None:
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+                engram_ids(tokens, segment_ids, self.layer_heads[0], self.layer_multipliers[0], self.vocab_size)
+            tokens = self.compress[tokens]
         return np.concatenate([engram_ids(tokens, segment_ids, heads, mults, self.vocab_size)
                                for heads, mults in zip(self.layer_heads, self.layer_multipliers)], axis=-1)
 

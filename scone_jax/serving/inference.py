@@ -109,7 +109,8 @@ def _load_model(opened: bundle.Bundle, rows, mesh) -> Served:
         raise bundle.BundleError(
             f"The decoder in {path!r} hashes to {have!r} but the table was exported from model "
             f"{meta['model_fingerprint']!r}: the table belongs to another model. Fix: export again.")
-    return Served(opened, config, mesh, graphdef, params, tokenizer, Matcher(vocab), rows, assets.ngram_hasher(config))
+    return Served(opened, config, mesh, graphdef, params, tokenizer, Matcher(vocab), rows,
+                  assets.ngram_hasher(config, tokenizer))
 
 
 def load_tokenizer(path: str, sums: bundle.Checksums) -> Tokenizer:

@@ -150,14 +150,21 @@ def make_batcher(config, vocab: FgramVocab, mesh) -> FgramBatcher:
                         micro_batches=config.train.grad_accum_steps)
 
 
-def ngram_hasher(config) -> NgramHasher | EngramHasher | None:
+def ngram_hasher(config, tokenizer=None) -> NgramHasher | EngramHasher | None:
     """Over-Encoding's or Engram's batch transform (the n-gram ids of its tables over model.vocab_size, in the batch's
     ngram_ids), or None without either. Training's loader, its held-out evaluation and serving (the export's config)
-    all make it here."""
+    all make it here; Engram's tokenizer compression (engram.compress_tokens) reads the run's `tokenizer`."""
     en = config.get("engram")
     if en is not None and en.enabled:
-        return EngramHasher(engram.heads(en), [engram_hash.multipliers(en.seed, layer, en.n, config.model.vocab_size)
-                                               for layer in engram.layers(en)], config.model.vocab_size)
+        vocab = config.model.vocab_size
+        compress = None
+        if en.get("compress_tokens", False):
+            if tokenizer is None:
+                raise ValueError("engram.compress_tokens maps tokens through the run's tokenizer, and none was given "
+                                 "here. Fix: pass the tokenizer, or set engram.compress_tokens=False.")
+            compress = engram_hash.tokenizer_compression(tokenizer, vocab)
+        return EngramHasher(engram.heads(en), [engram_hash.multipliers(en.seed, layer, en.n, vocab)
+                                               for layer in engram.layers(en)], vocab, compress)
     oe = config.get("overencoding")
     if oe is None or not oe.enabled:
         return None

@@ -142,7 +142,7 @@ class Run:
         (data/ngram_hash.py); None for a plain decoder."""
         if self.vocab is not None:
             return assets.make_batcher(self.config, self.vocab, self.mesh)
-        return assets.ngram_hasher(self.config)
+        return assets.ngram_hasher(self.config, self.tokenizer)
 
     @functools.cached_property
     def train_data(self):

@@ -3,7 +3,8 @@ inference and training FLOPs per token, one curve per family of arms."""
 from __future__ import annotations
 
 
-FAMILY_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray")
+FAMILY_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray",
+                 "tab:olive")
 SET_STYLES = ("-", "--", ":", "-.")
 
 
@@ -48,8 +49,9 @@ def _plot_families(ax, arms: dict, x_key: str, suffix: str, style: str, annotate
                 "SCONE, f-gram model 0.5x/1x/2x": ["scone_fgram0.5x", ref["scone"], "scone_fgram2x"],
                 "SCONE, S 5k/20k/100k": ["scone_s5k", ref["scone"], "scone_s100k"],
                 "SCONE, K 3/5": ["scone_k3", ref["scone"]],
-                "Over-Encoding, m 20k/100k": ["oe", "oe_5x"]}
-    for (name, members), marker, color in zip(families.items(), "os*Dv^P", FAMILY_COLORS):
+                "Over-Encoding, m 20k/100k": ["oe", "oe_5x"],
+                "Engram, 20k rows a head": ["engram"]}
+    for (name, members), marker, color in zip(families.items(), "os*Dv^PX", FAMILY_COLORS):
         pts = sorted((arms[a][x_key], arms[a]["test_ppl"], a) for a in members if a in arms)
         if not pts or (len(members) > 1 and {p[2] for p in pts} <= set(ref.values())):
             continue  # nothing of this family, or only the 1x point another curve already draws

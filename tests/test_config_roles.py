@@ -30,6 +30,7 @@ KINDS = {
     "start": SETTING,  # read where a run starts (initial weights, tokenizer, vocabulary; a resume keeps what the
     #                    checkpoint pinned), never by the step; another value is another experiment: not LOOP
     "loop": LOOP,      # the loop's cadence, paths and switches: neither the step nor the training reads it
+    "padding": SETTING,  # the batches' static shapes follow it, not their values (padded rows): retraced, same result
 }
 WHY = {
     "model.vocab_size": ("shape", "the token table's rows and the head's columns"),
@@ -69,8 +70,8 @@ WHY = {
     "scone.num_fgrams": ("data", "S: the f-grams extracted, so the matches in every batch"),
     "scone.min_count": ("data", "the f-grams extracted"),
     "scone.extract_max_tokens": ("data", "the text the f-grams are extracted from"),
-    "scone.fgram_capacity": ("step", "the f-gram rows per shard the traced step runs; the values at any capacity "
-                                     "that holds them are the same (unused rows are padding: fgram/dedup.py)"),
+    "scone.fgram_capacity": ("padding", "the f-gram rows per shard the step runs; the values at any capacity that "
+                                        "holds them are the same (unused rows are padding: fgram/dedup.py)"),
     "scone.num_layers": ("shape", "the f-gram model's blocks"),
     "scone.d_model": ("shape", "the f-gram model's width and its projections"),
     "scone.num_heads": ("meaning", "how the f-gram model's projections split into heads (same arrays)"),

@@ -63,6 +63,7 @@ def test_a_damaged_export_is_refused_in_one_line(exported, tmp_path, case):
     shutil.copytree(exported["hf"], directory)
     damage(os.path.join(directory, name))
     with pytest.raises(ExportRefused) as raised:
-        vllm.LLM(model=directory, dtype="float32", max_model_len=256, enforce_eager=True)
+        vllm.LLM(model=directory, dtype="float32", max_model_len=256, enforce_eager=True,
+                 kv_cache_memory_bytes=vllm_runs.KV_BYTES)
     message = str(raised.value)
     assert says in message and "Fix:" in message and "\n" not in message, message

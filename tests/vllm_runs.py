@@ -15,6 +15,9 @@ from tests import hf_models
 
 LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", position="rope", use_bias=False, tie_embeddings=False)
 # init_std 0.5: an untrained model whose logits are far from uniform (a wrong input shows); seq 256: prompts of 200.
+# The KV cache the tests' engines reserve: vLLM on CPU otherwise asks for 92% of the machine's memory as free when it
+# starts (gpu_memory_utilization), which a machine running other jobs does not have.
+KV_BYTES = 1 << 28
 # The export's chat template (chat_template.jinja, for vLLM's /v1/chat/completions): bos, then each message's text.
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 TINY = dict(d_model=64, num_heads=2, num_kv_heads=1, d_ff=128, num_layers=2, max_seq_len=256, init_std=0.5)

@@ -12,7 +12,7 @@ as correct as the KV cache itself, whatever the scheduler did:
   - preemption with recomputation: the recomputed tokens are stored again with their keys and values;
   - n > 1 samples: each sample has its own blocks past the shared prompt.
 Positions below 0 are outside the request: a window never reaches across the request's start (docs/method.md §2).
-The store lives on the host (numpy, 4 bytes a slot: 4 MB for a million cached tokens), as the matcher does.
+The store lives on the host (numpy int64, 8 bytes a slot: 8 MB for a million cached tokens), as the matcher does.
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """A damaged SCONE export is refused when vLLM reads its config.json, before an engine starts, in one line naming the
-file and the fix (ExportRefused out of vllm.LLM(...), the last line of the server's traceback) (scone_jax/serving/vllm_plugin/checks.py). Skipped where vLLM does not import.
+file and the fix (scone_jax/serving/vllm_plugin/checks.py: ExportRefused out of vllm.LLM(...), the last line of the
+server's traceback). Skipped where vLLM does not import.
 
-Deliberate bugs this test was run against once (each made the named case fail, then was reverted):
-  - check_table_crc comparing nothing (an early return): [damaged table] served;
-  - VllmSconeConfig.from_dict not calling check_export: every case reached the engine, whose worker died with a
-    traceback of many lines instead.
+Deliberate bugs this test was run against once (each patched in by a pytest plugin for one run; the named cases failed):
+  - check_table_crc checking nothing: [damaged table] (vLLM went on to start an engine);
+  - VllmSconeConfig.from_dict not calling check_export: [missing table] (the engine's worker died instead, with a
+    traceback of many lines).
 """
 import json
 import os

@@ -48,8 +48,9 @@ def served(exported):
 def llm(exported):
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model sends a function to the worker
     engine = vllm.LLM(model=exported["hf"], dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
-                      kv_cache_memory_bytes=vllm_runs.KV_BYTES, enable_prefix_caching=True, block_size=32, enable_chunked_prefill=True,
-                      max_num_batched_tokens=64, max_num_seqs=16, num_gpu_blocks_override=16)
+                      kv_cache_memory_bytes=vllm_runs.KV_BYTES, enable_prefix_caching=True, block_size=32,
+                      enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=16,
+                      num_gpu_blocks_override=16)
     yield engine
     engine.llm_engine.engine_core.shutdown()
 

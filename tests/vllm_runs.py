@@ -1,9 +1,9 @@
 """Small runs exported for vLLM, shared by tests/test_vllm_*.py and tools/bench_vllm.py: a SCONE run (Llama-style
 decoder, GQA, untied head, model.embedding_multiplier=2) and a baseline Llama-style run (multiplier 1: a stock
-checkpoint), each written as a bundle and with --format=hf. vLLM's CPU attention takes head sizes of 32, 64 or 128 only,
-so the heads are 32 wide (d_model 64, 2 heads). The tokenizer is a 300-token byte-level BPE tokenizer.json whose template
-adds bos (vLLM and scone_jax tokenize alike); the models have exactly 300 embedding rows. The exports carry a chat
-template (CHAT_TEMPLATE) for vLLM's chat endpoint.
+checkpoint), each written as a bundle and with --format=hf. vLLM's CPU attention takes head sizes of 32, 64 or 128
+only, so the heads are 32 wide (d_model 64, 2 heads). The tokenizer is a 300-token byte-level BPE tokenizer.json whose
+template adds bos (vLLM and scone_jax tokenize alike); the models have exactly 300 embedding rows. The exports carry a
+chat template (CHAT_TEMPLATE) for vLLM's chat endpoint.
 
 `build(root, kind)` makes one in `root/kind` once (a DONE marker; a half-built directory is rebuilt)."""
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 orbax and grain log every save, restore and worker step at INFO through absl; a user
 watching training or an export wants our progress lines. `--verbosity=1` shows everything on
-the console (JAX_PLATFORMS unset and libtpu installed, set JAX_FORCE_TPU_INIT=1 to let libtpu start off a TPU); `--log_dir=DIR` (absl's flag) also writes the complete log, the libraries' INFO
+the console; `--log_dir=DIR` (absl's flag) also writes the complete log, the libraries' INFO
 lines and whole multi-line messages included, to DIR/scone_jax.<host>.<pid>.log.
 """
 from __future__ import annotations
@@ -76,13 +76,7 @@ def write_full_log(directory: str) -> str:
 
 
 def quiet_libraries() -> None:
-    """Call at the top of a CLI's main (after flag parsing). Where JAX is loaded and its backends have not started,
-    this also keeps libtpu (installed by the [test] and [aot] extras) from starting on a machine with no TPU: it
-    finds no chip and prints a dozen lines of C++ warnings in every program (runtime/platforms.py)."""
-    if "jax" in sys.modules:
-        from scone_jax.runtime import platforms
-
-        platforms.skip_absent_tpu()
+    """Call at the top of a CLI's main (after flag parsing)."""
     if _TRACKER_WARNING not in sys.warnoptions:
         sys.warnoptions.append(_TRACKER_WARNING)
     from absl import flags

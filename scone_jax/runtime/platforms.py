@@ -8,9 +8,10 @@ the one jax 0.10.2's jaxlib knows (104 bytes against 80; jax[tpu] pairs jax 0.10
 jaxlib logs "Unexpected PLUGIN_Profiler_Api size: expected 80, got 104" and then calls into the interface
 it refused, a segmentation fault (exit 139). Nothing can unregister it once loaded, so:
 
-- `skip_absent_tpu()` (called by the main job and every program's logs.quiet_libraries before JAX starts its
-  backends) drops JAX's TPU backend where no TPU is attached, as JAX itself drops CUDA where no NVIDIA device
-  is visible (it also spares every program libtpu's dozen lines of warnings about the chip it did not find);
+- `skip_absent_tpu()` (called by the main job once its modules are imported, before JAX starts its backends:
+  a module imported after it that registers TPU lowering rules would find no TPU platform) drops JAX's TPU
+  backend where no TPU is attached, as JAX itself drops CUDA where no NVIDIA device is visible (it also spares
+  the job libtpu's dozen lines of warnings about the chip it did not find);
 - `libtpu_loaded_off_tpu()` tells train.run that libtpu is loaded in a process that does not run on a TPU
   (JAX started before the skip: train.run called from Python), so that profiling is refused in one line.
 """

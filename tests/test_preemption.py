@@ -134,11 +134,10 @@ def test_sigterm_saves_exits_143_and_the_restart_matches_an_uninterrupted_run(to
         np.testing.assert_array_equal(x, y)
 
 
-def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpointed_step(tokenizer_path, tmp_path):
-    """jax's preemption service (not our handler) owns SIGTERM in a multi-process job: the
-    signalled process tells the other, both save the same step and exit 143."""
-
-    workdir, port = str(tmp_path / "two"), free_port()
+def signal_one_of_two_processes(tokenizer_path, workdir: str, signum) -> tuple[list[int], list[str], int]:
+    """Two processes train on loopback; once step 2 is logged, process 1 gets `signum`. (exit statuses, stderrs,
+    the step both stopped at), the latest checkpoint checked to be that step."""
+    port = free_port()
     args = [f"--workdir={workdir}", "--config.train.num_steps=1000", "--config.train.log_every=1",
             "--config.train.checkpoint_every=1000", "--startup_timeout=60"]
     env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
@@ -146,18 +145,25 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpointed_step(tok
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         wait_for_steps(procs[0], workdir, 2)
-        procs[1].send_signal(signal.SIGTERM)
+        procs[1].send_signal(signum)
         errors = [p.communicate(timeout=120)[1] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errors]
     stopped_at = max(step_records(workdir))
-    assert all(f"saving a checkpoint at step {stopped_at}" in e for e in errors)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    assert ckpt.latest_step() == stopped_at < 1000
+    assert ckpt.latest_step() == stopped_at < 1000, [e[-2000:] for e in errors]
     ckpt.close()
+    return [p.returncode for p in procs], errors, stopped_at
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_checkpointed_step(tokenizer_path, tmp_path):
+    """jax's preemption service (not our handler) owns SIGTERM in a multi-process job: the
+    signalled process tells the other, both save the same step and exit 143."""
+    codes, errors, stopped_at = signal_one_of_two_processes(tokenizer_path, str(tmp_path / "two"), signal.SIGTERM)
+    assert codes == [143, 143], [e[-2000:] for e in errors]
+    assert all(f"saving a checkpoint at step {stopped_at}" in e for e in errors)
 
 
 def test_ctrl_c_saves_the_step_reached_and_exits_130(tokenizer_path, tmp_path):
@@ -227,22 +233,6 @@ def test_ctrl_c_to_one_of_two_processes_stops_both_at_one_checkpointed_step(toke
     """In a multi-process job a Ctrl-C is handed to jax's preemption service as SIGTERM: both processes save the
     same step; the interrupted one exits 130, the other 143. Caught: the old KeyboardInterrupt in the one
     process only (the other died on its next collective, nothing saved)."""
-    workdir, port = str(tmp_path / "two"), free_port()
-    args = [f"--workdir={workdir}", "--config.train.num_steps=1000", "--config.train.log_every=1",
-            "--config.train.checkpoint_every=1000", "--startup_timeout=60"]
-    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen(cli(tokenizer_path, port, i, 2, *args), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        wait_for_steps(procs[0], workdir, 2)
-        procs[1].send_signal(signal.SIGINT)
-        errors = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [143, 130], [e[-2000:] for e in errors]
-    stopped_at = max(step_records(workdir))
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-    assert ckpt.latest_step() == stopped_at < 1000
-    ckpt.close()
+    codes, errors, stopped_at = signal_one_of_two_processes(tokenizer_path, str(tmp_path / "two"), signal.SIGINT)
+    assert codes == [143, 130], [e[-2000:] for e in errors]
+    assert all(f"saving a checkpoint at step {stopped_at}" in e for e in errors)

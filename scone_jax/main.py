@@ -78,13 +78,12 @@ def main(argv):
         _run()
     except KeyboardInterrupt as e:  # before training, or a second Ctrl-C during it (the first saves: _run)
         if not hasattr(e, "kept_step"):  # before the loop started
-            kept = "the latest checkpoint, if any, is intact"
+            what = "interrupted (SIGINT) before the first step; the latest checkpoint, if any, is intact"
         elif e.kept_step is None:
-            kept = "no checkpoint was written yet"
+            what = "stopped by SIGINT at once; no checkpoint was written yet"
         else:
-            kept = f"the checkpoint of step {e.kept_step} is kept"
-        print(f"scone_jax: stopped by SIGINT at once; {kept} and the workdir is free again. Rerun the same command "
-              "to resume.", file=sys.stderr)
+            what = f"stopped by SIGINT at once; the checkpoint of step {e.kept_step} is kept"
+        print(f"scone_jax: {what} and the workdir is free again. Rerun the same command to resume.", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
 
 

@@ -84,6 +84,10 @@ def abstract_decoder(path: str, model_cfg, shapes: dict[str, tuple[int, ...]], o
     return graphdef, abstract
 
 
+# tensorstore's words for a file that is not there or does not hold what was written: damage, not a reader's problem.
+_DAMAGE = ("NOT_FOUND", "DATA_LOSS", "is missing", "corrupt")
+
+
 def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums, overencoding=None, engram=None):
     """(graphdef, params) of the bundle's decoder (Over-Encoding's or Engram's n-gram tables among them when
     `overencoding` or `engram` is enabled), each parameter restored directly into its sharding, after its files and
@@ -101,9 +105,13 @@ def load_decoder(path: str, model_cfg, mesh, sums: bundle.Checksums, overencodin
         cause = e
         while cause.__cause__ or cause.__context__:  # orbax wraps tensorstore's error, which names the file
             cause = cause.__cause__ or cause.__context__
-        # Every file was checked against its CRC-32 above: the bundle is sound, so the repair is not to rewrite it.
-        raise bundle.BundleError(f"The decoder at {storage.join(path, bundle.DECODER)} could not be read here, "
-                                 f"although its files match their checksums: {one_line(cause, 300)}. Fix: check "
-                                 "that this process can read that directory (path, permissions, storage); the bundle "
-                                 "itself needs no repair.") from e
+        where = storage.join(path, bundle.DECODER)
+        if any(word in str(cause) for word in _DAMAGE):  # a file missing or corrupt behind a seal that says not
+            raise bundle.BundleError(f"The decoder at {where} cannot be restored ({one_line(cause, 300)}). "
+                                     f"{fix}") from e
+        # Every file matched its CRC-32 above and none is missing: the bundle is sound, so rewriting it repairs
+        # nothing (a path or permission this process cannot use, issue 62).
+        raise bundle.BundleError(f"The decoder at {where} could not be read here, although its files match their "
+                                 f"checksums: {one_line(cause, 300)}. Fix: check that this process can read that "
+                                 "directory (path, permissions, storage); the bundle itself needs no repair.") from e
     return graphdef, params

@@ -181,6 +181,7 @@ def test_ctrl_c_saves_the_step_reached_and_exits_130(tokenizer_path, tmp_path):
             proc.kill()
     assert proc.returncode == 130, stderr[-3000:]
     assert f"Stopped by SIGINT after saving a checkpoint at step {SIGNAL_AT}" in stderr, stderr[-3000:]
+    assert "Ctrl-C again to stop at once" in stderr, stderr[-3000:]  # the way out it names (a mutate_diff survivor)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
     assert ckpt.latest_step() == SIGNAL_AT
     ckpt.close()

@@ -28,6 +28,7 @@ import unicodedata
 import numpy as np
 
 from scone_jax.batch import Batch
+from scone_jax.data.ngram_hash import check_token_range
 
 _INT64_MAX = 2**63 - 1
 
@@ -75,11 +76,7 @@ def engram_ids(tokens: np.ndarray, segment_ids: np.ndarray | None, heads: list[t
                mults: list[int], vocab_size: int) -> np.ndarray:
     """int32 [B, T, len(heads)]: one Engram layer's id in each (order, modulus) head (module docstring);
     segment_ids None: every row one document."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        bad = int(tokens.min() if tokens.min() < 0 else tokens.max())
-        raise ValueError(f"Token id {bad} is outside [0, {vocab_size}) (model.vocab_size), the range the Engram ids "
-                         "are computed over: the tokens and the model do not belong together.")
+    tokens = check_token_range(tokens, vocab_size, "Engram")
     x = tokens.astype(np.int64)
     segments = np.ones_like(x) if segment_ids is None else np.asarray(segment_ids)
     rows, length = x.shape

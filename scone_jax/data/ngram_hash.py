@@ -20,15 +20,22 @@ from scone_jax.batch import Batch
 NO_NGRAM = 0  # every table's reserved row
 
 
+def check_token_range(tokens, vocab_size: int, what: str) -> np.ndarray:
+    """`tokens` as an array, ValueError in one line if one lies outside [0, vocab_size), the range `what` ids are
+    computed over (Over-Encoding's here, Engram's in data/engram_hash.py)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = int(tokens.min() if tokens.min() < 0 else tokens.max())
+        raise ValueError(f"Token id {bad} is outside [0, {vocab_size}) (model.vocab_size), the range the {what} ids "
+                         "are computed over: the tokens and the model do not belong together.")
+    return tokens
+
+
 def ngram_ids(tokens: np.ndarray, segment_ids: np.ndarray | None, tables: list[tuple[int, int]],
               vocab_size: int) -> np.ndarray:
     """int32 [B, T, len(tables)]: each position's id in each (order, modulus) table (module docstring);
     segment_ids None: every row one document."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        bad = int(tokens.min() if tokens.min() < 0 else tokens.max())
-        raise ValueError(f"Token id {bad} is outside [0, {vocab_size}) (model.vocab_size), the range the n-gram ids "
-                         "are computed over: the tokens and the model do not belong together.")
+    tokens = check_token_range(tokens, vocab_size, "n-gram")
     x = tokens.astype(np.int64)
     segments = np.ones_like(x) if segment_ids is None else np.asarray(segment_ids)
     rows, length = x.shape

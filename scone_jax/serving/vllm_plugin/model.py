@@ -46,7 +46,7 @@ class SconeForCausalLM(nn.Module):
         self.fgrams, self.store = None, None
         if config.fgrams is not None:
             model_config = vllm_config.model_config
-            refuse_unsupported(vllm_config)
+            checks.refuse_unsupported(vllm_config)  # EngineChecks refused these before; a worker built otherwise
             self.fgrams = checks.open_export(model_config.model, model_config.tokenizer)
             self.store = TokenStore(self.fgrams.max_len, vllm_config.cache_config.block_size)
             logger.info("SCONE: %d f-grams of up to %d tokens, rows [%d, %d] %s memory-mapped on the host from %s",
@@ -102,14 +102,3 @@ class SconeForCausalLM(nn.Module):
         """The stock checkpoint's tensors, stored under `decoder.` (serving/hf_remote.py)."""
         return AutoWeightsLoader(self).load_weights(weights)
 
-
-def refuse_unsupported(vllm_config: VllmConfig) -> None:
-    """What the plugin cannot serve correctly, refused in one line rather than served with wrong rows: prompt
-    embeddings (no token ids to match) and micro-batched passes (dual batch overlap: each micro-batch has its own
-    attention metadata, which fgram_ids does not split)."""
-    if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
-        raise ValueError("SCONE matches f-grams on token ids, and prompt embeddings have none. Fix: serve without "
-                         "--enable-prompt-embeds.")
-    if getattr(vllm_config.parallel_config, "enable_dbo", False):
-        raise ValueError("SCONE does not support dual batch overlap (micro-batched passes). Fix: serve without "
-                         "--enable-dbo.")

@@ -123,32 +123,12 @@ def test_greedy_tokens_as_ours_together_and_alone(llm, served):
     assert sum(h[len(p):].sum() for h, p in zip(hits, asked)) > 0
 
 
-class ServedRows:
-    """The table of the export vLLM serves, behind HostTable's gather ([..., d] bfloat16, zero where no f-gram): the
-    bundle export computes its own table, and a few of its values land one bfloat16 rounding apart from the
-    --format=hf export's (fp32 sums over other batch shapes; 31 of this run's 128,000 on one device, up to 0.008),
-    enough to move later log-probabilities by 3e-3."""
-
-    def __init__(self, directory):
-        from scone_jax.serving.vllm_plugin import checks
-
-        self.table = checks.open_export(directory).table
-
-    def gather(self, ids):
-        import ml_dtypes
-
-        flat = np.asarray(ids).reshape(-1)
-        rows = np.asarray(self.table.gather(np.maximum(flat, 0))).view(ml_dtypes.bfloat16).copy()
-        rows[flat < 0] = 0
-        return rows.reshape(*np.shape(ids), -1)
-
-
 def test_prompt_logprobs_as_ours(llm, served, exported):
-    """Each prompt token's log-probability (vLLM's prompt_logprobs, raw) within 1e-4 of our serving path's given the
-    same rows (fp32; the largest difference seen: 7.4e-5, at log-probabilities down to -20; vLLM runs the 200-token
-    prompt's prefill in 64-token chunks)."""
-    import dataclasses
-
+    """Each prompt token's log-probability (vLLM's prompt_logprobs, raw) within 1e-4 of our serving path's (fp32; the
+    largest difference seen: 7.4e-5, at log-probabilities down to -20; vLLM runs the 200-token prompt's prefill in
+    64-token chunks). The bundle's table and the --format=hf export's are first checked equal, bit for bit (the same
+    program on the same batches, serving/hf_remote.py): exported over other batch shapes, 31 bf16 values landed one
+    rounding apart, and that moved later log-probabilities by up to 3e-3."""
     import jax
     import jax.numpy as jnp
 
@@ -156,14 +136,18 @@ def test_prompt_logprobs_as_ours(llm, served, exported):
     from scone_jax.model import scone
     from scone_jax.serving import inference
 
-    same_rows = dataclasses.replace(served, table=ServedRows(exported["hf"]))
+    from scone_jax.serving.vllm_plugin import checks
+
+    every = np.arange(served.table.num_rows)
+    np.testing.assert_array_equal(np.asarray(served.table.gather(every)).view(np.uint16),
+                                  checks.open_export(exported["hf"]).table.gather(every))
     asked = [p for p in prompts(served) if len(p) > 1]
     outputs = llm.generate([{"prompt_token_ids": p.tolist()} for p in asked],
                            vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
     for p, out in zip(asked, outputs):
         batch = Batch(inputs=p[None], segment_ids=np.ones((1, len(p)), np.int32),
                       positions=np.arange(len(p), dtype=np.int32)[None])
-        batch = inference.host_rows(same_rows, batch)
+        batch = inference.host_rows(served, batch)
         logits = np.asarray(scone.batch_logits(served.decoder, jax.tree.map(jnp.asarray, batch.for_device())))[0]
         logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
         want = np.asarray(logp)[np.arange(len(p) - 1), p[1:]]

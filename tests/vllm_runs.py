@@ -23,22 +23,24 @@ CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content
 TINY = dict(d_model=64, num_heads=2, num_kv_heads=1, d_ff=128, num_layers=2, max_seq_len=256, init_std=0.5)
 
 
-def run_config(tokenizer: str, scone: bool, model: dict, num_fgrams: int = 2000, extract_max_tokens: int = 200_000):
+def run_config(tokenizer: str, scone: bool, model: dict, num_fgrams: int = 2000, extract_max_tokens: int = 200_000,
+               min_count: int = 2):
     from tests.common import small_config
 
     config = small_config(**{"vocab_size": hf_models.TOKENIZER_SIZE, **LLAMA_STYLE, **model})
     with config.unlocked():
         config.data.tokenizer_path = tokenizer
         config.data.chat_template = os.path.join(os.path.dirname(tokenizer), "chat_template.jinja")
-        config.scone.update(dict(enabled=scone, max_len=4, num_fgrams=num_fgrams, min_count=2, fgram_capacity=256,
-                                 num_layers=1, extract_max_tokens=extract_max_tokens))
+        config.scone.update(dict(enabled=scone, max_len=4, num_fgrams=num_fgrams, min_count=min_count,
+                                 fgram_capacity=256, num_layers=1, extract_max_tokens=extract_max_tokens))
     return config
 
 
 def build(root: str, kind: str, model: dict | None = None, num_fgrams: int = 2000,
-          extract_max_tokens: int = 200_000) -> dict:
+          extract_max_tokens: int = 200_000, min_count: int = 2) -> dict:
     """{'workdir', 'bundle', 'hf'} of the run `kind` ('scone' or 'baseline') under root/kind, built once; `model`
-    overrides TINY (tools/bench_vllm.py builds larger ones)."""
+    overrides TINY, and tools/bench_vllm.py asks for more f-grams (min_count=1: the embedded corpus holds 177k
+    n-grams seen twice, fewer than its 200k table)."""
     from scone_jax.serving import export, hf_export
     from scone_jax.training import run as run_lib
 
@@ -52,9 +54,9 @@ def build(root: str, kind: str, model: dict | None = None, num_fgrams: int = 200
         with open(os.path.join(base, "chat_template.jinja"), "w") as f:
             f.write(CHAT_TEMPLATE)
         settings = dict(TINY, embedding_multiplier=2.0 if kind == "scone" else 1.0, **(model or {}))
-        config = run_config(tokenizer, kind == "scone", settings, num_fgrams, extract_max_tokens)
+        config = run_config(tokenizer, kind == "scone", settings, num_fgrams, extract_max_tokens, min_count)
         run_lib.save_initial_state(config, paths["workdir"], 1)
-        export.export(paths["workdir"], paths["bundle"], chunk_rows=256, batch_rows=1024)
+        export.export(paths["workdir"], paths["bundle"], chunk_rows=1024, batch_rows=1024)  # the hf export's batches
         hf_export.export_hf(paths["workdir"], paths["hf"], batch_rows=1024)
         open(os.path.join(base, "DONE"), "w").close()
     return paths

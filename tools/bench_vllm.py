@@ -13,7 +13,8 @@ step is (time of a request of 1 + N new tokens - time of 1 new token) / N: prefi
   tokens_per_s_{scone,plain}_b{1,16}          new tokens per second over the batch
   scone_vs_plain_decode_b{1,16}               plain time / SCONE time (1 = the f-grams cost nothing)
   scone_vs_plain_decode                       the smaller of the two
-With --memory: two SCONE exports of S = 20k and 200k f-grams (the same decoder), one engine each, and
+With --memory: two SCONE exports of S = 20k and 200k f-grams (the same decoder; f-grams seen once count), one engine
+each, and
   model_tensor_bytes_s{20k,200k}    bytes of the parameters and buffers the model registers with torch (what vLLM
                                     places on the device): the same for both, the table is not among them
   engine_rss_mb_s{20k,200k}         resident memory of the engine's worker after a request (the table's pages
@@ -37,12 +38,13 @@ QUICK_SETTINGS = dict(d_model=64, num_heads=1, num_kv_heads=1, d_ff=128, num_lay
                       init_std=0.2)
 
 
-def build_exports(root: str, quick: bool, num_fgrams: int) -> str:
+def build_exports(root: str, quick: bool, num_fgrams: int, min_count: int = 2) -> str:
     """The hf export of a SCONE run under root (built once); returns its directory."""
     from tests import vllm_runs
 
     settings = QUICK_SETTINGS if quick else SCONE_SETTINGS
-    paths = vllm_runs.build(root, "scone", model=settings, num_fgrams=num_fgrams, extract_max_tokens=20 * num_fgrams)
+    paths = vllm_runs.build(root, "scone", model=settings, num_fgrams=num_fgrams, extract_max_tokens=20 * num_fgrams,
+                            min_count=min_count)
     return paths["hf"]
 
 
@@ -123,7 +125,8 @@ def tensor_bytes_and_rss(model) -> tuple[int, int]:
 
 def memory(args, root: str) -> None:
     for label, num in (("20k", 20_000), ("200k", 200_000)):
-        directory = build_exports(os.path.join(root, f"s{label}"), args.quick, num)
+        # n-grams seen once count too: the embedded corpus has 177k seen twice, fewer than S = 200k
+        directory = build_exports(os.path.join(root, f"m{label}"), args.quick, num, min_count=1)
         llm = engine(directory)
         timed(llm, prompts(4, 48), 8)
         # by its module's name: LLM.apply_model pickles the function, and the worker cannot import this __main__

@@ -258,11 +258,14 @@ def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
     s, t = config.scone, config.train
     if not s.enabled:
         for key, value, default in (("learning_rate_multiplier", s.learning_rate_multiplier, 1.0),
-                                    ("gate", s.gate, False), ("own_token_embedding", s.own_token_embedding, False)):
+                                    ("gate", s.gate, False), ("own_token_embedding", s.own_token_embedding, False),
+                                    ("combine", s.combine, "replace"),
+                                    ("output_projection_init", s.output_projection_init, "normal")):
             if value != default:
                 raise ValueError(f"scone.{key}={value!r} is set on a run without SCONE (scone.enabled=False): it "
                                  "applies to the f-gram model only. Fix: set --config.scone.enabled=True, or leave "
                                  f"scone.{key} at {default!r}.")
+    _check_combine(config)
     if s.gate_learning_rate_multiplier != 1.0 and not s.gate:
         raise ValueError(f"scone.gate_learning_rate_multiplier={s.gate_learning_rate_multiplier!r} is set without "
                          "scone.gate: there is no gate to train. Fix: set --config.scone.gate=True, or leave the "
@@ -273,19 +276,55 @@ def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
                          "Fix: keep one of them and set the others to 0.")
 
 
+COMBINES = ("replace", "add")
+PROJECTION_INITS = ("normal", "zeros")
+
+
+def _check_combine(config: ml_collections.ConfigDict) -> None:
+    """scone.combine and scone.output_projection_init take their listed values; a zero projection needs one to
+    exist (the f-gram model's width differs from the main model's) and a combination that starts from the token's
+    input (add, or the gate), else every matched position would read zeros at step 0."""
+    s = config.scone
+    for key, valid in (("combine", COMBINES), ("output_projection_init", PROJECTION_INITS)):
+        if s[key] not in valid:
+            raise ValueError(f"Unknown scone.{key}={s[key]!r}; valid: {', '.join(valid)}.")
+    if s.output_projection_init != "zeros":
+        return
+    width = s.d_model
+    if not width and s.get("source_model", ""):
+        try:
+            width = json.loads(s.source_model)["d_model"]
+        except (ValueError, TypeError, KeyError):
+            return  # check_fgram_source names a source_model it cannot read
+    if not width or width == config.model.d_model:
+        raise ValueError(f"scone.output_projection_init='zeros' sets the f-gram model's projection to the main "
+                         f"model's width, and there is none: its width is the main model's ({config.model.d_model}). "
+                         "Fix: give the f-gram model another width (scone.d_model, or a source checkpoint's), or "
+                         "leave scone.output_projection_init='normal'.")
+    if s.combine == "replace" and not s.gate:
+        raise ValueError("scone.output_projection_init='zeros' with scone.combine='replace' feeds the decoder zeros "
+                         "at every matched position at step 0. Fix: --config.scone.combine=add (T(token) + f, f "
+                         "from 0), or --config.scone.gate=True.")
+
+
 def check_fgram_source(config: ml_collections.ConfigDict) -> None:
-    """scone.init_from_hf needs SCONE and scone.gate: with g = 0 at step 0 the decoder receives T(token) at every
-    position, so the run starts exactly as the plain fine-tune of the main model does (docs/training.md), instead
-    of feeding it a random projection of the source's states. scone.source_model, derived from the source, must
-    parse and agree with the f-gram model's sizes."""
+    """scone.init_from_hf needs SCONE and a start at the plain fine-tune: scone.gate (g = 0 at step 0), or
+    scone.combine='add' with scone.output_projection_init='zeros' (T(token) + P h with P = 0): either way the decoder
+    receives T(token) at every position at step 0, so the run starts exactly as the plain fine-tune of the main
+    model does (docs/training.md), instead of feeding it a random projection of the source's states.
+    scone.source_model, derived from the source, must parse and agree with the f-gram model's sizes."""
     s = config.scone
     if s.get("init_from_hf", ""):
-        for key, value, fix in (("enabled", s.enabled, "--config.scone.enabled=True"),
-                                ("gate", s.gate, "--config.scone.gate=True (g = 0 at step 0: the run starts as the "
-                                                 "plain fine-tune of the main model)")):
-            if not value:
-                raise ValueError(f"scone.init_from_hf={s.init_from_hf!r} is set with scone.{key}=False. Fix: set "
-                                 f"{fix}, or drop scone.init_from_hf.")
+        if not s.enabled:
+            raise ValueError(f"scone.init_from_hf={s.init_from_hf!r} is set with scone.enabled=False. Fix: set "
+                             "--config.scone.enabled=True, or drop scone.init_from_hf.")
+        if not s.gate and not (s.combine == "add" and s.output_projection_init == "zeros"):
+            raise ValueError(f"scone.init_from_hf={s.init_from_hf!r} is set with scone.gate=False and "
+                             f"scone.combine={s.combine!r}, scone.output_projection_init={s.output_projection_init!r}:"
+                             " the run would not start as the plain fine-tune of the main model. Fix: set "
+                             "--config.scone.gate=True (g = 0 at step 0), or --config.scone.combine=add with "
+                             "--config.scone.output_projection_init=zeros (f = 0 at step 0), or drop "
+                             "scone.init_from_hf.")
     if not s.get("source_model", ""):
         return
     try:

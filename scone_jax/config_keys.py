@@ -179,6 +179,16 @@ KEYS = (
         "scone.gate's g trains at this multiple of the f-gram model's rate (on top of learning_rate_multiplier): at "
         "a fine-tune's learning rate (4e-5) Adam moves g by about that per step, too slow to reach 1 in a run. "
         "Only with gate", "> 0"),
+    Key("scone.combine", "replace", STATE,
+        "a matched position's input from the f-gram embedding f: 'replace' = f (the method, docs/method.md §3); "
+        "'add' = T(token) + f, the token's own input (model.embedding_multiplier included) kept beside it (with "
+        "scone.gate: T(token) + g f). The export bakes it into the table's rows (docs/training.md). Only with "
+        "enabled"),
+    Key("scone.output_projection_init", "normal", SETTING,
+        "the f-gram model's projection to the main model's width (out_proj: only when the f-gram model's width "
+        "differs): 'normal' (model.init_std) or 'zeros', with which scone.combine='add' starts as the plain "
+        "decoder exactly and f grows from 0 (docs/training.md). 'zeros' needs the projection, and combine='add' or "
+        "scone.gate"),
     Key("scone.gate", False, STATE,
         "the method (False): a matched position's input is the f-gram embedding f. True: a learned scalar g, "
         "starting at 0, mixes it with the token's own input, (1 - g) T(token) + g f, so training starts as the "

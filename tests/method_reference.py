@@ -96,12 +96,16 @@ def matched_input(gram, params, arch):
     """§3: what the decoder reads at a position where `gram` is the longest match: its f-gram embedding. With the
     gate of docs/training.md (scone.gate; params["fgram"]["gate"] = g, absent in the method) the mix
     (1 - g) T(token) + g f, the token there being the f-gram's last one and T(token) the decoder's own input
-    (times its embedding multiplier). The export's table row of `gram`."""
+    (times its embedding multiplier). The additive control of docs/training.md (arch["combine"] = "add"; "replace"
+    in the method) keeps that input beside f: T(token) + f (+ g f with the gate). The export's table row of `gram`."""
     f = fgram_embedding(gram, params, arch)
-    if "gate" not in params["fgram"]:
+    token = params["token_embed"][gram[-1]] * arch.get("embedding_multiplier", 1.0)
+    g = float(params["fgram"]["gate"]) if "gate" in params["fgram"] else None
+    if arch.get("combine", "replace") == "add":
+        return token + (f if g is None else g * f)
+    if g is None:
         return f
-    g = float(params["fgram"]["gate"])
-    return (1 - g) * params["token_embed"][gram[-1]] * arch.get("embedding_multiplier", 1.0) + g * f
+    return (1 - g) * token + g * f
 
 
 def longest_matches(tokens, fgrams, max_len):

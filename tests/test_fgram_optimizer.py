@@ -176,6 +176,8 @@ def test_the_gate_trains_at_its_own_multiple_of_the_fgram_models_rate():
                                             r"leave scone\.learning_rate_multiplier at 1\.0\.$"),
     ("scone.gate", True, r"^scone\.gate=True is set on a run without SCONE .*leave scone\.gate at False\.$"),
     ("scone.own_token_embedding", True, r"^scone\.own_token_embedding=True is set on a run without SCONE "),
+    ("scone.combine", "add", r"^scone\.combine='add' is set on a run without SCONE "),
+    ("scone.output_projection_init", "zeros", r"^scone\.output_projection_init='zeros' is set on a run without SCONE"),
     ("scone.gate_learning_rate_multiplier", 5.0, r"^scone\.gate_learning_rate_multiplier=5\.0 is set without "
                                                  r"scone\.gate: there is no gate to train\. Fix: "),
     ("train.fgram_model_delay_steps_per_layer", 10, r"^train\.fgram_model_delay_steps=40 and "
@@ -201,7 +203,7 @@ def test_fgram_settings_that_mean_nothing_are_refused_in_one_line(key, value, me
     assert "\n" not in str(e.value)
     config.scone.enabled = True  # with SCONE on (and the gate for its multiplier), these are fine
     config.scone.gate = config.scone.gate or name == "gate_learning_rate_multiplier"
-    if key == "scone.gate" or value > 0 and section == "scone":
+    if key in ("scone.gate", "scone.combine") or not isinstance(value, str) and value > 0 and section == "scone":
         config_lib.validate(config)
 
 
@@ -215,6 +217,32 @@ def test_a_gate_on_a_baseline_run_stops_the_main_job_with_one_line_and_exit_2(tm
                      "applies to the f-gram model only. Fix: set --config.scone.enabled=True, or leave scone.gate at "
                      "False."]
     assert "Traceback" not in result.stderr and not (workdir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"combine": "sum"}, r"^Unknown scone\.combine='sum'; valid: replace, add\.$"),
+    ({"output_projection_init": "ones"}, r"^Unknown scone\.output_projection_init='ones'; valid: normal, zeros\.$"),
+    ({"combine": "add", "output_projection_init": "zeros"},
+     r"^scone\.output_projection_init='zeros' sets the f-gram model's projection .* and there is none: its width is "
+     r"the main model's \(64\)\. Fix: "),
+    ({"d_model": 32, "num_heads": 2, "output_projection_init": "zeros"},
+     r"^scone\.output_projection_init='zeros' with scone\.combine='replace' feeds the decoder zeros .* Fix: "
+     r"--config\.scone\.combine=add"),
+])
+def test_combinations_that_cannot_start_are_refused_in_one_line(settings, message):
+    """scone.combine and scone.output_projection_init on a SCONE run: unknown values, a zero projection where the
+    widths agree (there is no projection), and a zero projection under replacement (zeros at every matched position)
+    are refused; a zero projection with combine='add', or with the gate, is accepted. Caught: the width compared
+    with scone.d_model's 0 default as a width."""
+    config = small_config()
+    config.scone.update(dict(enabled=True) | settings)
+    with pytest.raises(ValueError, match=message) as e:
+        config_lib.validate(config)
+    assert "\n" not in str(e.value)
+    for accepted in ({"combine": "add"}, {"gate": True}):
+        config = small_config()
+        config.scone.update(dict(enabled=True, d_model=32, num_heads=2, output_projection_init="zeros") | accepted)
+        config_lib.validate(config)
 
 
 @pytest.mark.parametrize("key,value", [("learning_rate_multiplier", 0.5), ("gate", True)])

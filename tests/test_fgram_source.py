@@ -130,16 +130,26 @@ def _matched_batch(seed: int = 0):
     return jax.tree.map(jnp.asarray, scone.for_device()), jax.tree.map(jnp.asarray, plain.for_device())
 
 
+# How a grown f-gram model starts at the plain fine-tune: the gate at g = 0, or T(token) + P h with P = 0; the
+# parameter whose gradient starts the f-gram model learning.
+STARTS = {"gate": ({}, ("gate",)),
+          "add, zero projection": ({"gate": False, "combine": "add", "output_projection_init": "zeros"},
+                                   ("out_proj", "kernel"))}
+
+
 @pytest.mark.slow  # trains two runs: the fast tier keeps the parity case above
-def test_step_zero_equals_the_plain_fine_tune(checkpoints):
-    """The SCONE run (Qwen3 main + a wider, deeper Qwen3 f-gram model, g = 0) and the plain fine-tune of the same
-    main checkpoint: the same summed loss, token count and gradient of every decoder parameter on a batch where
-    f-grams are matched; the f-gram model's own gradients are exactly zero (nothing of it reaches the decoder yet)
-    except the gate's, which is how it starts to learn."""
+@pytest.mark.parametrize("start", STARTS)
+def test_step_zero_equals_the_plain_fine_tune(checkpoints, start):
+    """The SCONE run (Qwen3 main + a wider, deeper Qwen3 f-gram model; g = 0, or scone.combine='add' through a
+    zero-initialised projection) and the plain fine-tune of the same main checkpoint: the same summed loss, token
+    count and gradient of every decoder parameter on a batch where f-grams are matched; the f-gram model's own
+    gradients are exactly zero (nothing of it reaches the decoder yet) except the gate's, or the projection's, which
+    is how it starts to learn. Caught (add): the projection initialised at init_std (the loss moved)."""
+    settings, learner = STARTS[start]
     main, source, _ = checkpoints("qwen3")
     scone_batch, plain_batch = _matched_batch()
     assert int((scone_batch.fgram_slot >= 0).sum()) >= 15
-    scone, _ = built(scone_config(main, source))
+    scone, _ = built(scone_config(main, source, **settings))
     plain, _ = built(hf_models.import_config(main))
     loss, count, grads = nnx.jit(steps.loss_and_grads)(scone, scone_batch)
     plain_loss, plain_count, plain_grads = nnx.jit(steps.loss_and_grads)(plain, plain_batch)
@@ -151,8 +161,9 @@ def test_step_zero_equals_the_plain_fine_tune(checkpoints):
         np.testing.assert_allclose(np.asarray(g.get_value()), np.asarray(theirs[path].get_value()), rtol=1e-5,
                                    atol=1e-7, err_msg=str(path))
     fgram = dict(nnx.to_flat_state(grads["fgram_model"]))
-    assert abs(float(fgram[("gate",)].get_value())) > 0
-    assert all(float(jnp.abs(g.get_value()).max()) == 0 for path, g in fgram.items() if path != ("gate",))
+    assert float(jnp.abs(fgram[learner].get_value()).max()) > 0
+    assert all(float(jnp.abs(g.get_value()).max()) == 0 for path, g in fgram.items()
+               if path[0] not in ("gate", "out_proj"))
 
 
 def test_a_source_with_another_tokenizer_is_refused(checkpoints, tmp_path):
@@ -190,7 +201,12 @@ BAD = {
     # blocks 3 x 30,880 + final norm 64 + own table 320 x 64 + out_proj 64 x 48 = 116,256 parameters.
     "capacity": ({"max_source_params": 116_255}, None, "would have 116,256 parameters, more than "
                                                         "scone.max_source_params=116,255"),
-    "no gate": ({"gate": False}, None, "is set with scone.gate=False. Fix: set --config.scone.gate=True"),
+    "no gate": ({"gate": False}, None, "is set with scone.gate=False and scone.combine='replace', "
+                                       "scone.output_projection_init='normal': the run would not start as the plain "
+                                       "fine-tune of the main model. Fix: set --config.scone.gate=True"),
+    "add without a zero projection": ({"gate": False, "combine": "add"}, None,
+                                      "Fix: set --config.scone.gate=True (g = 0 at step 0), or "
+                                      "--config.scone.combine=add with --config.scone.output_projection_init=zeros"),
     "no scone": ({"enabled": False}, None, "is set with scone.enabled=False"),
     "width": ({"d_model": 32}, None, "scone.d_model=32 conflicts with"),
 }

@@ -232,6 +232,48 @@ def test_the_gate_mixes_token_and_fgram_inputs_and_the_export_bakes_it_into_the_
                 np.testing.assert_allclose(table[i], ref.matched_input(gram, params, arch), rtol=1e-5, atol=1e-5)
 
 
+def test_the_additive_control_keeps_the_token_input_and_a_zero_projection_starts_as_the_plain_decoder():
+    """scone.combine='add' (docs/training.md; 'replace' in the method): the decoder's input at a matched position is
+    T(token) + f, T(token) its own input there (model.embedding_multiplier included). Against the reference
+    (ref.matched_input) in the training losses and in the export's table rows (an f-gram model of another width, so
+    through its projection). With scone.output_projection_init='zeros' the projection starts at 0, so at step 0 the
+    losses are the plain decoder's and no gradient reaches the f-gram model's blocks, while the projection's is not
+    zero (it learns from step 1). Caught: matched positions replaced by T(token) + f without the embedding
+    multiplier; the export's rows without the token's input (f alone); the zero init ignored (out_proj at init_std)."""
+    narrow = dict(combine="add", d_model=32, num_heads=2, d_ff=48)
+    config = scone_config(GPT2, **narrow)
+    config.model.embedding_multiplier = 2.0
+    arch = arch_of(config) | {"embedding_multiplier": 2.0, "combine": "add"}
+    model = perturbed_model(config)
+    batch, vocab = production_batch(num_shards=2, capacity=48)
+    losses = jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))
+    got = np.asarray(losses(*nnx.split(model), device_arrays(batch)))
+    params = reference_params(model, config)
+    want = ref.token_losses(params, batch, arch, planted_grams(), K)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want - ref.token_losses(params, batch, arch | {"combine": "replace"}, planted_grams(), K)).max() > 1e-2
+    mesh = sharding.make_mesh(config.mesh)
+    rows = 8 * -(-vocab.num_fgrams // 8)  # whole rows per device
+    table = np.asarray(export.embed_fn(model, mesh, "float32")(*export.batch_inputs(vocab, 0, rows, mesh)))
+    for i in range(vocab.num_fgrams):
+        gram = tuple(int(t) for t in vocab.tokens[i, : vocab.lengths[i]])
+        np.testing.assert_allclose(table[i], ref.matched_input(gram, params, arch), rtol=1e-5, atol=1e-5)
+
+    config = scone_config(GPT2, output_projection_init="zeros", **narrow)
+    model = state_lib.build_model(config)
+    assert not np.asarray(model.fgram_model.out_proj.kernel[...]).any()
+    params = reference_params(model, config)
+    got = np.asarray(losses(*nnx.split(model), device_arrays(batch)))
+    plain = ref.token_losses(params, batch, arch_of(config), (), K)  # no f-gram reaches the decoder
+    np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-5)
+    graphdef, weights, rest = nnx.split(model, nnx.Param, ...)
+    device = device_arrays(batch)
+    grads = jax.grad(lambda w: steps.token_losses(nnx.merge(graphdef, w, rest), device).sum())(weights)
+    fgram = nnx.to_pure_dict(grads)["fgram_model"]
+    assert not any(np.asarray(x).any() for x in jax.tree.leaves(fgram["stack"])), "the blocks learn from f = 0"
+    assert np.abs(np.asarray(fgram["out_proj"]["kernel"])).max() > 1e-4
+
+
 # --- AdamW -----------------------------------------------------------------------------------------------
 
 def _flat(tree) -> dict:

@@ -9,7 +9,8 @@ every tensor's name, shape and dtype) and writes into `config`:
                        them (model/fgram_model.py), and checkpoints and exports carry them, so a resume or an export
                        rebuilds the same model without the directory;
   scone.num_layers, d_model, num_heads, d_ff  the source's (a different value the user set is refused).
-Refused in one line, before anything is read or written: a run without SCONE or without scone.gate (config.py);
+Refused in one line, before anything is read or written: a run without SCONE, or that would not start at the plain
+fine-tune (neither scone.gate nor scone.combine=add with a zero projection: config.py);
 a source with fewer positions than K; one whose f-gram model would exceed scone.max_source_params; a source whose
 tokenizer is not the run's (the f-gram model reads the run's ids: they must name the same tokens in both, so
 tokenizer.json files that differ only in ways that keep every id's token are accepted and said so in the log).

@@ -80,7 +80,9 @@ class FgramModel(nnx.Module):
         own = bool(scone_cfg.get("own_token_embedding", False))
         resize = cfg.d_model != main_cfg.d_model
         self.in_proj = dense(main_cfg.d_model, cfg.d_model, ("embed", "mlp"), cfg, rngs) if resize and not own else None
-        self.out_proj = dense(cfg.d_model, main_cfg.d_model, ("mlp", "embed"), cfg, rngs) if resize else None
+        zeros = scone_cfg.get("output_projection_init", "normal") == "zeros"  # f = 0 at step 0 (scone.combine='add')
+        self.out_proj = dense(cfg.d_model, main_cfg.d_model, ("mlp", "embed"), cfg, rngs,
+                              std=0.0 if zeros else None) if resize else None
         self.stack = BlockStack(cfg, cfg.num_layers, rngs, final_norm=scone_cfg.output_norm)
         # Off by default (docs/method.md §4). The final norm leaves rows of norm ~sqrt(d), over ten times the
         # token embeddings they replace; a learned scalar gain starting at output_gain_init tests that scale.
@@ -91,6 +93,8 @@ class FgramModel(nnx.Module):
         # Off by default (the method). scone.gate: the scalar g of SconeModel.matched_inputs, from 0; one of this
         # model's parameters, so the f-gram model's delay and learning-rate multiplier apply to it too.
         self.gate = nnx.Param(jnp.zeros((), param_dtype)) if scone_cfg.gate else None
+        # scone.combine: 'replace' (the method) or 'add' (SconeModel.matched_inputs); static, no parameter.
+        self.combine = scone_cfg.get("combine", "replace")
         # scone.own_token_embedding: a table of this model's own, the source's rows (its vocabulary) or the main
         # model's; made last, so a run without it draws the same random numbers as before it existed.
         rows = source.get("vocab_size", main_cfg.vocab_size) if source else main_cfg.vocab_size

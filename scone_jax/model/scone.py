@@ -3,7 +3,7 @@ losses (and the perplexity of their mean), for every caller (train and eval step
 harness scoring, generation).
 
 The decoder's input is T(token) everywhere, replaced where an f-gram ends by that f-gram's embedding
-(docs/method.md §3; with scone.gate, by its mix with T(token), SconeModel.matched_inputs). The
+(docs/method.md §3; with scone.gate or scone.combine='add', by its mix with T(token), SconeModel.matched_inputs). The
 embeddings come from one of two providers, chosen by the batch's arrays (scone_jax/batch.py):
   trained  the f-gram model of a SconeModel, run once per row of each group's maximal unique f-grams
            (fgram_tokens [G, C, K], fgram_lengths [G, C]) and read back per position through its slot
@@ -47,7 +47,7 @@ class SconeModel(nnx.Module):
         f-gram model's output (sharing T with the decoder), mixed by scone.gate with the decoder's input for
         the f-gram's last token, the token at that position."""
         rows = self.fgram_model(self.fgram_inputs(fgram_tokens), fgram_lengths)
-        if self.fgram_model.gate is None:
+        if self.fgram_model.gate is None and self.fgram_model.combine == "replace":
             return rows
         last = jnp.take_along_axis(fgram_tokens, jnp.maximum(fgram_lengths - 1, 0)[:, None], axis=1)[:, 0]
         return self.matched_inputs(rows, self.decoder.input_tokens(last))
@@ -63,11 +63,16 @@ class SconeModel(nnx.Module):
         """The decoder's input at matched positions from the f-gram model's rows: the rows themselves (the
         method), or with scone.gate (1 - g) T(token) + g rows, `token_inputs` being the decoder's own input
         there (model.embedding_multiplier included). g is one learned scalar starting at 0, so a gated run
-        starts as the baseline does and reaches the method's replacement at g = 1 (docs/training.md)."""
-        if self.fgram_model.gate is None:
+        starts as the baseline does and reaches the method's replacement at g = 1 (docs/training.md). With
+        scone.combine='add' the token's input stays: T(token) + rows (+ g rows with the gate)."""
+        gate = self.fgram_model.gate
+        g = None if gate is None else gate[...].astype(rows.dtype)
+        token_inputs = token_inputs.astype(rows.dtype)
+        if self.fgram_model.combine == "add":
+            return token_inputs + (rows if g is None else g * rows)
+        if g is None:
             return rows
-        g = self.fgram_model.gate[...].astype(rows.dtype)
-        return (1 - g) * token_inputs.astype(rows.dtype) + g * rows
+        return (1 - g) * token_inputs + g * rows
 
 
 def decoder_of(model) -> Decoder:

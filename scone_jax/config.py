@@ -281,26 +281,15 @@ PROJECTION_INITS = ("normal", "zeros")
 
 
 def _check_combine(config: ml_collections.ConfigDict) -> None:
-    """scone.combine and scone.output_projection_init take their listed values; a zero projection needs one to
-    exist (the f-gram model's width differs from the main model's) and a combination that starts from the token's
-    input (add, or the gate), else every matched position would read zeros at step 0."""
+    """scone.combine and scone.output_projection_init take their listed values; a zero projection needs a
+    combination that starts from the token's input (add, or the gate), else every matched position would read zeros
+    at step 0."""
     s = config.scone
     for key, valid in (("combine", COMBINES), ("output_projection_init", PROJECTION_INITS)):
         if s[key] not in valid:
             raise ValueError(f"Unknown scone.{key}={s[key]!r}; valid: {', '.join(valid)}.")
     if s.output_projection_init != "zeros":
         return
-    width = s.d_model
-    if not width and s.get("source_model", ""):
-        try:
-            width = json.loads(s.source_model)["d_model"]
-        except (ValueError, TypeError, KeyError):
-            return  # check_fgram_source names a source_model it cannot read
-    if not width or width == config.model.d_model:
-        raise ValueError(f"scone.output_projection_init='zeros' sets the f-gram model's projection to the main "
-                         f"model's width, and there is none: its width is the main model's ({config.model.d_model}). "
-                         "Fix: give the f-gram model another width (scone.d_model, or a source checkpoint's), or "
-                         "leave scone.output_projection_init='normal'.")
     if s.combine == "replace" and not s.gate:
         raise ValueError("scone.output_projection_init='zeros' with scone.combine='replace' feeds the decoder zeros "
                          "at every matched position at step 0. Fix: --config.scone.combine=add (T(token) + f, f "

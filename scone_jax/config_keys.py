@@ -185,10 +185,10 @@ KEYS = (
         "scone.gate: T(token) + g f). The export bakes it into the table's rows (docs/training.md). Only with "
         "enabled"),
     Key("scone.output_projection_init", "normal", SETTING,
-        "the f-gram model's projection to the main model's width (out_proj: only when the f-gram model's width "
-        "differs): 'normal' (model.init_std) or 'zeros', with which scone.combine='add' starts as the plain "
-        "decoder exactly and f grows from 0 (docs/training.md). 'zeros' needs the projection, and combine='add' or "
-        "scone.gate"),
+        "the f-gram model's projection to the main model's width (out_proj): 'normal' (model.init_std; only when "
+        "the f-gram model's width differs) or 'zeros' (at any width), with which scone.combine='add' starts as the "
+        "plain decoder exactly and f grows from 0 at the scale the projection learns (docs/training.md). 'zeros' "
+        "needs combine='add' or scone.gate"),
     Key("scone.gate", False, STATE,
         "the method (False): a matched position's input is the f-gram embedding f. True: a learned scalar g, "
         "starting at 0, mixes it with the token's own input, (1 - g) T(token) + g f, so training starts as the "

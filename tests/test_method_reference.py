@@ -238,8 +238,9 @@ def test_the_additive_control_keeps_the_token_input_and_a_zero_projection_starts
     (ref.matched_input) in the training losses and in the export's table rows (an f-gram model of another width, so
     through its projection). With scone.output_projection_init='zeros' the projection starts at 0, so at step 0 the
     losses are the plain decoder's and no gradient reaches the f-gram model's blocks, while the projection's is not
-    zero (it learns from step 1). Caught: matched positions replaced by T(token) + f without the embedding
-    multiplier; the export's rows without the token's input (f alone); the zero init ignored (out_proj at init_std)."""
+    zero (it learns from step 1); at equal widths the setting makes that projection. Caught: matched positions
+    replaced by T(token) + f without the embedding multiplier; the export's rows without the token's input (f
+    alone); the zero init ignored (out_proj at init_std), or no projection made at equal widths."""
     narrow = dict(combine="add", d_model=32, num_heads=2, d_ff=48)
     config = scone_config(GPT2, **narrow)
     config.model.embedding_multiplier = 2.0
@@ -259,7 +260,7 @@ def test_the_additive_control_keeps_the_token_input_and_a_zero_projection_starts
         gram = tuple(int(t) for t in vocab.tokens[i, : vocab.lengths[i]])
         np.testing.assert_allclose(table[i], ref.matched_input(gram, params, arch), rtol=1e-5, atol=1e-5)
 
-    config = scone_config(GPT2, output_projection_init="zeros", **narrow)
+    config = scone_config(GPT2, combine="add", output_projection_init="zeros")  # at the main width: a d x d P
     model = state_lib.build_model(config)
     assert not np.asarray(model.fgram_model.out_proj.kernel[...]).any()
     params = reference_params(model, config)

@@ -86,7 +86,8 @@ def derive_architecture(config, family: Family, model: dict, where: str) -> None
 def source_params(family: Family, model: dict, config) -> int:
     """Parameters of the f-gram model this run builds from the source's keys `model`: the blocks and final norm,
     its token table with scone.own_token_embedding, K learned positions for a GPT-2 source, and the projections
-    to and from the main model's width where the widths differ. What scone.max_source_params bounds."""
+    to and from the main model's width where the widths differ (the one out of it, zero-initialised, at equal widths
+    with scone.output_projection_init='zeros'). What scone.max_source_params bounds."""
     own, k = bool(config.scone.own_token_embedding), config.scone.max_len
     total = 0
     for tensor in family.tensors(model):
@@ -99,9 +100,11 @@ def source_params(family: Family, model: dict, config) -> int:
                 count = count // model["max_seq_len"] * k
             total += count * (model["num_layers"] if tensor.per_layer else 1)
     d, main = model["d_model"], config.model.d_model
+    bias = bool(model.get("use_bias"))
     if d != main:
-        bias = bool(model.get("use_bias"))
         total += d * main + main * bias + (0 if own else main * d + d * bias)
+    elif config.scone.get("output_projection_init", "normal") == "zeros":  # out_proj at equal widths too
+        total += d * main + main * bias
     return total
 
 

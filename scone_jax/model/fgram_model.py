@@ -7,7 +7,7 @@ absolute ones over K (the method), or, for a source checkpoint that uses RoPE (s
 positions 0..K-1 with the source's settings, as the source computed them.
 Output: the final-norm hidden state at the f-gram's last token (without the final norm, the last block's residual
 stream, if scone.output_norm is off: an experiment of docs/quality.md), projected by `out_proj` to the main
-model's width when its own differs. Attention is causal, so right padding never reaches the last real token.
+model's width when its own differs (or always, from zero, with scone.output_projection_init='zeros'). Attention is causal, so right padding never reaches the last real token.
 """
 from __future__ import annotations
 
@@ -80,9 +80,10 @@ class FgramModel(nnx.Module):
         own = bool(scone_cfg.get("own_token_embedding", False))
         resize = cfg.d_model != main_cfg.d_model
         self.in_proj = dense(main_cfg.d_model, cfg.d_model, ("embed", "mlp"), cfg, rngs) if resize and not own else None
-        zeros = scone_cfg.get("output_projection_init", "normal") == "zeros"  # f = 0 at step 0 (scone.combine='add')
+        # scone.output_projection_init='zeros': f = 0 at step 0 (scone.combine='add'), a projection at equal widths too
+        zeros = scone_cfg.get("output_projection_init", "normal") == "zeros"
         self.out_proj = dense(cfg.d_model, main_cfg.d_model, ("mlp", "embed"), cfg, rngs,
-                              std=0.0 if zeros else None) if resize else None
+                              std=0.0 if zeros else None) if resize or zeros else None
         self.stack = BlockStack(cfg, cfg.num_layers, rngs, final_norm=scone_cfg.output_norm)
         # Off by default (docs/method.md §4). The final norm leaves rows of norm ~sqrt(d), over ten times the
         # token embeddings they replace; a learned scalar gain starting at output_gain_init tests that scale.

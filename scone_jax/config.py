@@ -259,7 +259,7 @@ def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
     if not s.enabled:
         for key, value, default in (("learning_rate_multiplier", s.learning_rate_multiplier, 1.0),
                                     ("gate", s.gate, False), ("own_token_embedding", s.own_token_embedding, False),
-                                    ("combine", s.combine, "replace"),
+                                    ("combine", s.combine, "replace"), ("row_scale", s.row_scale, "raw"),
                                     ("output_projection_init", s.output_projection_init, "normal")):
             if value != default:
                 raise ValueError(f"scone.{key}={value!r} is set on a run without SCONE (scone.enabled=False): it "
@@ -278,18 +278,24 @@ def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
 
 COMBINES = ("replace", "add")
 PROJECTION_INITS = ("normal", "zeros")
+ROW_SCALES = ("raw", "token_rms")
 
 
 def _check_combine(config: ml_collections.ConfigDict) -> None:
-    """scone.combine and scone.output_projection_init take their listed values; a zero projection needs a
-    combination that starts from the token's input (add, or the gate), else every matched position would read zeros
-    at step 0."""
+    """scone.combine, scone.output_projection_init and scone.row_scale take their listed values. A zero projection
+    needs a combination that starts from the token's input (add, or the gate), else every matched position would
+    read zeros at step 0, and raw rows: token_rms would divide its f = 0 by its RMS."""
     s = config.scone
-    for key, valid in (("combine", COMBINES), ("output_projection_init", PROJECTION_INITS)):
+    for key, valid in (("combine", COMBINES), ("output_projection_init", PROJECTION_INITS),
+                       ("row_scale", ROW_SCALES)):
         if s[key] not in valid:
             raise ValueError(f"Unknown scone.{key}={s[key]!r}; valid: {', '.join(valid)}.")
     if s.output_projection_init != "zeros":
         return
+    if s.row_scale != "raw":
+        raise ValueError("scone.output_projection_init='zeros' with scone.row_scale='token_rms': the rows start at 0, "
+                         "and rescaling them to the token's RMS divides by theirs. Fix: one of the two (the zero "
+                         "projection learns the rows' scale itself).")
     if s.combine == "replace" and not s.gate:
         raise ValueError("scone.output_projection_init='zeros' with scone.combine='replace' feeds the decoder zeros "
                          "at every matched position at step 0. Fix: --config.scone.combine=add (T(token) + f, f "

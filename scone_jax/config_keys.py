@@ -184,6 +184,10 @@ KEYS = (
         "'add' = T(token) + f, the token's own input (model.embedding_multiplier included) kept beside it (with "
         "scone.gate: T(token) + g f). The export bakes it into the table's rows (docs/training.md). Only with "
         "enabled"),
+    Key("scone.row_scale", "raw", STATE,
+        "the f-gram embedding f as it enters: 'raw' (the method) or 'token_rms', f rescaled to the RMS of the "
+        "token input it meets, f * rms(T(token)) / rms(f) (model.embedding_multiplier included; docs/training.md), "
+        "so replaced and kept positions enter at one scale. Baked into the table's rows. Only with enabled"),
     Key("scone.output_projection_init", "normal", SETTING,
         "the f-gram model's projection to the main model's width (out_proj): 'normal' (model.init_std; only when "
         "the f-gram model's width differs) or 'zeros' (at any width), with which scone.combine='add' starts as the "

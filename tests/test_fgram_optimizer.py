@@ -177,6 +177,7 @@ def test_the_gate_trains_at_its_own_multiple_of_the_fgram_models_rate():
     ("scone.gate", True, r"^scone\.gate=True is set on a run without SCONE .*leave scone\.gate at False\.$"),
     ("scone.own_token_embedding", True, r"^scone\.own_token_embedding=True is set on a run without SCONE "),
     ("scone.combine", "add", r"^scone\.combine='add' is set on a run without SCONE "),
+    ("scone.row_scale", "token_rms", r"^scone\.row_scale='token_rms' is set on a run without SCONE "),
     ("scone.output_projection_init", "zeros", r"^scone\.output_projection_init='zeros' is set on a run without SCONE"),
     ("scone.gate_learning_rate_multiplier", 5.0, r"^scone\.gate_learning_rate_multiplier=5\.0 is set without "
                                                  r"scone\.gate: there is no gate to train\. Fix: "),
@@ -203,7 +204,7 @@ def test_fgram_settings_that_mean_nothing_are_refused_in_one_line(key, value, me
     assert "\n" not in str(e.value)
     config.scone.enabled = True  # with SCONE on (and the gate for its multiplier), these are fine
     config.scone.gate = config.scone.gate or name == "gate_learning_rate_multiplier"
-    if key in ("scone.gate", "scone.combine") or not isinstance(value, str) and value > 0 and section == "scone":
+    if key in ("scone.gate", "scone.combine", "scone.row_scale") or not isinstance(value, str) and value > 0 and section == "scone":
         config_lib.validate(config)
 
 
@@ -222,6 +223,9 @@ def test_a_gate_on_a_baseline_run_stops_the_main_job_with_one_line_and_exit_2(tm
 @pytest.mark.parametrize("settings,message", [
     ({"combine": "sum"}, r"^Unknown scone\.combine='sum'; valid: replace, add\.$"),
     ({"output_projection_init": "ones"}, r"^Unknown scone\.output_projection_init='ones'; valid: normal, zeros\.$"),
+    ({"row_scale": "unit"}, r"^Unknown scone\.row_scale='unit'; valid: raw, token_rms\.$"),
+    ({"combine": "add", "output_projection_init": "zeros", "row_scale": "token_rms"},
+     r"^scone\.output_projection_init='zeros' with scone\.row_scale='token_rms': the rows start at 0"),
     ({"d_model": 32, "num_heads": 2, "output_projection_init": "zeros"},
      r"^scone\.output_projection_init='zeros' with scone\.combine='replace' feeds the decoder zeros .* Fix: "
      r"--config\.scone\.combine=add"),

@@ -275,6 +275,35 @@ def test_the_additive_control_keeps_the_token_input_and_a_zero_projection_starts
     assert np.abs(np.asarray(fgram["out_proj"]["kernel"])).max() > 1e-4
 
 
+@pytest.mark.parametrize("combine", ["replace", "add"])
+def test_token_rms_rows_enter_at_the_token_inputs_scale(combine):
+    """scone.row_scale='token_rms' (docs/training.md; 'raw' in the method): each f-gram embedding is rescaled to the
+    RMS of the token input it meets (T(token) x model.embedding_multiplier) before it replaces or joins it. Against
+    the reference in the training losses and the export's table rows, whose RMS under replacement is the token
+    input's. Caught: the RMS taken of T without the embedding multiplier; the rescaling left out of the export's
+    rows (training and serving then differ)."""
+    config = scone_config(GPT2, row_scale="token_rms", combine=combine)
+    config.model.embedding_multiplier = 3.0
+    arch = arch_of(config) | {"embedding_multiplier": 3.0, "row_scale": "token_rms", "combine": combine}
+    model = perturbed_model(config)
+    batch, vocab = production_batch(num_shards=2, capacity=48)
+    got = np.asarray(jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))(*nnx.split(model),
+                                                                                     device_arrays(batch)))
+    params = reference_params(model, config)
+    want = ref.token_losses(params, batch, arch, planted_grams(), K)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want - ref.token_losses(params, batch, arch | {"row_scale": "raw"}, planted_grams(), K)).max() > 1e-2
+    mesh = sharding.make_mesh(config.mesh)
+    rows = 8 * -(-vocab.num_fgrams // 8)
+    table = np.asarray(export.embed_fn(model, mesh, "float32")(*export.batch_inputs(vocab, 0, rows, mesh)))
+    for i in range(vocab.num_fgrams):
+        gram = tuple(int(t) for t in vocab.tokens[i, : vocab.lengths[i]])
+        np.testing.assert_allclose(table[i], ref.matched_input(gram, params, arch), rtol=1e-5, atol=1e-5)
+        if combine == "replace":
+            token = params["token_embed"][gram[-1]] * 3.0
+            assert np.sqrt(np.mean(table[i] ** 2)) == pytest.approx(np.sqrt(np.mean(token ** 2)), rel=1e-4)
+
+
 # --- AdamW -----------------------------------------------------------------------------------------------
 
 def _flat(tree) -> dict:

@@ -94,8 +94,10 @@ class FgramModel(nnx.Module):
         # Off by default (the method). scone.gate: the scalar g of SconeModel.matched_inputs, from 0; one of this
         # model's parameters, so the f-gram model's delay and learning-rate multiplier apply to it too.
         self.gate = nnx.Param(jnp.zeros((), param_dtype)) if scone_cfg.gate else None
-        # scone.combine: 'replace' (the method) or 'add' (SconeModel.matched_inputs); static, no parameter.
+        # scone.combine: 'replace' (the method) or 'add'; scone.row_scale: 'raw' (the method) or 'token_rms'
+        # (SconeModel.matched_inputs); static, no parameter.
         self.combine = scone_cfg.get("combine", "replace")
+        self.row_scale = scone_cfg.get("row_scale", "raw")
         # scone.own_token_embedding: a table of this model's own, the source's rows (its vocabulary) or the main
         # model's; made last, so a run without it draws the same random numbers as before it existed.
         rows = source.get("vocab_size", main_cfg.vocab_size) if source else main_cfg.vocab_size

@@ -47,7 +47,8 @@ class SconeModel(nnx.Module):
         f-gram model's output (sharing T with the decoder), mixed by scone.gate with the decoder's input for
         the f-gram's last token, the token at that position."""
         rows = self.fgram_model(self.fgram_inputs(fgram_tokens), fgram_lengths)
-        if self.fgram_model.gate is None and self.fgram_model.combine == "replace":
+        f = self.fgram_model
+        if f.gate is None and f.combine == "replace" and f.row_scale == "raw":  # the method: f itself
             return rows
         last = jnp.take_along_axis(fgram_tokens, jnp.maximum(fgram_lengths - 1, 0)[:, None], axis=1)[:, 0]
         return self.matched_inputs(rows, self.decoder.input_tokens(last))
@@ -64,15 +65,31 @@ class SconeModel(nnx.Module):
         method), or with scone.gate (1 - g) T(token) + g rows, `token_inputs` being the decoder's own input
         there (model.embedding_multiplier included). g is one learned scalar starting at 0, so a gated run
         starts as the baseline does and reaches the method's replacement at g = 1 (docs/training.md). With
-        scone.combine='add' the token's input stays: T(token) + rows (+ g rows with the gate)."""
+        scone.combine='add' the token's input stays: T(token) + rows (+ g rows with the gate). With
+        scone.row_scale='token_rms' each row is first rescaled to the RMS of its token's input (in fp32)."""
         gate = self.fgram_model.gate
         g = None if gate is None else gate[...].astype(rows.dtype)
         token_inputs = token_inputs.astype(rows.dtype)
+        if self.fgram_model.row_scale == "token_rms":
+            rows = at_token_rms(rows, token_inputs)
         if self.fgram_model.combine == "add":
             return token_inputs + (rows if g is None else g * rows)
         if g is None:
             return rows
         return (1 - g) * token_inputs + g * rows
+
+
+ROW_SCALE_EPS = 1e-6
+
+
+def at_token_rms(rows: jax.Array, token_inputs: jax.Array) -> jax.Array:
+    """rows [..., d] rescaled to the RMS of token_inputs [..., d] (scone.row_scale='token_rms'), computed in fp32:
+    rows * rms(token) / sqrt(mean(rows^2) + eps)."""
+    r = rows.astype(jnp.float32)
+    t = token_inputs.astype(jnp.float32)
+    scale = jnp.sqrt(jnp.mean(t * t, axis=-1, keepdims=True)) * jax.lax.rsqrt(
+        jnp.mean(r * r, axis=-1, keepdims=True) + ROW_SCALE_EPS)
+    return (r * scale).astype(rows.dtype)
 
 
 def decoder_of(model) -> Decoder:

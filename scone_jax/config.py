@@ -260,6 +260,7 @@ def _check_fgram_training(config: ml_collections.ConfigDict) -> None:
         for key, value, default in (("learning_rate_multiplier", s.learning_rate_multiplier, 1.0),
                                     ("gate", s.gate, False), ("own_token_embedding", s.own_token_embedding, False),
                                     ("combine", s.combine, "replace"), ("row_scale", s.row_scale, "raw"),
+                                    ("output_ramp_steps", s.output_ramp_steps, 0),
                                     ("output_projection_init", s.output_projection_init, "normal")):
             if value != default:
                 raise ValueError(f"scone.{key}={value!r} is set on a run without SCONE (scone.enabled=False): it "

@@ -188,6 +188,11 @@ KEYS = (
         "the f-gram embedding f as it enters: 'raw' (the method) or 'token_rms', f rescaled to the RMS of the "
         "token input it meets, f * rms(T(token)) / rms(f) (model.embedding_multiplier included; docs/training.md), "
         "so replaced and kept positions enter at one scale. Baked into the table's rows. Only with enabled"),
+    Key("scone.output_ramp_steps", 0, STATE,
+        "0 = off (the method). W > 0: a matched position's input ramps from the token's to the f-gram model's, "
+        "(1 - r) T(token) + r f with r = min(1, step / W), r set by the train step (X-gram's output ramp; the f-gram "
+        "model trains from step 1, an alternative to the hold-back train.fgram_model_delay_*). r is saved with the "
+        "model and the export bakes the checkpoint's r into the rows (docs/training.md). Only with enabled", ">= 0"),
     Key("scone.output_projection_init", "normal", SETTING,
         "the f-gram model's projection to the main model's width (out_proj): 'normal' (model.init_std; only when "
         "the f-gram model's width differs) or 'zeros' (at any width), with which scone.combine='add' starts as the "

@@ -98,17 +98,19 @@ def matched_input(gram, params, arch):
     (1 - g) T(token) + g f, the token there being the f-gram's last one and T(token) the decoder's own input
     (times its embedding multiplier). The additive control of docs/training.md (arch["combine"] = "add"; "replace"
     in the method) keeps that input beside f: T(token) + f (+ g f with the gate); arch["row_scale"] = "token_rms"
-    rescales f to that input's RMS first. The export's table row of `gram`."""
+    rescales f to that input's RMS first; arch["ramp"] = r (the output ramp) makes it (1 - r) T(token) + r of that.
+    The export's table row of `gram`."""
     f = fgram_embedding(gram, params, arch)
     token = params["token_embed"][gram[-1]] * arch.get("embedding_multiplier", 1.0)
     if arch.get("row_scale", "raw") == "token_rms":  # f at the token input's RMS (docs/training.md)
         f = f * np.sqrt(np.mean(token ** 2)) / np.sqrt(np.mean(f ** 2))
     g = float(params["fgram"]["gate"]) if "gate" in params["fgram"] else None
     if arch.get("combine", "replace") == "add":
-        return token + (f if g is None else g * f)
-    if g is None:
-        return f
-    return (1 - g) * token + g * f
+        x = token + (f if g is None else g * f)
+    else:
+        x = f if g is None else (1 - g) * token + g * f
+    r = arch.get("ramp", 1.0)  # scone.output_ramp_steps' r (docs/training.md); 1 without a ramp
+    return (1 - r) * token + r * x
 
 
 def longest_matches(tokens, fgrams, max_len):

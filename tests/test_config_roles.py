@@ -84,6 +84,7 @@ WHY = {
     "scone.combine": ("meaning", "the same arrays give the decoder another input: f, or T(token) + f"),
     "scone.output_projection_init": ("start", "the projection's initial weights only"),
     "scone.row_scale": ("meaning", "the same arrays give the decoder rows at another scale"),
+    "scone.output_ramp_steps": ("shape", "the ramp's state variable exists from > 0"),
     "scone.init_from_hf": ("start", "the f-gram model's initial weights a fresh run reads; a resume keeps the "
                                     "checkpoint's (scone.source_model pins the architecture)"),
     "scone.source_model": ("shape", "the f-gram model's blocks take the source's kind (RoPE: no position table)"),

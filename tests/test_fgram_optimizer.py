@@ -178,6 +178,8 @@ def test_the_gate_trains_at_its_own_multiple_of_the_fgram_models_rate():
     ("scone.own_token_embedding", True, r"^scone\.own_token_embedding=True is set on a run without SCONE "),
     ("scone.combine", "add", r"^scone\.combine='add' is set on a run without SCONE "),
     ("scone.row_scale", "token_rms", r"^scone\.row_scale='token_rms' is set on a run without SCONE "),
+    ("scone.output_ramp_steps", 40, r"^scone\.output_ramp_steps=40 is set on a run without SCONE "),
+    ("scone.output_ramp_steps", -1, r"^scone\.output_ramp_steps=-1 is not valid: it must be >= 0"),
     ("scone.output_projection_init", "zeros", r"^scone\.output_projection_init='zeros' is set on a run without SCONE"),
     ("scone.gate_learning_rate_multiplier", 5.0, r"^scone\.gate_learning_rate_multiplier=5\.0 is set without "
                                                  r"scone\.gate: there is no gate to train\. Fix: "),

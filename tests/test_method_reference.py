@@ -304,6 +304,46 @@ def test_token_rms_rows_enter_at_the_token_inputs_scale(combine):
             assert np.sqrt(np.mean(table[i] ** 2)) == pytest.approx(np.sqrt(np.mean(token ** 2)), rel=1e-4)
 
 
+def test_the_output_ramp_moves_matched_inputs_from_the_token_to_the_fgram_row_by_the_step():
+    """scone.output_ramp_steps=W (docs/training.md; off in the method): the input at a matched position is
+    (1 - r) T(token) + r f, r = min(1, step / W) set by the production train step (r of the update made from
+    optimizer step s is (s + 1) / W), kept in the model's state and baked into the export's rows. Against the
+    reference at the r the train step left after 1, 2 and 5 updates (W = 4: 1/4, 1/2, 1), in the losses and the
+    table rows. Caught: r from the optimizer's step without the + 1 (0 at the first update: no gradient reaches the
+    f-gram model); r not clipped at 1; the ramp left out of the export's rows; r counted as a trained parameter."""
+    config = scone_config(GPT2, output_ramp_steps=4)
+    config.model.embedding_multiplier = 2.0
+    t = config.train
+    t.warmup_steps, t.num_steps = 1, 8
+    arch = arch_of(config) | {"embedding_multiplier": 2.0}
+    mesh = sharding.make_mesh(config.mesh)
+    spec = state_lib.state_spec(config, mesh)
+    model = perturbed_model(config)
+    assert float(model.fgram_model.ramp[...]) == 0.0
+    assert "ramp" not in nnx.to_pure_dict(nnx.state(model, nnx.Param))["fgram_model"]
+    opt = nnx.Optimizer(model, optimizer.make_optimizer(config), wrt=nnx.Param)
+    state = jax.device_put(nnx.state((model, opt)), spec.shardings)
+    host, vocab = production_batch(num_shards=sharding.num_batch_shards(mesh), capacity=48)
+    train = steps.make_train_step(spec.graphdef, spec.shardings, mesh, config)
+    losses = jax.jit(lambda g, s, b: steps.token_losses(nnx.merge(g, s), b))
+    rows = 8 * -(-vocab.num_fgrams // 8)
+    for done, r in ((1, 0.25), (2, 0.5), (3, 0.75), (4, 1.0), (5, 1.0)):
+        state, _ = train(state, sharding.global_batch(jax.tree.map(np.asarray, host), mesh))
+        trained = state_lib.model_of(spec.graphdef, state)
+        assert float(trained.fgram_model.ramp[...]) == pytest.approx(r), done
+        if done not in (1, 2, 5):
+            continue
+        params = reference_params(trained, config)
+        want = ref.token_losses(params, host, arch | {"ramp": r}, planted_grams(), K)
+        got = np.asarray(losses(*nnx.split(trained), device_arrays(host)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        table = np.asarray(export.embed_fn(trained, mesh, "float32")(*export.batch_inputs(vocab, 0, rows, mesh)))
+        for i in range(0, vocab.num_fgrams, 7):
+            gram = tuple(int(t) for t in vocab.tokens[i, : vocab.lengths[i]])
+            np.testing.assert_allclose(table[i], ref.matched_input(gram, params, arch | {"ramp": r}), rtol=1e-5,
+                                       atol=1e-5)
+
+
 # --- AdamW -----------------------------------------------------------------------------------------------
 
 def _flat(tree) -> dict:

@@ -7,7 +7,8 @@ absolute ones over K (the method), or, for a source checkpoint that uses RoPE (s
 positions 0..K-1 with the source's settings, as the source computed them.
 Output: the final-norm hidden state at the f-gram's last token (without the final norm, the last block's residual
 stream, if scone.output_norm is off: an experiment of docs/quality.md), projected by `out_proj` to the main
-model's width when its own differs (or always, from zero, with scone.output_projection_init='zeros'). Attention is causal, so right padding never reaches the last real token.
+model's width when its own differs (or always, from zero, with scone.output_projection_init='zeros'). Attention
+is causal, so right padding never reaches the last real token.
 """
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ def fgram_block_config(main_cfg, scone_cfg):
     return cfg
 
 
+class OutputRamp(nnx.Variable):
+    """scone.output_ramp_steps' r: state the train step writes, never trained (model/scone.py matched_inputs)."""
+
+
 class FgramModel(nnx.Module):
     """Maps the token ids' embeddings of f-grams [U, K, *] and their lengths [U] to f-gram embeddings [U, d]."""
 
@@ -98,6 +103,10 @@ class FgramModel(nnx.Module):
         # (SconeModel.matched_inputs); static, no parameter.
         self.combine = scone_cfg.get("combine", "replace")
         self.row_scale = scone_cfg.get("row_scale", "raw")
+        # scone.output_ramp_steps W: r of SconeModel.matched_inputs, 0 until the train step sets min(1, step / W);
+        # a variable of the model's state (saved, restored, exported), not a parameter (no gradient, no update).
+        self.ramp_steps = int(scone_cfg.get("output_ramp_steps", 0))
+        self.ramp = OutputRamp(jnp.zeros((), jnp.float32)) if self.ramp_steps else None
         # scone.own_token_embedding: a table of this model's own, the source's rows (its vocabulary) or the main
         # model's; made last, so a run without it draws the same random numbers as before it existed.
         rows = source.get("vocab_size", main_cfg.vocab_size) if source else main_cfg.vocab_size

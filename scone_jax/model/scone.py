@@ -48,7 +48,7 @@ class SconeModel(nnx.Module):
         the f-gram's last token, the token at that position."""
         rows = self.fgram_model(self.fgram_inputs(fgram_tokens), fgram_lengths)
         f = self.fgram_model
-        if f.gate is None and f.combine == "replace" and f.row_scale == "raw":  # the method: f itself
+        if f.gate is None and f.combine == "replace" and f.row_scale == "raw" and f.ramp is None:  # the method: f
             return rows
         last = jnp.take_along_axis(fgram_tokens, jnp.maximum(fgram_lengths - 1, 0)[:, None], axis=1)[:, 0]
         return self.matched_inputs(rows, self.decoder.input_tokens(last))
@@ -66,17 +66,21 @@ class SconeModel(nnx.Module):
         there (model.embedding_multiplier included). g is one learned scalar starting at 0, so a gated run
         starts as the baseline does and reaches the method's replacement at g = 1 (docs/training.md). With
         scone.combine='add' the token's input stays: T(token) + rows (+ g rows with the gate). With
-        scone.row_scale='token_rms' each row is first rescaled to the RMS of its token's input (in fp32)."""
+        scone.row_scale='token_rms' each row is first rescaled to the RMS of its token's input (in fp32). With
+        scone.output_ramp_steps the result x enters as (1 - r) T(token) + r x, r the train step's ramp."""
         gate = self.fgram_model.gate
         g = None if gate is None else gate[...].astype(rows.dtype)
         token_inputs = token_inputs.astype(rows.dtype)
         if self.fgram_model.row_scale == "token_rms":
             rows = at_token_rms(rows, token_inputs)
         if self.fgram_model.combine == "add":
-            return token_inputs + (rows if g is None else g * rows)
-        if g is None:
-            return rows
-        return (1 - g) * token_inputs + g * rows
+            x = token_inputs + (rows if g is None else g * rows)
+        else:
+            x = rows if g is None else (1 - g) * token_inputs + g * rows
+        if self.fgram_model.ramp is None:
+            return x
+        r = self.fgram_model.ramp[...].astype(rows.dtype)
+        return (1 - r) * token_inputs + r * x
 
 
 ROW_SCALE_EPS = 1e-6

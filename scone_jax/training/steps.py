@@ -65,6 +65,14 @@ def make_train_step(graphdef, state_shardings, mesh, config):
     ))
 
 
+def set_output_ramp(model, step) -> None:
+    """scone.output_ramp_steps W: the update made from `step` (0-based) sees r = min(1, (step + 1) / W), so the
+    first sees 1/W and update W onwards the f-gram model's rows in full; the value stays in the model's state."""
+    fgram_model = getattr(model, "fgram_model", None)
+    if fgram_model is not None and fgram_model.ramp is not None:
+        fgram_model.ramp[...] = jnp.minimum(1.0, (step + 1).astype(jnp.float32) / fgram_model.ramp_steps)
+
+
 def train_step_fn(graphdef, mesh, config):
     """The train step, step(state, batch) -> (state, metrics), not yet jitted: make_train_step jits it and
     exported_step.py exports it."""
@@ -74,6 +82,7 @@ def train_step_fn(graphdef, mesh, config):
 
     def step(state, batch):
         model, opt = nnx.merge(graphdef, state)
+        set_output_ramp(model, opt.step[...])
         loss_sum, count, grads = loss_and_grads(model, batch, accum, num_shards)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)

@@ -233,6 +233,20 @@ def test_bad_sources_are_refused_in_one_line(checkpoints, tmp_path, kind):
         assert sum(x.size for x in jax.tree.leaves(nnx.state(model.fgram_model, nnx.Param))) == 116_256 + 1  # + g
 
 
+def test_the_count_holds_a_zero_projection_at_equal_widths(checkpoints):
+    """A source as wide as the main model (the main checkpoint itself) under scone.combine='add' with
+    scone.output_projection_init='zeros': the run builds a d x d projection, and scone.max_source_params' count
+    (source_params) is exactly the f-gram model's parameters, that projection included. Caught: the count leaving
+    it out (a source within the bound by that margin would build a model above it)."""
+    main, _, _ = checkpoints("qwen3")
+    config = scone_config(main, main, gate=False, combine="add", output_projection_init="zeros")
+    checkpoint = derive.apply(config) and derive.open_checkpoint(main)
+    model = nnx.eval_shape(lambda: state_lib.build_model(config))
+    assert model.fgram_model.out_proj is not None and config.scone.d_model == config.model.d_model
+    built = sum(x.size for x in jax.tree.leaves(nnx.state(model.fgram_model, nnx.Param)))
+    assert fgram_source.source_params(checkpoint.family, checkpoint.model, config) == built
+
+
 @pytest.mark.slow  # builds, saves, restores and exports a run: about a minute on 2 cores
 def test_a_run_grown_from_a_source_resumes_and_exports_its_rows(checkpoints, tmp_path):
     """A SCONE run of a Qwen3 main model with its f-gram model from a wider Qwen3 (g set to 0.5, as training would

@@ -44,8 +44,9 @@ class SconeModel(nnx.Module):
     def fgram_embeddings(self, fgram_tokens: jax.Array, fgram_lengths: jax.Array) -> jax.Array:
         """F-gram rows [N, K] -> [N, d]: what the decoder receives at a position where that f-gram is matched,
         so the export's table holds it and serving replaces T(token) by it as the method does. That is the
-        f-gram model's output (sharing T with the decoder), mixed by scone.gate with the decoder's input for
-        the f-gram's last token, the token at that position."""
+        f-gram model's output (sharing T with the decoder), combined (matched_inputs: the gate, scone.combine,
+        row_scale, the output ramp) with the decoder's input for the f-gram's last token, the token at that
+        position."""
         rows = self.fgram_model(self.fgram_inputs(fgram_tokens), fgram_lengths)
         f = self.fgram_model
         if f.gate is None and f.combine == "replace" and f.row_scale == "raw" and f.ramp is None:  # the method: f

@@ -57,8 +57,9 @@ def test_a_row_is_the_mean_of_its_seeds_at_todays_defaults_against_the_baselines
     assert (base["test_ppl"], base["seeds"], base["learning_rate"], base["reference"]) == (51.0, 2, 2e-3, True)
     assert (scone["place"], base["place"]) == ("host RAM or disk", "none")
     lines = answer.table(study()).splitlines()
-    assert lines[2:] == ["| `baseline` | linux_doc | 10M | 0.002 | 2 | 51.00 |  | 1.58e6 | none |",
-                         "| `scone` | linux_doc | 10M | 0.002 | 2 | 37.50 | -26.5% | 1.58e6 | host RAM or disk |"]
+    assert lines == ["| arm | linux_doc, 10M | inference FLOPs per token | table lives in |", "|---|---|---|---|",
+                     "| `baseline` | 51.00 (2 seeds, 0.002) | 1.58e6 | none |",
+                     "| `scone` | 37.50, -26.5% (2 seeds, 0.002) | 1.58e6 | host RAM or disk |"]
 
 
 def test_over_encoding_rows_join_when_recorded_with_their_accelerator_bytes():
@@ -71,14 +72,14 @@ def test_over_encoding_rows_join_when_recorded_with_their_accelerator_bytes():
         run("oe_5x", 39.0, accelerator_bytes=30_500_000),
         run("scone", 36.0, seed=2, host_table_bytes=5_120_000),
         run("baseline", 15.0, corpus="gcide"), run("oe", 12.0, corpus="gcide", accelerator_bytes=12_000_000)]
-    lines = answer.table(records).splitlines()[2:]
-    assert [line.split(" | ")[0:2] for line in lines] == [
-        ["| `baseline`", "linux_doc"], ["| `scone`", "linux_doc"], ["| `oe`", "linux_doc"], ["| `oe_5x`", "linux_doc"],
-        ["| `baseline`", "gcide"], ["| `oe`", "gcide"]]
-    assert lines[1] == "| `scone` | linux_doc | 10M | 0.002 | 3 | 37.00 | -27.5% | 1.58e6 | host RAM or disk (5.1 MB) |"
-    assert lines[2] == "| `oe` | linux_doc | 10M | 0.002 | 2 | 41.00 | -19.6% | 1.58e6 | accelerator (12.0 MB with the decoder) |"
-    assert lines[3].endswith("| 1 | 39.00 | -23.5% | 1.58e6 | accelerator (30.5 MB with the decoder) |")
-    assert lines[5] == "| `oe` | gcide | 10M | 0.002 | 1 | 12.00 | -20.0% | 1.58e6 | accelerator (12.0 MB with the decoder) |"
+    lines = answer.table(records).splitlines()
+    assert lines[0] == "| arm | linux_doc, 10M | gcide, 10M | inference FLOPs per token | table lives in |"
+    assert lines[2:] == [
+        "| `baseline` | 51.00 (2 seeds, 0.002) | 15.00 (1 seed, 0.002) | 1.58e6 | none |",
+        "| `scone` | 37.00, -27.5% (3 seeds, 0.002) |  | 1.58e6 | host RAM or disk (5.1 MB) |",
+        "| `oe` | 41.00, -19.6% (2 seeds, 0.002) | 12.00, -20.0% (1 seed, 0.002) | 1.58e6 | accelerator (12.0 MB with the "
+        "decoder) |",
+        "| `oe_5x` | 39.00, -23.5% (1 seed, 0.002) |  | 1.58e6 | accelerator (30.5 MB with the decoder) |"]
 
 
 def test_another_platform_is_another_row_and_needs_its_own_baseline():
@@ -89,7 +90,8 @@ def test_another_platform_is_another_row_and_needs_its_own_baseline():
     assert [(r["arm"], r["platform"], r["seeds"]) for r in answer.rows(study() + h200)] == [
         ("baseline", "cpu", 2), ("scone", "cpu", 2)]
     lines = answer.table(study() + h200 + [run("baseline", 44.0, platform="NVIDIA H200")]).splitlines()
-    assert lines[-1] == "| `scone` | linux_doc (NVIDIA H200) | 10M | 0.002 | 1 | 33.00 | -25.0% | 1.58e6 | host RAM or disk |"
+    assert lines[0] == "| arm | linux_doc, 10M | linux_doc, 10M (NVIDIA H200) | inference FLOPs per token | table lives in |"
+    assert lines[-1] == "| `scone` | 37.50, -26.5% (2 seeds, 0.002) | 33.00, -25.0% (1 seed, 0.002) | 1.58e6 | host RAM or disk |"
     with pytest.raises(ValueError, match="No corpus has a 2-block baseline run at today's defaults"):
         answer.table([r for r in study() if not r["arm"].startswith("baseline")])
 
@@ -140,8 +142,6 @@ def test_larger_budgets_come_first_within_each_corpus():
     assert got == [("linux_doc", TEN, "baseline"), ("linux_doc", TEN, "scone"),
                    ("linux_doc", THREE, "baseline"), ("linux_doc", THREE, "oe"),
                    ("gcide", TEN, "baseline"), ("gcide", TEN, "scone"), ("gcide", THREE, "baseline")]
-    lines = answer.table(records).splitlines()[2:]
-    assert [line.split(" | ")[1:3] for line in lines] == [
-        ["linux_doc", "10M"], ["linux_doc", "10M"], ["linux_doc", "3M"], ["linux_doc", "3M"],
-        ["gcide", "10M"], ["gcide", "10M"], ["gcide", "3M"]]
-    assert lines[3].split(" | ")[6] == "-25.0%"
+    lines = answer.table(records).splitlines()
+    assert lines[0].split(" | ")[1:5] == ["linux_doc, 10M", "linux_doc, 3M", "gcide, 10M", "gcide, 3M"]
+    assert lines[4] == "| `oe` |  | 45.00, -25.0% (1 seed, 0.002) |  |  | 1.58e6 | accelerator |"

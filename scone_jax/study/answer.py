@@ -1,5 +1,7 @@
 """docs/quality.md's opening table, the study's answer, from its records (study/records.py): each main arm at
-the settings configs/quality.py defines today, per corpus, token budget and platform, against the baseline.
+the settings configs/quality.py defines today, per corpus, token budget and platform, against the baseline. One
+line per arm, one column per corpus, budget and platform (table), so the page's opening stays short as arms and
+corpora are added.
 
 A row is one arm's runs whose effective settings (records.effective) are exactly what a run given no override
 gets under today's defaults (records.DEFAULTS_VERSION), whatever version they were recorded under, at the
@@ -78,19 +80,38 @@ def _millions(tokens: int) -> str:
     return f"{tokens / 1e6:.1f}".removesuffix(".0") + "M"
 
 
+def _column(r: dict) -> tuple:
+    return r["corpus"], r["platform"], r["tokens"]
+
+
 def table(records: list[dict]) -> str:
-    """rows() as markdown; refused when no row has a baseline (the page would lose its answer silently)."""
+    """rows() as markdown, one line per arm and one column per corpus, budget and platform (in rows()' order), so
+    that an arm costs the page one line whatever the corpora: each cell its mean test perplexity, its percent
+    against that column's baseline, its seeds and rate. Refused when no row has a baseline (the page would lose
+    its answer silently)."""
     found = rows(records)
     if not found:
         raise ValueError("No corpus has a 2-block baseline run at today's defaults, so the answer table is empty. "
                          "Fix: append the baseline's runs to the records (tools/bench_quality.py does).")
-    lines = ["| arm | corpus | tokens | learning rate | seeds | test perplexity (mean) | against the baseline "
-             "| inference FLOPs per token | table lives in |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in found:
-        corpus = r["corpus"] if r["platform"] == "cpu" else f"{r['corpus']} ({r['platform']})"
-        versus = "" if r["reference"] else f"{r['versus']:+.1f}%"
-        size = "" if r["place_bytes"] is None else f" ({r['place_bytes'] / 1e6:.1f} MB{_WITH[r['place']]})"
-        flops = f"{r['inference_flops_per_token']:.3g}".replace("e+0", "e")
-        lines.append(f"| `{r['arm']}` | {corpus} | {_millions(r['tokens'])} | {r['learning_rate']:g} | {r['seeds']} | "
-                     f"{r['test_ppl']:.2f} | {versus} | {flops} | {r['place']}{size} |")
+    columns = list(dict.fromkeys(_column(r) for r in found))
+    titles = [f"{corpus}, {_millions(tokens)}" + ("" if platform == "cpu" else f" ({platform})")
+              for corpus, platform, tokens in columns]
+    lines = ["| arm | " + " | ".join(titles) + " | inference FLOPs per token | table lives in |",
+             "|---|" + "---|" * len(columns) + "---|---|"]
+    for arm in (a for a in ARMS if any(r["arm"] == a for r in found)):
+        mine = {_column(r): r for r in found if r["arm"] == arm}
+        cells = []
+        for column in columns:
+            r = mine.get(column)
+            if r is None:
+                cells.append("")
+                continue
+            versus = "" if r["reference"] else f", {r['versus']:+.1f}%"
+            plural = "s" if r["seeds"] > 1 else ""
+            cells.append(f"{r['test_ppl']:.2f}{versus} ({r['seeds']} seed{plural}, {r['learning_rate']:g})")
+        first = mine[next(c for c in columns if c in mine)]
+        bytes_ = first["place_bytes"]
+        size = "" if bytes_ is None else f" ({bytes_ / 1e6:.1f} MB{_WITH[first['place']]})"
+        flops = f"{first['inference_flops_per_token']:.3g}".replace("e+0", "e")
+        lines.append(f"| `{arm}` | " + " | ".join(cells) + f" | {flops} | {first['place']}{size} |")
     return "\n".join(lines)

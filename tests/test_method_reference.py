@@ -232,6 +232,7 @@ def test_the_gate_mixes_token_and_fgram_inputs_and_the_export_bakes_it_into_the_
                 np.testing.assert_allclose(table[i], ref.matched_input(gram, params, arch), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # 17 s on 2 cores: the fast tier keeps the gate's case of matched_inputs
 def test_the_additive_control_keeps_the_token_input_and_a_zero_projection_starts_as_the_plain_decoder():
     """scone.combine='add' (docs/training.md; 'replace' in the method): the decoder's input at a matched position is
     T(token) + f, T(token) its own input there (model.embedding_multiplier included). Against the reference

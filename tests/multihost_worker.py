@@ -9,7 +9,8 @@ DIR/ckpt; process 0 writes DIR/train.json. TASK `restore`: restore DIR/ckpt, gat
 parameters and write them to DIR/restored.npz (process 0). TASK `scone`: three SCONE train
 steps with gradient accumulation through the real data pipeline (each process reads its own
 documents and deduplicates f-grams for its own data shards) with the f-gram vocabulary in
-DIR/fgrams; process 0 writes DIR/scone.json.
+DIR/fgrams; process 0 writes DIR/scone.json. TASK `exit`: join and leave at once, the failure
+watcher polling without pause.
 """
 from __future__ import annotations
 
@@ -114,6 +115,8 @@ def gathered_params(state) -> list[np.ndarray]:
 
 
 def main(task, port, process_id, num_processes, tokenizer_path, workdir):
+    if task == "exit":  # the failure watcher polls without pause, so it is inside jaxlib when Python exits
+        distributed.WATCH_EVERY_S = 0
     distributed.initialize(distributed.JoinSpec(f"127.0.0.1:{port}", int(num_processes), int(process_id), TIMEOUT_S))
     config = make_config(tokenizer_path)
     if task == "train":
@@ -137,7 +140,7 @@ def main(task, port, process_id, num_processes, tokenizer_path, workdir):
         params = gathered_params(state)
         if jax.process_index() == 0:
             np.savez(os.path.join(workdir, "restored.npz"), *params)
-    else:
+    elif task != "exit":
         raise ValueError(f"unknown task {task!r}")
     distributed.barrier("done", TIMEOUT_S)
 

@@ -23,6 +23,7 @@ for every other process to say it has read the line, then ACK_GRACE_S for them t
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import glob
@@ -47,6 +48,7 @@ ACK_GRACE_S = 2.0
 _reporting = threading.Event()  # this process is publishing its own failure: the watcher leaves it alone
 _stopping = threading.Lock()  # held by whichever of the main thread and the watcher ends the process: one line
 _cleanups: list = []  # run before a failure another process published ends this one (on_job_failure)
+_watching = threading.Event()  # cleared at interpreter exit: the watcher leaves before jax shuts the client down
 EXIT_START_FAILED = 2  # main.py's "bad input" status
 # jax's own deadline is set this much later than ours, so our clear message comes first.
 _JAX_DEADLINE_EXTRA_S = 60
@@ -116,9 +118,26 @@ def initialize(spec: JoinSpec) -> bool:
         raise DistributedStartError(f"Could not join the JAX job via {where}: {one_line(e, 300)}. {advice}") from e
     finally:
         watchdog.cancel()
-    threading.Thread(target=_watch_for_failure, args=(_client(), _job()[0]), name="job-failure-watch",
-                     daemon=True).start()
+    _start_watching(_client(), _job()[0])
     return True
+
+
+def _start_watching(client, me: int) -> None:
+    """Start the watcher thread, and stop it (joined) when the interpreter exits.
+
+    A daemon thread still inside a jaxlib call when Python finalizes is killed by a forced unwind
+    through C++ frames, which aborts the process ("FATAL: exception not rethrown", status -6) after
+    its work succeeded. atexit runs handlers last-registered first, so this one runs before jax's
+    own clean-up (registered when jax was imported) shuts the client down."""
+    _watching.set()
+    watcher = threading.Thread(target=_watch_for_failure, args=(client, me), name="job-failure-watch", daemon=True)
+    watcher.start()
+
+    def stop():
+        _watching.clear()
+        watcher.join(timeout=10 * WATCH_EVERY_S + 5)
+
+    atexit.register(stop)
 
 
 def _give_up(message: str) -> None:
@@ -196,9 +215,11 @@ def on_job_failure(cleanup):
 
 
 def _watch_for_failure(client, me: int) -> None:
-    """The watcher thread (module docstring): returns when the job ends (the client shut down)."""
+    """The watcher thread (module docstring): returns when the interpreter exits or the client is gone."""
     while True:
         time.sleep(WATCH_EVERY_S)
+        if not _watching.is_set():
+            return
         try:
             value = client.key_value_try_get(_FAILURE_KEY)
         except Exception as e:  # noqa: BLE001 - NOT_FOUND: nobody failed; anything else: the client is gone

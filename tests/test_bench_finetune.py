@@ -58,6 +58,7 @@ def test_quick_run_records_every_arm_from_the_serving_path_and_a_rerun_trains_no
     assert "scone.num_layers" not in fine["ft_plain"]["overrides"]
     for arm in ARMS[1:]:
         assert fine[arm]["decode_ms_per_token_plain"] > 0 and fine[arm]["host_table_bytes"] > 0
+        assert (fine[arm]["overrides"]["scone.combine"], fine[arm]["overrides"]["scone.gate"]) == ("add", False)
     assert "**The paper's direction" in (workdir / "finetune.md").read_text()
     logs = {p: p.stat().st_size for p in workdir.rglob("train.log")}
 

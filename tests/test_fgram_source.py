@@ -40,6 +40,7 @@ from scone_jax.fgram.dedup import FgramBatcher
 from scone_jax.fgram.matcher import Matcher
 from scone_jax.hf import derive, fgram_source
 from scone_jax.hf.checkpoint_dir import HfCheckpointError
+from scone_jax.study import finetune
 from scone_jax.training import state as state_lib, steps
 from tests import hf_models
 from tests.test_fgram_matcher import closure, make_vocab, planted_batch
@@ -164,6 +165,30 @@ def test_step_zero_equals_the_plain_fine_tune(checkpoints, start):
     assert float(jnp.abs(fgram[learner].get_value()).max()) > 0
     assert all(float(jnp.abs(g.get_value()).max()) == 0 for path, g in fgram.items()
                if path[0] not in ("gate", "out_proj"))
+
+
+@pytest.mark.parametrize("start", finetune.STARTS)
+def test_the_fine_tuning_studys_scone_arms_start_as_asked_and_validate(checkpoints, tmp_path, start):
+    """study/finetune.py's SCONE arms (tools/bench_finetune.py --scone_start): `projection` (the default) adds the rows
+    through a zero projection, no gate; `gate` is the first study's start. Both derive and validate as the main job
+    does, the plain arm has none of it, and the record names the start. Caught: the arms still starting with the gate
+    under the default (combine 'replace' recorded for `projection`)."""
+    main, source, _ = checkpoints("gpt2")
+    study = finetune.FinetuneStudy(str(tmp_path), list(finetune.ARMS), 4096, ["1e-3"], str(tmp_path), main, source,
+                                   0, True, {}, start)
+    for arm in finetune.SCONE_ARMS:
+        s = study.config(arm, "1e-3").scone
+        config_lib.validate(study.config(arm, "1e-3"))
+        assert (s.gate, s.combine, s.output_projection_init) == (
+            (True, "replace", "normal") if start == "gate" else (False, "add", "zeros")), arm
+        assert s.gate_learning_rate_multiplier == (finetune.GATE_LEARNING_RATE_MULTIPLIER if start == "gate" else 1.0)
+    plain = study.config("ft_plain", "1e-3")
+    assert not plain.scone.enabled
+    keys = study.recorded_keys(study.config("ft_scone_pretrained", "1e-3"))
+    assert {"scone.combine", "scone.output_projection_init", "scone.gate"} <= set(keys)
+    with pytest.raises(ValueError, match="start='add': choose among projection, gate"):
+        finetune.FinetuneStudy(str(tmp_path), list(finetune.ARMS), 4096, ["1e-3"], str(tmp_path), main, source, 0,
+                               True, {}, "add")
 
 
 def test_a_source_with_another_tokenizer_is_refused(checkpoints, tmp_path):

@@ -21,7 +21,8 @@ its f-gram model grown from the larger model or trained from scratch.
 3. Both are exported with --format=hf (WORKDIR/hf_main, WORKDIR/hf_large).
 4. Fine-tuning (WORKDIR/seed<N>; study/finetune.py): --arms of ft_plain, ft_scone_pretrained, ft_scone_scratch on
    --chat_dir's conversations (tools/make_chat_corpus.py: train / validation / test.jsonl, chat_template.jinja),
-   data.source=chat, the loss on the assistant tokens, --tokens each. The first seed sweeps --learning_rates
+   data.source=chat, the loss on the assistant tokens, --tokens each; the SCONE arms' rows enter as --scone_start
+   says (a zero-initialised projection added to the token rows, or the first study's scalar gate). The first seed sweeps --learning_rates
    lowest first, stopping at the first rise in validation perplexity (tools/bench_quality.py's rule); the other
    seeds train at the rate the first seed's validation chose for that arm. Each run is exported, its test
    perplexity on the assistant tokens computed by scone_jax.serving.evaluate, and its greedy decode time per token
@@ -61,6 +62,11 @@ _LARGE_ARM = flags.DEFINE_enum("large_arm", "baseline_4x", ["baseline_2x", "base
 _PRE_TOKENS = flags.DEFINE_string("pretrain_tokens", "3m", "Pretraining tokens of each model.")
 _PRE_RATE = flags.DEFINE_string("pretrain_learning_rate", "2e-3", "Pretraining peak learning rate "
                                 "(docs/quality.md: the rate validation chose on GCIDE and the kernel documentation).")
+_START = flags.DEFINE_enum("scone_start", "projection", list(finetune.STARTS),
+                           "How the SCONE arms' f-gram rows enter at step 0: `projection` adds them to the token rows "
+                           "through a d_f x d projection that starts at zero (scone.combine=add, "
+                           "scone.output_projection_init=zeros); `gate` mixes raw rows in through a scalar gate from "
+                           "g = 0 (the first study's start). Step 0 is the plain fine-tune either way.")
 _TOKENS = flags.DEFINE_string("tokens", "1m", "Fine-tuning tokens of each run (rows of 16 x 256 positions).")
 _RATES = flags.DEFINE_list("learning_rates", ["5e-4", "2e-3", "8e-3"], "Fine-tuning peak rates swept by the first seed.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1"], "Fine-tuning seeds (train.seed); the first sweeps the rates.")
@@ -198,7 +204,7 @@ def run_study(root, arms, rates, seeds, tokens, pre_tokens, pre_rate, given):
     chosen: dict[str, str] = {}
     for seed in seeds:
         study = finetune.FinetuneStudy(os.path.join(root, f"seed{seed}"), arms, tokens, rates, _CHAT.value, hf_main,
-                                       hf_large, seed, _QUICK.value, {})
+                                       hf_large, seed, _QUICK.value, {}, _START.value)
         tokenizer = Tokenizer.load(os.path.join(hf_main, "tokenizer.json"))
         study_runs.forget_unfinished_runs(study)
         checks.check_finished_runs(study, tokenizer)

@@ -7,9 +7,12 @@ Arms (every one starts its decoder from the main model's Hugging Face export, mo
   ft_scone_pretrained  SCONE, the f-gram model grown from the larger model's export (scone.init_from_hf): its
                        blocks, final norm, own token table and learned positions
   ft_scone_scratch     SCONE, an f-gram model of the larger model's size and architecture started at random
-Both SCONE arms read a token table of their own (scone.own_token_embedding: the source's, or a random one) and mix
-their rows in through scone.gate from g = 0, so step 0 of every arm is the plain fine-tune and the two SCONE arms
-differ in the f-gram model's initialisation alone. Their f-grams are counted on the rendered training
+Both SCONE arms read a token table of their own (scone.own_token_embedding: the source's, or a random one) and add
+their rows to the token rows through a projection that starts at zero (START "projection": scone.combine='add',
+scone.output_projection_init='zeros'; it learns the rows' scale, where the gate mixed raw rows of 26x the token
+rows' norm through one scalar: issue 65), or mix them in through scone.gate from g = 0 (START "gate", the first
+study's). Either way step 0 of every arm is the plain fine-tune and the two SCONE arms differ in the f-gram model's
+initialisation alone. Their f-grams are counted on the rendered training
 conversations. A seed sets the data order (data.shuffle_seed) as well as train.seed: the plain arm and the pretrained
 arm at equal widths have no random parameter, so train.seed alone would repeat a run. The runs train, export and
 score like the quality study's (study.py's run_arm, the main job's
@@ -26,6 +29,7 @@ from scone_jax.study.study import Study, _flatten
 
 FT_CONFIG = os.path.join(REPO, "configs", "finetune_hf.py")
 ARMS = ("ft_plain", "ft_scone_pretrained", "ft_scone_scratch")
+STARTS = ("projection", "gate")  # how the SCONE arms' rows enter at step 0 (module docstring)
 SCONE_ARMS = ARMS[1:]
 # The study's fine-tuning settings (the paper's gate rate; a chat row of 256 positions holds several conversations).
 SEQ_LEN, BATCH = 256, 16
@@ -41,7 +45,9 @@ class FinetuneStudy(Study):
     """The fine-tuning runs of one seed (module docstring): WORKDIR/seed<N>/<arm>/lr<rate>."""
 
     def __init__(self, root: str, arms: list[str], tokens: int, rates: list[str], chat_dir: str, main_hf: str,
-                 large_hf: str, seed: int, quick: bool, overrides: dict):
+                 large_hf: str, seed: int, quick: bool, overrides: dict, start: str = "projection"):
+        if start not in STARTS:
+            raise ValueError(f"start={start!r}: choose among {', '.join(STARTS)}.")
         chat = {"source": "chat", "train_files": os.path.join(chat_dir, "train.jsonl"),
                 "eval_files": os.path.join(chat_dir, "validation.jsonl"),
                 "chat_template": os.path.join(chat_dir, "chat_template.jinja"), "loss_on": "assistant",
@@ -49,7 +55,7 @@ class FinetuneStudy(Study):
         quick_settings = {"data.seq_len": 64, "data.global_batch_size": 4} if quick else {}
         super().__init__(root, arms, tokens, tokens, rates, chat, os.path.join(chat_dir, "test.jsonl"), False,
                          {**quick_settings, **overrides})
-        self.quick, self.main_hf, self.large_hf, self.seed = quick, main_hf, large_hf, seed
+        self.quick, self.main_hf, self.large_hf, self.seed, self.start = quick, main_hf, large_hf, seed, start
         self.budget = {arm: tokens for arm in arms}
 
     def config_arg(self, arm: str) -> str:
@@ -64,8 +70,11 @@ class FinetuneStudy(Study):
             config.data.seq_len, config.data.global_batch_size = SEQ_LEN, BATCH
             if arm in SCONE_ARMS:
                 s = config.scone
-                s.enabled, s.gate, s.own_token_embedding = True, True, True
-                s.gate_learning_rate_multiplier = GATE_LEARNING_RATE_MULTIPLIER
+                s.enabled, s.own_token_embedding = True, True
+                if self.start == "gate":
+                    s.gate, s.gate_learning_rate_multiplier = True, GATE_LEARNING_RATE_MULTIPLIER
+                else:
+                    s.combine, s.output_projection_init = "add", "zeros"
                 s.num_fgrams, s.max_len, s.fgram_capacity = NUM_FGRAMS, MAX_LEN, 4096
                 if arm == "ft_scone_pretrained":
                     s.init_from_hf = self.large_hf
@@ -104,5 +113,6 @@ class FinetuneStudy(Study):
         keys = ["data.seq_len", "data.global_batch_size", "data.loss_on", "data.shuffle_seed", "train.seed"]
         if config.scone.enabled:
             keys += ["scone.num_layers", "scone.d_model", "scone.num_fgrams", "scone.max_len", "scone.gate",
-                     "scone.gate_learning_rate_multiplier", "scone.own_token_embedding"]
+                     "scone.gate_learning_rate_multiplier", "scone.own_token_embedding", "scone.combine",
+                     "scone.output_projection_init"]
         return keys + sorted(k for k in self.overrides if k not in keys)

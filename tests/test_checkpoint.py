@@ -18,6 +18,7 @@ def make_state(mesh_shape, devices):
     return spec, state_lib.init_state(config, spec)
 
 
+@pytest.mark.slow  # 10-13 s: the fast tier stays under 5 minutes
 def test_checkpoint_saved_on_8_devices_restores_on_4(tmp_path):
     _, saved = make_state((2, 2, 2), jax.devices())
     ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=True)

@@ -5,6 +5,7 @@ import copy
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from scone_jax import config as config_lib, config_keys, sharding
@@ -110,6 +111,7 @@ def test_a_resume_that_changes_a_state_key_is_refused_naming_it_and_only_those()
     assert not {"train.learning_rate", "train.log_every", "model.dtype", "mesh.fsdp"} & set(refused)
 
 
+@pytest.mark.slow  # 10-13 s: the fast tier stays under 5 minutes
 def test_a_key_that_reshapes_the_train_state_is_declared_so():
     """A key whose change gives the train state other arrays (structure, shapes or dtypes) must be a STATE key, or
     declare which switch of it reshapes the optimizer state (its checkpoint then fails the shape check with

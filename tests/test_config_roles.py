@@ -236,6 +236,7 @@ def _engram_config():
     return config
 
 
+@pytest.mark.slow  # 10-13 s: the fast tier stays under 5 minutes
 def test_a_shape_key_changes_the_train_states_arrays():
     """Each "shape" key changed alone gives the SCONE train state other arrays (built abstractly, as a resume
     would; Over-Encoding's and Engram's keys on a state that has them); a "meaning" key does not, which is why its

@@ -135,6 +135,7 @@ def test_a_run_without_bos_is_scored_without_bos(served, docs, tmp_path):
     np.testing.assert_allclose(ll, reference_logprobs(served, whole)[0][-n:].sum(), rtol=1e-5)
 
 
+@pytest.mark.slow  # 10-13 s: the fast tier stays under 5 minutes
 def test_loglikelihood_equals_the_plain_reference(lm, served, docs):
     """(context, continuation) -> sum of the continuation's log-probs after [bos] + context, and
     is_greedy; a context longer than seq_len keeps its newest tokens (the reference scores that window).

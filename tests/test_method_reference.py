@@ -305,6 +305,7 @@ def test_token_rms_rows_enter_at_the_token_inputs_scale(combine):
             assert np.sqrt(np.mean(table[i] ** 2)) == pytest.approx(np.sqrt(np.mean(token ** 2)), rel=1e-4)
 
 
+@pytest.mark.slow  # 10-13 s: the fast tier stays under 5 minutes
 def test_the_output_ramp_moves_matched_inputs_from_the_token_to_the_fgram_row_by_the_step():
     """scone.output_ramp_steps=W (docs/training.md; off in the method): the input at a matched position is
     (1 - r) T(token) + r f, r = min(1, step / W) set by the production train step (r of the update made from

@@ -9,11 +9,16 @@ learning rate with the lowest validation perplexity (the mean over its seeds: th
 family), trained for exactly the row's tokens. Its test perplexity is the mean over those seeds (each seed one
 entry, records.by_seed), against the 2-block baseline's mean of the same corpus, tokens and platform. A corpus,
 budget and platform without that baseline has no row: there is nothing to be against. Arms outside ARMS (the
-ablations and the 1x arms of the ablation budget, which docs/quality.md's other tables hold, and the fine-tuning
-arms `ft_*`) are left out.
+ablations and the 1x arms of the ablation budget, which docs/quality.md's other tables hold) are left out.
+
+The fine-tuning study (study/finetune.py) adds one column, its latest study at the rates its first seed's validation
+chose (finetune_table.chosen): the plain fine-tune in the baseline's row, SCONE with the f-gram model grown from the
+larger pretrained model in SCONE's, against the plain fine-tune. Its other arm (the f-gram model from scratch) is
+in the fine-tuning section's own table.
 """
 from __future__ import annotations
 
+from scone_jax.study import finetune_table
 from scone_jax.study.protocol import family
 from scone_jax.study.records import DEFAULTS_VERSION, by_seed, effective
 
@@ -73,6 +78,34 @@ def rows(records: list[dict]) -> list[dict]:
     return out
 
 
+# The fine-tuning arms in the rows of the models they are (module docstring), the reference first.
+FINETUNE_ROWS = {"ft_plain": "baseline", "ft_scone_pretrained": "scone"}
+
+
+def finetune_rows(records: list[dict]) -> list[dict]:
+    """The fine-tuning column's cells (module docstring), as rows() gives its own (`finetune` True); none without a
+    plain fine-tune in the latest study."""
+    if not any(r["arm"] in FINETUNE_ROWS for r in records):
+        return []
+    best = finetune_table.chosen(finetune_table.latest(records))
+    if "ft_plain" not in best:
+        return []
+    base_ppl = _mean(best["ft_plain"][1], "test_ppl")
+    out = []
+    for ft_arm, arm in FINETUNE_ROWS.items():
+        if ft_arm not in best:
+            continue
+        rate, seeds = best[ft_arm]
+        ppl, last = _mean(seeds, "test_ppl"), seeds[max(seeds)]
+        place, field = PLACES[family(arm)]
+        out.append({"arm": arm, "corpus": last["corpus"], "platform": last["platform"], "tokens": last["tokens"],
+                    "learning_rate": rate, "seeds": len(seeds), "test_ppl": ppl, "reference": ft_arm == "ft_plain",
+                    "versus": 100 * (ppl / base_ppl - 1), "finetune": True,
+                    "inference_flops_per_token": last["inference_flops_per_token"], "place": place,
+                    "place_bytes": last.get(field) if field else None})
+    return out
+
+
 _WITH = {"accelerator": " with the decoder", "host RAM or disk": ""}  # what a recorded size counts
 
 
@@ -81,11 +114,18 @@ def _millions(tokens: int) -> str:
 
 
 def _column(r: dict) -> tuple:
-    return r["corpus"], r["platform"], r["tokens"]
+    return r["corpus"], r["platform"], r["tokens"], r.get("finetune", False)
+
+
+def _title(column: tuple) -> str:
+    corpus, platform, tokens, finetune = column
+    return (("fine-tune on " if finetune else "") + f"{corpus}, {_millions(tokens)}"
+            + ("" if platform == "cpu" else f" ({platform})"))
 
 
 def table(records: list[dict]) -> str:
-    """rows() as markdown, one line per arm and one column per corpus, budget and platform (in rows()' order), so
+    """rows() as markdown, one line per arm and one column per corpus, budget and platform (in rows()' order; the
+    fine-tuning column last), so
     that an arm costs the page one line whatever the corpora: each cell its mean test perplexity, its percent
     against that column's baseline, its seeds and rate. Refused when no row has a baseline (the page would lose
     its answer silently)."""
@@ -93,10 +133,9 @@ def table(records: list[dict]) -> str:
     if not found:
         raise ValueError("No corpus has a 2-block baseline run at today's defaults, so the answer table is empty. "
                          "Fix: append the baseline's runs to the records (tools/bench_quality.py does).")
+    found += finetune_rows(records)
     columns = list(dict.fromkeys(_column(r) for r in found))
-    titles = [f"{corpus}, {_millions(tokens)}" + ("" if platform == "cpu" else f" ({platform})")
-              for corpus, platform, tokens in columns]
-    lines = ["| arm | " + " | ".join(titles) + " | inference FLOPs per token | table lives in |",
+    lines = ["| arm | " + " | ".join(_title(c) for c in columns) + " | inference FLOPs per token | table lives in |",
              "|---|" + "---|" * len(columns) + "---|---|"]
     for arm in (a for a in ARMS if any(r["arm"] == a for r in found)):
         mine = {_column(r): r for r in found if r["arm"] == arm}

@@ -194,3 +194,23 @@ def test_fine_tunes_from_other_pretraining_are_other_settings_and_a_null_bits_pe
     other_order = _record("ft_plain", 1, 1e-3, 20.5, 21.5, overrides={"train.seed": 1, "data.shuffle_seed": 7})
     assert list(quality_records.by_seed([seed0, seed1]).values()) == [{0: dict(seed0, runs=1), 1: dict(seed1, runs=1)}]
     assert len(quality_records.by_seed([seed0, other_order])) == 2  # a data order other than the seed's: a setting
+
+
+def test_the_block_lists_the_pretrained_models_its_study_started_from():
+    """Pretraining records of two budgets (2M, then 10M for a second study still pretraining): the block of the 2M
+    study lists the 2M models, not the newest of each arm. Caught: the latest record of each pretrained arm (the 10M
+    main model beside the 2M larger one, under a header saying the fine-tunes started from 2M)."""
+    started = "gcide, 2,007,040 tokens; main 2 blocks, f-gram source 4 blocks, width 128; tokenizer x"
+    def pretraining(arm, ppl, tokens):  # a pretraining record names no `pretrain`
+        return {k: v for k, v in _record(arm, 0, 2e-3, ppl, ppl, corpus="gcide", tokens=tokens).items()
+                if k != "pretrain"}
+
+    pre = [pretraining("pretrain_main", 80.0, 2_007_040), pretraining("pretrain_large", 83.0, 2_007_040)]
+    runs = [_record("ft_plain", 0, 2e-3, 19.0, 22.0, pretrain=started),
+            _record("ft_scone_pretrained", 0, 2e-3, 18.0, 19.0, pretrain=started)]
+    newer = [pretraining("pretrain_main", 28.0, 10_002_432)]
+    text = finetune_table.section(pre + runs + newer)
+    assert "| `pretrain_main` | gcide | 2.01M | 80.00 (80.00) |" in text
+    assert "| `pretrain_large` | gcide | 2.01M | 83.00 (83.00) |" in text and "28.00" not in text
+    given = [dict(r, pretrain="runs given: ...") for r in runs]  # no budget named: no pretrained table
+    assert "The pretrained models" not in finetune_table.section(pre + given + newer)

@@ -9,6 +9,7 @@ budget and platform of the last fine-tuning record appended. A setting's seeds a
 """
 from __future__ import annotations
 
+import re
 import statistics
 
 from scone_jax.study.records import by_seed, distinct
@@ -129,14 +130,21 @@ def section(records: list[dict]) -> str:
     header = (f"Fine-tuning corpus `{first['corpus']}`, {first['tokens'] / 1e6:.2f}M tokens per run, "
               f"{first['platform']}; started from: {first.get('pretrain') or 'not recorded'}. Test (validation) "
               "perplexity on the assistant tokens, through the serving path.")
-    pretrained = _pretrained(records)
+    pretrained = _pretrained(records, first.get("pretrain"))
     return "\n\n".join(filter(None, [header, "\n".join(lines), verdict(best), "Every fine-tuning run:", "\n".join(sweep),
                                      pretrained]))
 
 
-def _pretrained(records: list[dict]) -> str:
-    """The latest pretraining record of each pretrained model: its test perplexity on the pretraining corpus."""
-    last = {r["arm"]: r for r in distinct(records) if r["arm"] in PRETRAIN_ARMS}
+def _pretrained(records: list[dict], started_from: str | None) -> str:
+    """The latest pretraining record of each pretrained model the study started from (the corpus and token count its
+    fine-tunes' `pretrain` field opens with, tools/bench_finetune.py's describe(): "gcide, 2,007,040 tokens; ..."):
+    its test perplexity on the pretraining corpus. None for a study started from runs the tool did not pretrain."""
+    found = re.match(r"(.+?), ([\d,]+) tokens;", started_from or "")
+    if not found:
+        return ""
+    corpus, tokens = found.group(1), int(found.group(2).replace(",", ""))
+    last = {r["arm"]: r for r in distinct(records)
+            if r["arm"] in PRETRAIN_ARMS and (r["corpus"], r["tokens"]) == (corpus, tokens)}
     if not last:
         return ""
     rows = ["| pretrained model | corpus | tokens | test ppl (validation) | training FLOPs (tokens/s) |",

@@ -49,10 +49,15 @@ def budget_steps(budget: str, tokens_per_step: int = 8192) -> int:
     return -(-budget_tokens(budget) // tokens_per_step)
 
 
+# The alternatives to the hold-back recorded so far (corpus, budget) -> keys of _holdback_rows' `tried`.
+_ALTERNATIVES_RUN = {("gcide", "3m"): ("ramp",)}
+
+
 def _holdback_rows() -> list[dict]:
     """The hold-back at each budget on each corpus: the 1x SCONE arm without one, at the delays tried, and at
-    today's default (records.DEFAULTS' share of the run: 24 steps at 3M, 80 at 10M), beside the 2-block
-    baseline."""
+    today's default (records.DEFAULTS' share of the run: 24 steps at 3M, 80 at 10M); the alternatives to it
+    without a hold-back (issue 65: X-gram's output ramp over as many steps, rows at the token rows' RMS, and the
+    additive control); beside the 2-block baseline."""
     share, out = DEFAULTS[DEFAULTS_VERSION]["train.fgram_model_delay_fraction"], []
     for name, corpus, delays_3m, delays_10m in (("kernel docs", "linux_doc", (0, 12, 20, 24, 40, 80), (0, 40, 80)),
                                                 ("GCIDE", "gcide", (0, 12, 24, 80), (0, 80))):
@@ -65,6 +70,14 @@ def _holdback_rows() -> list[dict]:
                     words += " (today's default)"
                 out.append(row(f"{name} {budget.upper()}: `{arm}`, {words}", arm, budget, rate,
                                {"train.fgram_model_delay_steps": d} if d else {}, corpus=corpus))
+            ramp = delay_steps_for_fraction(share, steps)  # the ramp as long as the default hold-back
+            tried = {"ramp": (f"no hold-back, output ramp over {ramp} steps", {"scone.output_ramp_steps": ramp}),
+                     "rms": ("no hold-back, rows at the token rows' RMS", {"scone.row_scale": "token_rms"}),
+                     "add": ("no hold-back, f-gram row added to the token row", {"scone.combine": "add"})}
+            for key in _ALTERNATIVES_RUN.get((corpus, budget), ()):
+                words, overrides = tried[key]
+                out.append(row(f"{name} {budget.upper()}: `{arm}`, {words}", arm, budget, rate, overrides,
+                               corpus=corpus))
             base = arm.replace("scone", "baseline")
             out.append(row(f"{name} {budget.upper()}: `{base}` (reference)", base, budget, 2e-3, corpus=corpus))
     return out

@@ -50,7 +50,7 @@ def budget_steps(budget: str, tokens_per_step: int = 8192) -> int:
 
 
 # The alternatives to the hold-back recorded so far (corpus, budget) -> keys of _holdback_rows' `tried`.
-_ALTERNATIVES_RUN = {("gcide", "3m"): ("ramp", "rms"), ("linux_doc", "3m"): ("rms",),
+_ALTERNATIVES_RUN = {("gcide", "3m"): ("ramp", "rms", "add"), ("linux_doc", "3m"): ("rms",),
                      ("linux_doc", "10m"): ("ramp",)}
 
 

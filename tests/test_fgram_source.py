@@ -177,8 +177,9 @@ def test_the_fine_tuning_studys_scone_arms_start_as_asked_and_validate(checkpoin
     study = finetune.FinetuneStudy(str(tmp_path), list(finetune.ARMS), 4096, ["1e-3"], str(tmp_path), main, source,
                                    0, True, {}, start)
     for arm in finetune.SCONE_ARMS:
-        s = study.config(arm, "1e-3").scone
-        config_lib.validate(study.config(arm, "1e-3"))
+        config = study.config(arm, "1e-3")
+        config_lib.validate(config)
+        s = config.scone
         assert (s.gate, s.combine, s.output_projection_init) == (
             (True, "replace", "normal") if start == "gate" else (False, "add", "zeros")), arm
         assert s.gate_learning_rate_multiplier == (finetune.GATE_LEARNING_RATE_MULTIPLIER if start == "gate" else 1.0)

@@ -65,17 +65,19 @@ def rows(records: list[dict]) -> list[dict]:
         if reference is None:
             continue
         base_ppl = _mean(chosen[reference][1], "test_ppl")
-        for arm in (a for a in ARMS if a in chosen):
-            rate, seeds = chosen[arm]
-            ppl = _mean(seeds, "test_ppl")
-            last = seeds[max(seeds)]
-            place, field = PLACES[family(arm)]
-            out.append({"arm": arm, "corpus": corpus, "platform": platform, "tokens": tokens, "learning_rate": rate,
-                        "seeds": len(seeds), "test_ppl": ppl, "reference": arm == reference,
-                        "versus": 100 * (ppl / base_ppl - 1),
-                        "inference_flops_per_token": last["inference_flops_per_token"], "place": place,
-                        "place_bytes": last.get(field) if field else None})
+        out += [_row(arm, *chosen[arm], base_ppl, arm == reference) for arm in ARMS if arm in chosen]
     return out
+
+
+def _row(arm: str, rate: float, seeds: dict[int, dict], base_ppl: float, reference: bool) -> dict:
+    """One cell of the table (rows()' fields), from the seeds of `arm` at `rate`; corpus, platform and tokens are
+    those of its records (one setting: every seed's are the same)."""
+    ppl, last = _mean(seeds, "test_ppl"), seeds[max(seeds)]
+    place, field = PLACES[family(arm)]
+    return {"arm": arm, "corpus": last["corpus"], "platform": last["platform"], "tokens": last["tokens"],
+            "learning_rate": rate, "seeds": len(seeds), "test_ppl": ppl, "reference": reference,
+            "versus": 100 * (ppl / base_ppl - 1), "inference_flops_per_token": last["inference_flops_per_token"],
+            "place": place, "place_bytes": last.get(field) if field else None}
 
 
 # The fine-tuning arms in the rows of the models they are (module docstring), the reference first.
@@ -91,19 +93,8 @@ def finetune_rows(records: list[dict]) -> list[dict]:
     if "ft_plain" not in best:
         return []
     base_ppl = _mean(best["ft_plain"][1], "test_ppl")
-    out = []
-    for ft_arm, arm in FINETUNE_ROWS.items():
-        if ft_arm not in best:
-            continue
-        rate, seeds = best[ft_arm]
-        ppl, last = _mean(seeds, "test_ppl"), seeds[max(seeds)]
-        place, field = PLACES[family(arm)]
-        out.append({"arm": arm, "corpus": last["corpus"], "platform": last["platform"], "tokens": last["tokens"],
-                    "learning_rate": rate, "seeds": len(seeds), "test_ppl": ppl, "reference": ft_arm == "ft_plain",
-                    "versus": 100 * (ppl / base_ppl - 1), "finetune": True,
-                    "inference_flops_per_token": last["inference_flops_per_token"], "place": place,
-                    "place_bytes": last.get(field) if field else None})
-    return out
+    return [dict(_row(arm, *best[ft_arm], base_ppl, ft_arm == "ft_plain"), finetune=True)
+            for ft_arm, arm in FINETUNE_ROWS.items() if ft_arm in best]
 
 
 _WITH = {"accelerator": " with the decoder", "host RAM or disk": ""}  # what a recorded size counts
